@@ -8,6 +8,9 @@ Two extensions, built independently so that a failure in one never removes the o
   compiled in when Debian's liburing-dev / libaio-dev are installed, the thread-pool engine
   always.
 
+``STATESTORE_EXT=adam`` (or ``io``) builds only that extension, for quick iteration
+(``STATESTORE_EXT=io python setup.py build_ext --inplace``).
+
 Set ``STATESTORE_NO_EXT=1`` to install the pure-Python package only (the optimizers then use
 the vectorized torch path and warn once).
 """
@@ -43,12 +46,13 @@ def _extensions():
     csrc = os.path.join(here, "csrc")
     cxx = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno"]
     exts = []
+    only = os.environ.get("STATESTORE_EXT", "")
 
     adam_src = sorted(glob.glob(os.path.join("csrc", "adam", "*.cpp")))
     cuda_src = sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
     want_cuda = (torch.version.cuda is not None and CUDA_HOME is not None
                  and os.environ.get("STATESTORE_NO_CUDA") != "1" and cuda_src)
-    if adam_src:
+    if adam_src and only in ("", "adam"):
         common = dict(include_dirs=[csrc], extra_link_args=["-fopenmp"])
         if want_cuda:
             cuda_bind = sorted(glob.glob(os.path.join("csrc", "cuda", "*.cpp")))
@@ -62,7 +66,7 @@ def _extensions():
                                      extra_compile_args=cxx, **common))
 
     io_src = sorted(glob.glob(os.path.join("csrc", "io", "*.cpp")))
-    if io_src:
+    if io_src and only in ("", "io"):
         macros, libs = [], []
         if _has_lib("liburing.h", "uring"):
             macros.append(("STATESTORE_WITH_URING", "1"))
