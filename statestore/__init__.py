@@ -1,0 +1,33 @@
+"""statestore: optimizer states in pluggable stores, with exact, atomic checkpoints.
+
+Public API::
+
+    import statestore as ss
+    ss.DeviceStore, ss.PinnedCPUStore, ss.FileStore, ss.NVMeStore   # stores
+    ss.StateStore, ss.StateKey, ss.Slice                             # the interface
+    ss.StateStoreError (and subclasses in statestore.errors)
+    from statestore.optim import CPUAdam, HybridAdam
+"""
+from ._types import Slice, StateKey, StateSpec
+from .backends import DeviceStore, FileStore, PinnedCPUStore
+from .errors import *  # noqa: F401,F403
+from .errors import __all__ as _errors_all
+from .kernels import kernels_info
+from .store import DEFAULT_BUDGET_BYTES, StateStore
+
+__version__ = "0.1.0"
+
+__all__ = ["StateStore", "StateKey", "StateSpec", "Slice", "DEFAULT_BUDGET_BYTES",
+           "DeviceStore", "PinnedCPUStore", "FileStore", "kernels_info",
+           "__version__"] + list(_errors_all)
+
+try:  # backends that land separately register here when present
+    from .backends.nvme import NVMeStore  # noqa: F401
+    __all__.append("NVMeStore")
+except ImportError:  # pragma: no cover
+    pass
+try:
+    from .backends.tiered import TieredStore  # noqa: F401
+    __all__.append("TieredStore")
+except ImportError:  # pragma: no cover
+    pass

@@ -1,0 +1,91 @@
+"""Small value types shared by stores, the pipeline, the checkpoint code and the optimizers."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Tuple
+
+import torch
+
+__all__ = ["StateKey", "StateSpec", "Slice", "DTYPE_NAMES", "dtype_from_name", "dtype_name"]
+
+
+class StateKey(NamedTuple):
+    """Names one state tensor: the parameter's key and the state's name.
+
+    ``param`` is the parameter's name (from ``named_parameters()``) or its index in torch's
+    ``state_dict()`` numbering, as a string; ``state`` is e.g. ``"exp_avg"``. Keys are stable
+    across processes: never an ``id()``.
+    """
+
+    param: str
+    state: str
+
+    def __str__(self) -> str:
+        return f"{self.param}/{self.state}"
+
+    @classmethod
+    def parse(cls, text: str) -> "StateKey":
+        """Inverse of ``str(key)``: splits at the last ``/``."""
+        param, sep, state = text.rpartition("/")
+        if not sep or not param or not state:
+            raise ValueError(f"not a state key (expected 'param/state'): {text!r}")
+        return cls(param, state)
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """Shape and dtype of one state tensor."""
+
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+
+@dataclass(frozen=True)
+class Slice:
+    """Elements ``[start, stop)`` of the flattened state ``key``."""
+
+    key: StateKey
+    start: int
+    stop: int
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+
+# safetensors' dtype names, which the checkpoint manifest also uses.
+DTYPE_NAMES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+}
+_NAME_TO_DTYPE = {v: k for k, v in DTYPE_NAMES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return DTYPE_NAMES[dtype]
+    except KeyError:
+        raise ValueError(f"unsupported state dtype {dtype}") from None
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    try:
+        return _NAME_TO_DTYPE[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype name {name!r}") from None

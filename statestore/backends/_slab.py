@@ -1,0 +1,85 @@
+"""Shared machinery of resident backends: states carved out of slabs (one slab per
+``create_many`` call), each slab freed when its last state is deleted.
+
+A backend supplies :meth:`_new_slab` (and optionally :meth:`_release_slab`); views are
+64-byte aligned for the SIMD kernels.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Sequence, Tuple
+
+import torch
+
+from .._types import StateKey, StateSpec
+from ..store import StateStore
+
+__all__ = ["SlabStore"]
+
+_ALIGN = 64
+
+
+class _Slab:
+    __slots__ = ("buffer", "handle", "live", "nbytes")
+
+    def __init__(self, buffer: torch.Tensor, handle: Any, nbytes: int):
+        self.buffer, self.handle, self.nbytes = buffer, handle, nbytes
+        self.live = 0
+
+
+class SlabStore(StateStore):
+    """A resident store whose states are views into slabs."""
+
+    resident = True
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._tensors: Dict[StateKey, torch.Tensor] = {}
+        self._slab_of: Dict[StateKey, _Slab] = {}
+        self._slab_bytes = 0
+
+    def _new_slab(self, entries: Sequence[Tuple[StateKey, StateSpec]]
+                  ) -> Tuple[torch.Tensor, Any, Dict[StateKey, int]]:
+        """Return a zero-filled uint8 buffer, a handle, and each state's byte offset in it."""
+        offsets, pos = {}, 0
+        for k, spec in entries:
+            pos += (-pos) % _ALIGN
+            offsets[k] = pos
+            pos += spec.nbytes
+        return self._alloc_bytes(max(pos, 1)), None, offsets
+
+    def _alloc_bytes(self, nbytes: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _release_slab(self, buffer: torch.Tensor, handle: Any) -> None:
+        """Called when a slab's last state is deleted (and at close)."""
+
+    def _allocate(self, entries: Sequence[Tuple[StateKey, StateSpec]]) -> None:
+        buf, handle, offsets = self._new_slab(entries)
+        slab = _Slab(buf, handle, buf.numel())
+        self._slab_bytes += slab.nbytes
+        for k, spec in entries:
+            off = offsets[k]
+            t = buf[off:off + spec.nbytes].view(spec.dtype).view(spec.shape)
+            self._tensors[k] = t
+            self._slab_of[k] = slab
+            slab.live += 1
+
+    def _free(self, keys: Sequence[StateKey]) -> None:
+        for k in keys:
+            del self._tensors[k]
+            slab = self._slab_of.pop(k)
+            slab.live -= 1
+            if slab.live == 0:
+                self._slab_bytes -= slab.nbytes
+                self._release_slab(slab.buffer, slab.handle)
+
+    def _view(self, key: StateKey) -> torch.Tensor:
+        return self._tensors[key]
+
+    def _close(self) -> None:
+        slabs = {id(s): s for s in self._slab_of.values()}
+        self._tensors.clear()
+        self._slab_of.clear()
+        for slab in slabs.values():
+            self._release_slab(slab.buffer, slab.handle)
+        self._slab_bytes = 0

@@ -1,0 +1,63 @@
+"""The ``StateStoreError`` family: every error statestore raises on purpose derives from it.
+
+Subclasses also derive from the built-in exception that fits, so callers catching
+``ValueError``/``KeyError``/``OSError`` keep working.
+"""
+from __future__ import annotations
+
+__all__ = [
+    "StateStoreError",
+    "StateStoreValueError",
+    "StateKeyError",
+    "StateStoreClosedError",
+    "StateStoreIOError",
+    "BudgetError",
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "CheckpointCorruptError",
+    "CheckpointMismatchError",
+]
+
+
+class StateStoreError(Exception):
+    """Base class of every statestore error."""
+
+
+class StateStoreValueError(StateStoreError, ValueError):
+    """An argument has a wrong value or type; the message names the argument."""
+
+
+class StateKeyError(StateStoreError, KeyError):
+    """A state key is unknown to the store (or already exists where a new one was asked)."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+        return str(self.args[0]) if self.args else ""
+
+
+class StateStoreClosedError(StateStoreError, RuntimeError):
+    """The store was closed; no further operation is possible."""
+
+
+class StateStoreIOError(StateStoreError, OSError):
+    """Reading or writing a store file failed; the message names the file and the cause."""
+
+
+class BudgetError(StateStoreError, ValueError):
+    """A request does not fit in the configured RAM budget."""
+
+
+class CheckpointError(StateStoreError):
+    """Base class of checkpoint errors."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No complete checkpoint at the given path (absent, or a save that never finished)."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A checkpoint file or tensor is truncated, altered or missing; the message names it."""
+
+
+class CheckpointMismatchError(CheckpointError, ValueError):
+    """A checkpoint does not match the parameters it is applied to; the message lists the
+    differences."""

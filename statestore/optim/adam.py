@@ -1,0 +1,540 @@
+"""``CPUAdam`` and ``HybridAdam``: Adam/AdamW whose states live in a :class:`StateStore`.
+
+Layers (as in ``torch/optim/adam.py``): the class validates arguments and owns param groups,
+step counts and the store; each ``step()`` plans pipeline units over the parameters that have
+gradients and hands every unit to :func:`statestore.kernels.adam_step`, which only computes.
+States are reached only through :meth:`StateStore.pipeline`, so every optimizer works on every
+store.
+
+States per parameter (all fp32, the parameter's shape): ``exp_avg``, ``exp_avg_sq``,
+``max_exp_avg_sq`` (``amsgrad``) and ``master`` (an fp32 master copy for fp16/bf16
+parameters). Step counts are kept per parameter in the optimizer and saved with checkpoints
+through :meth:`StateStore.attach_metadata`.
+"""
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+import warnings
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from .._types import Slice, StateKey
+from ..errors import CheckpointMismatchError, StateStoreError, StateStoreValueError
+from ..kernels import adam_step, grads_finite
+from ..pipeline import plan_units
+from ..store import StateStore
+
+__all__ = ["CPUAdam", "HybridAdam", "OPTIMIZER_METADATA_VERSION"]
+
+OPTIMIZER_METADATA_VERSION = 1
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+# Hyperparameters saved in metadata and state_dict (torch's AdamW keys plus ours).
+_HYPER = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "adamw_mode")
+
+
+def _validate_hyper(lr, betas, eps, weight_decay) -> None:
+    if isinstance(lr, Tensor):
+        if lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        lr = lr.item()
+    if not 0.0 <= lr:
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if not 0.0 <= eps:
+        raise ValueError(f"Invalid epsilon value: {eps}")
+    try:
+        b0, b1 = betas
+    except (TypeError, ValueError):
+        raise ValueError(f"Invalid betas: {betas!r} (expected a pair of floats)") from None
+    if not 0.0 <= b0 < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 0: {b0}")
+    if not 0.0 <= b1 < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 1: {b1}")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+
+
+class _StoreAdam(torch.optim.Optimizer):
+    """Adam/AdamW over a state store. Use :class:`CPUAdam` or :class:`HybridAdam`.
+
+    Args:
+        params: parameters, ``named_parameters()`` pairs, or param-group dicts (as torch).
+        lr, betas, eps, weight_decay, amsgrad: as ``torch.optim.AdamW``; defaults are
+            ColossalAI's (``weight_decay=0.0``; torch's AdamW defaults to 0.01).
+        adamw_mode: True: decoupled weight decay (``AdamW``); False: L2 (``Adam``).
+        state_store: where states live. None: next to the parameters (a
+            :class:`~statestore.DeviceStore` per parameter device), or a tiered store when
+            ``nvme_offload_fraction > 0``.
+        nvme_offload_fraction: ColossalAI's: this fraction of state bytes on disk under
+            ``nvme_offload_dir`` (a temporary directory when None), the rest in RAM.
+        maximize: maximize the objective (as torch).
+        bias_correction: only True is supported (ColossalAI's argument, kept for its users).
+        skip_nonfinite: skip the whole step (no state or step count changes) when any
+            gradient holds inf or nan, as loss-scaled mixed precision needs.
+        process_group: shard states over a ``torch.distributed`` group (not yet available).
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, *,
+                 adamw_mode: bool = True, state_store: Optional[StateStore] = None,
+                 nvme_offload_fraction: float = 0.0, nvme_offload_dir: Optional[str] = None,
+                 maximize: bool = False, bias_correction: bool = True,
+                 skip_nonfinite: bool = False, process_group=None, **unused):
+        _validate_hyper(lr, betas, eps, weight_decay)
+        if not bias_correction:
+            raise ValueError("bias_correction=False is not supported (results would differ "
+                             "from torch.optim.AdamW)")
+        if unused:
+            raise TypeError(f"{type(self).__name__} got unexpected keyword arguments: "
+                            f"{sorted(unused)}")
+        if isinstance(nvme_offload_fraction, bool) or not isinstance(nvme_offload_fraction, (int, float)) \
+                or not 0.0 <= float(nvme_offload_fraction) <= 1.0:
+            raise ValueError(f"Invalid nvme_offload_fraction: {nvme_offload_fraction!r} "
+                             f"(expected a float in [0, 1])")
+        if state_store is not None and not isinstance(state_store, StateStore):
+            raise TypeError(f"state_store must be a statestore.StateStore, got "
+                            f"{type(state_store).__name__}")
+        if state_store is not None and nvme_offload_fraction > 0:
+            raise ValueError("pass either state_store or nvme_offload_fraction, not both")
+        if process_group is not None:
+            raise StateStoreError("process_group (sharded optimizer states) is not available "
+                                  "in this version of statestore")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        amsgrad=bool(amsgrad), maximize=bool(maximize),
+                        adamw_mode=bool(adamw_mode))
+        super().__init__(params, defaults)
+        self.skip_nonfinite = bool(skip_nonfinite)
+        self._keys: Dict[Tensor, str] = {}
+        self._params: List[Tensor] = []
+        self._index_keys()
+        self._check_params()
+        self._owned_stores: List[StateStore] = []
+        self._stores: Dict[Tensor, StateStore] = {}
+        self._steps: Dict[str, int] = {}
+        if state_store is None:
+            if nvme_offload_fraction > 0:
+                state_store = self._make_offload_store(float(nvme_offload_fraction), nvme_offload_dir)
+                self._owned_stores.append(state_store)
+        self.state_store = state_store
+        self._assign_stores()
+        for store in set(self._stores.values()):
+            self._resume_from(store)
+            store.attach_metadata(self._metadata)
+
+    # ------------------------------------------------------------------ set-up
+    def _make_offload_store(self, fraction: float, directory: Optional[str]) -> StateStore:
+        try:
+            from ..backends.tiered import TieredStore
+        except ImportError as e:
+            raise StateStoreError(f"nvme_offload_fraction needs the tiered store, which is "
+                                  f"not available: {e}") from e
+        return TieredStore.from_fraction(fraction, directory)
+
+    def _index_keys(self) -> None:
+        keys: Dict[Tensor, str] = {}
+        params: List[Tensor] = []
+        idx = 0
+        for group in self.param_groups:
+            names = group.get("param_names")
+            for j, p in enumerate(group["params"]):
+                if p in keys:
+                    raise ValueError("some parameters appear in more than one parameter group")
+                keys[p] = str(names[j]) if names is not None else str(idx)
+                params.append(p)
+                idx += 1
+        if len(set(keys.values())) != len(keys):
+            raise ValueError("parameter names must be unique")
+        for k in keys.values():
+            if "/" in k:
+                raise ValueError(f"parameter name {k!r} must not contain '/'")
+        self._keys, self._params = keys, params
+
+    def _check_params(self) -> None:
+        for p in self._params:
+            if not isinstance(p, Tensor):
+                raise TypeError(f"optimizer can only optimize Tensors, got {type(p).__name__}")
+            if p.dtype not in _FLOATS:
+                raise TypeError(f"parameter {self._keys[p]!r} has dtype {p.dtype}; "
+                                f"expected float32, float16 or bfloat16")
+            if p.is_sparse:
+                raise TypeError(f"parameter {self._keys[p]!r} is sparse; not supported")
+
+    def _assign_stores(self) -> None:
+        default: Dict[torch.device, StateStore] = {}
+        for p in self._params:
+            if p in self._stores:
+                continue
+            if self.state_store is not None:
+                self._stores[p] = self.state_store
+                continue
+            if p.device not in default:
+                from ..backends.device import DeviceStore
+                default[p.device] = DeviceStore(p.device)
+                self._owned_stores.append(default[p.device])
+            self._stores[p] = default[p.device]
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        if hasattr(self, "_stores"):        # after __init__: a group added later
+            self._index_keys()
+            self._check_params()
+            self._assign_stores()
+
+    def _state_names(self, p: Tensor, group: dict) -> List[str]:
+        names = ["exp_avg", "exp_avg_sq"]
+        if group["amsgrad"]:
+            names.append("max_exp_avg_sq")
+        if p.dtype in _LOW_PRECISION:
+            names.append("master")
+        return names
+
+    def _group_of(self) -> Dict[Tensor, dict]:
+        return {p: g for g in self.param_groups for p in g["params"]}
+
+    def _resume_from(self, store: StateStore) -> None:
+        """Pick up steps of states already in the store (a loaded checkpoint, or an earlier
+        optimizer on it); raise CheckpointMismatchError listing every difference."""
+        if len(store) == 0:
+            return
+        meta = store.metadata() or {}
+        ours = {self._keys[p]: p for p, s in self._stores.items() if s is store}
+        stored_params: Dict[str, Dict[str, Any]] = {}
+        for k in store.keys():
+            stored_params.setdefault(k.param, {})[k.state] = store.spec(k)
+        problems = []
+        for name in sorted(set(stored_params) - set(ours)):
+            problems.append(f"unexpected parameter {name!r} in the store")
+        groups = self._group_of()
+        for name, p in ours.items():
+            if name not in stored_params:
+                continue        # new parameter: its states start fresh
+            for state, spec in stored_params[name].items():
+                if spec.shape != tuple(p.shape):
+                    problems.append(f"parameter {name!r}: state {state!r} has shape "
+                                    f"{spec.shape}, parameter has {tuple(p.shape)}")
+                if state == "master" and p.dtype not in _LOW_PRECISION:
+                    problems.append(f"parameter {name!r}: the store holds an fp32 master but "
+                                    f"the parameter is {p.dtype}")
+            needed = self._state_names(p, groups[p])
+            missing = [s for s in needed if s not in stored_params[name] and s != "master"]
+            if missing and stored_params[name]:
+                problems.append(f"parameter {name!r}: states {missing} missing from the store")
+        if problems:
+            raise CheckpointMismatchError(
+                "the store's states do not match the optimizer's parameters:\n  "
+                + "\n  ".join(problems))
+        steps = meta.get("steps", {}) if isinstance(meta, dict) else {}
+        for name in ours:
+            if name in stored_params:
+                self._steps[name] = int(steps.get(name, 0))
+
+    # ------------------------------------------------------------------ metadata
+    def _metadata(self) -> dict:
+        groups = []
+        for g in self.param_groups:
+            hyper = {k: (list(g[k]) if k == "betas" else g[k]) for k in _HYPER}
+            if isinstance(hyper["lr"], Tensor):
+                hyper["lr"] = hyper["lr"].item()
+            hyper["params"] = [self._keys[p] for p in g["params"]]
+            groups.append(hyper)
+        return {
+            "optimizer": type(self).__name__,
+            "version": OPTIMIZER_METADATA_VERSION,
+            "param_groups": groups,
+            "steps": dict(self._steps),
+            "params": {self._keys[p]: {"shape": list(p.shape), "dtype": str(p.dtype).replace("torch.", "")}
+                       for p in self._params},
+        }
+
+    # ------------------------------------------------------------------ step
+    def _ensure_states(self, store: StateStore, params: Sequence[Tensor]) -> None:
+        groups = self._group_of()
+        entries = []
+        for p in params:
+            key = self._keys[p]
+            for name in self._state_names(p, groups[p]):
+                sk = StateKey(key, name)
+                if sk in store:
+                    continue
+                init = p.detach().float() if name == "master" else None
+                entries.append((sk, tuple(p.shape), torch.float32, init))
+        if entries:
+            store.create_many(entries)
+
+    def _grad_of(self, p: Tensor) -> Tensor:
+        g = p.grad
+        if g.is_sparse:
+            raise RuntimeError(f"{type(self).__name__} does not support sparse gradients "
+                               f"(parameter {self._keys[p]!r})")
+        if g.device != p.device:
+            raise StateStoreValueError(f"parameter {self._keys[p]!r} is on {p.device} but its "
+                                       f"gradient is on {g.device}")
+        if g.shape != p.shape:
+            raise StateStoreValueError(f"parameter {self._keys[p]!r} has shape {tuple(p.shape)} "
+                                       f"but its gradient has {tuple(g.shape)}")
+        if g.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise TypeError(f"gradient of {self._keys[p]!r} has dtype {g.dtype}")
+        return g if g.is_contiguous() else g.contiguous()
+
+    @torch.no_grad()
+    def step(self, closure=None, div_scale: float = -1.0):
+        """One optimizer step over every parameter with a gradient.
+
+        ``div_scale > 0`` divides gradients by it (ColossalAI's argument, for loss scaling).
+        With ``skip_nonfinite=True`` a step whose gradients hold inf or nan changes nothing.
+        On return, resident stores are updated; disk stores may still be writing the last
+        states back (any later read, ``sync()``, ``state_dict()`` or checkpoint waits).
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        work: Dict[StateStore, List[Tuple[dict, List[Tensor]]]] = {}
+        grads: Dict[Tensor, Tensor] = {}
+        for group in self.param_groups:
+            per_store: Dict[StateStore, List[Tensor]] = {}
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grads[p] = self._grad_of(p)
+                per_store.setdefault(self._stores[p], []).append(p)
+            for store, ps in per_store.items():
+                work.setdefault(store, []).append((group, ps))
+        if not grads:
+            return loss
+        if self.skip_nonfinite and not grads_finite(list(grads.values())):
+            return loss
+        grad_scale = float(div_scale) if div_scale is not None and div_scale > 0 else 1.0
+        for store, items in work.items():
+            self._ensure_states(store, [p for _, ps in items for p in ps])
+        for p in grads:
+            k = self._keys[p]
+            self._steps[k] = self._steps.get(k, 0) + 1
+        for store, items in work.items():
+            self._step_store(store, items, grads, grad_scale)
+        return loss
+
+    def _step_store(self, store: StateStore, items, grads: Dict[Tensor, Tensor],
+                    grad_scale: float) -> None:
+        all_units: List[List[Slice]] = []
+        meta: List[Tuple[dict, List[Tuple[Tensor, int, int, List[str]]]]] = []
+        align = max(1, store.alignment // 4)
+        for group, ps in items:
+            names = [self._state_names(p, group) for p in ps]
+            keys = [[StateKey(self._keys[p], n) for n in ns] for p, ns in zip(ps, names)]
+            plan = plan_units(keys, [p.numel() for p in ps], 4, store.unit_bytes, align)
+            for unit in plan:
+                all_units.append([Slice(k, a, b) for i, a, b in unit for k in keys[i]])
+                meta.append((group, [(ps[i], a, b, names[i]) for i, a, b in unit]))
+        dev = store.device
+        with store.pipeline(all_units, mode="rw", wait=False) as pipe:
+            for tensors, (group, entries) in zip(pipe, meta):
+                self._update_unit(tensors, group, entries, grads, grad_scale, dev)
+
+    def _update_unit(self, tensors: List[Tensor], group: dict, entries, grads, grad_scale,
+                     dev: torch.device) -> None:
+        params, gs, m, v, vmax, masters, steps, writeback = [], [], [], [], [], [], [], []
+        pos = 0
+        for p, a, b, names in entries:
+            st = dict(zip(names, tensors[pos:pos + len(names)]))
+            pos += len(names)
+            pflat = p.detach().view(-1) if p.is_contiguous() else None
+            if pflat is None or p.device != dev:
+                src = p.detach().reshape(-1)[a:b]
+                w = src.to(dev, copy=True)
+                writeback.append((p, a, b, w))
+            else:
+                w = pflat[a:b]
+            g = grads[p].view(-1)[a:b]
+            if g.device != dev:
+                g = g.to(dev)
+            params.append(w)
+            gs.append(g)
+            m.append(st["exp_avg"])
+            v.append(st["exp_avg_sq"])
+            vmax.append(st.get("max_exp_avg_sq"))
+            masters.append(st.get("master"))
+            steps.append(self._steps[self._keys[p]])
+        beta1, beta2 = group["betas"]
+        lr = group["lr"]
+        if isinstance(lr, Tensor):
+            lr = lr.item()
+        adam_step(params, gs, m, v, steps=steps, lr=lr, beta1=beta1, beta2=beta2,
+                  eps=group["eps"], weight_decay=group["weight_decay"],
+                  adamw_mode=group["adamw_mode"], amsgrad=group["amsgrad"],
+                  max_exp_avg_sqs=vmax if group["amsgrad"] else None,
+                  masters=masters if any(x is not None for x in masters) else None,
+                  maximize=group["maximize"], grad_scale=grad_scale)
+        for p, a, b, w in writeback:
+            if p.is_contiguous():
+                p.detach().view(-1)[a:b].copy_(w)
+            else:
+                flat = p.detach().reshape(-1).clone()
+                flat[a:b].copy_(w.to(p.device))
+                p.detach().copy_(flat.view(p.shape))
+
+    # ------------------------------------------------------------------ torch's state_dict
+    def state_dict(self) -> Dict[str, Any]:
+        """torch's format: ``{"state": {index: {"step", "exp_avg", ...}}, "param_groups"}``.
+
+        Resident stores return views of the live states (as torch returns its own state
+        tensors). Disk stores stream every state into a temporary safetensors-layout file
+        through the store's RAM budget and return tensors mapped from it (pages load on
+        access and the kernel may evict them), so the call never holds every state in RAM.
+        """
+        index = {p: i for i, p in enumerate(self._params)}
+        groups = []
+        for g in self.param_groups:
+            ng = {k: v for k, v in g.items() if k not in ("params", "adamw_mode")}
+            ng["betas"] = tuple(g["betas"])
+            ng["decoupled_weight_decay"] = bool(g["adamw_mode"])
+            ng["adamw_mode"] = bool(g["adamw_mode"])
+            ng.setdefault("foreach", None)
+            ng.setdefault("capturable", False)
+            ng.setdefault("differentiable", False)
+            ng.setdefault("fused", None)
+            ng["params"] = [index[p] for p in g["params"]]
+            groups.append(ng)
+        state: Dict[int, Dict[str, Any]] = {}
+        by_store: Dict[StateStore, List[Tensor]] = {}
+        for p in self._params:
+            by_store.setdefault(self._stores[p], []).append(p)
+        for store, ps in by_store.items():
+            tensors = _export_states(store, [StateKey(self._keys[p], n) for p in ps
+                                             for n in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
+                                             if StateKey(self._keys[p], n) in store])
+            for p in ps:
+                k = self._keys[p]
+                if k not in self._steps:
+                    continue
+                entry: Dict[str, Any] = {"step": torch.tensor(float(self._steps[k]))}
+                for n in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master"):
+                    t = tensors.get(StateKey(k, n))
+                    if t is not None:
+                        entry[n] = t
+                state[index[p]] = entry
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load torch's format (from ``torch.optim.AdamW``/``Adam`` or from this class).
+
+        Hyperparameters are restored from the saved groups, as torch does; states are
+        written into the store one tensor at a time.
+        """
+        if not isinstance(state_dict, dict) or "state" not in state_dict \
+                or "param_groups" not in state_dict:
+            raise ValueError("state_dict must be a dict with 'state' and 'param_groups'")
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"loaded state dict has {len(saved_groups)} parameter groups, "
+                             f"optimizer has {len(self.param_groups)}")
+        for i, (g, sg) in enumerate(zip(self.param_groups, saved_groups)):
+            if len(g["params"]) != len(sg["params"]):
+                raise ValueError(f"loaded state dict contains a parameter group {i} with "
+                                 f"{len(sg['params'])} parameters, optimizer's has "
+                                 f"{len(g['params'])}")
+        id_map = {}
+        for g, sg in zip(self.param_groups, saved_groups):
+            for p, sid in zip(g["params"], sg["params"]):
+                id_map[sid] = p
+        states = state_dict["state"]
+        for sid in states:
+            if sid not in id_map:
+                raise ValueError(f"loaded state dict has state for unknown parameter {sid!r}")
+        for g, sg in zip(self.param_groups, saved_groups):
+            for k in ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize"):
+                if k in sg:
+                    g[k] = tuple(sg[k]) if k == "betas" else sg[k]
+            if "adamw_mode" in sg:
+                g["adamw_mode"] = bool(sg["adamw_mode"])
+            elif "decoupled_weight_decay" in sg:
+                g["adamw_mode"] = bool(sg["decoupled_weight_decay"])
+        groups = self._group_of()
+        for sid, st in states.items():
+            p = id_map[sid]
+            key = self._keys[p]
+            store = self._stores[p]
+            names = self._state_names(p, groups[p])
+            for n in names:
+                if n != "master" and n not in st:
+                    raise ValueError(f"state of parameter {key!r} lacks {n!r}")
+            existing = [StateKey(key, n) for n in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
+                        if StateKey(key, n) in store]
+            if existing:
+                store.delete(existing)
+            entries = []
+            for n in names:
+                if n == "master":
+                    src = st.get("master")
+                    init = (src if src is not None else p.detach()).float()
+                else:
+                    init = st[n]
+                    if tuple(init.shape) != tuple(p.shape):
+                        raise ValueError(f"state {n!r} of parameter {key!r} has shape "
+                                         f"{tuple(init.shape)}, parameter has {tuple(p.shape)}")
+                    init = init.detach().float()
+                entries.append((StateKey(key, n), tuple(p.shape), torch.float32, init.cpu()
+                                if store.device.type == "cpu" else init.to(store.device)))
+            store.create_many(entries)
+            step = st.get("step", 0)
+            self._steps[key] = int(step.item() if isinstance(step, Tensor) else step)
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Close the stores this optimizer created itself (never a store passed in)."""
+        for s in self._owned_stores:
+            s.close()
+        self._owned_stores = []
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({len(self._params)} params, store={self.state_store!r})"
+
+
+def _export_states(store: StateStore, keys: List[StateKey]) -> Dict[StateKey, Tensor]:
+    """Resident stores: views. Others: stream into an unlinked temporary file and map it."""
+    if store.resident:
+        return {k: store.get(k) for k in keys}
+    store.sync()
+    out: Dict[StateKey, Tensor] = {}
+    if not keys:
+        return out
+    offsets, pos = {}, 0
+    for k in keys:
+        offsets[k] = pos
+        pos += store.spec(k).nbytes
+        pos += (-pos) % 64
+    directory = getattr(store, "dir", None) or tempfile.gettempdir()
+    fd, path = tempfile.mkstemp(prefix=".state_dict-", dir=directory)
+    try:
+        os.ftruncate(fd, max(pos, 1))
+        flat = torch.from_file(path, shared=True, size=max(pos, 1), dtype=torch.uint8)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    for k in keys:
+        spec = store.spec(k)
+        dst = flat[offsets[k]:offsets[k] + spec.nbytes].view(spec.dtype).view(-1)
+        chunks = store._chunks(spec)
+        with store.pipeline([[Slice(k, a, b)] for a, b in chunks], mode="r") as pipe:
+            for (a, b), (t,) in zip(chunks, pipe):
+                dst[a:b].copy_(t)
+        out[k] = dst.view(spec.shape)
+    return out
+
+
+class CPUAdam(_StoreAdam):
+    """Adam/AdamW for CPU parameters, states in any store; the C++ SIMD kernel computes.
+
+    Same arguments as :class:`HybridAdam`; GPU parameters also work (their update runs on
+    their device).
+    """
+
+
+class HybridAdam(_StoreAdam):
+    """Adam/AdamW for CPU and GPU parameters, states in any store: the C++ SIMD kernel for
+    CPU parameters, the fused CUDA kernel for GPU ones. ColossalAI's arguments
+    (``nvme_offload_fraction``, ``nvme_offload_dir``, ``adamw_mode``) keep working."""

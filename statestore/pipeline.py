@@ -1,0 +1,296 @@
+"""The read / compute / write pipeline: the one way optimizers (and checkpoints) visit states.
+
+The caller names, up front, the *units* it will visit: each unit is a list of
+:class:`~statestore.Slice` (for Adam: the same element range of ``exp_avg``, ``exp_avg_sq``
+and, where present, the fp32 master). Iterating the pipeline yields each unit's tensors in
+order, as flat 1-D tensors the caller may read and modify in place.
+
+* **Resident stores** (states in addressable memory: device, pinned or pageable RAM, mmap'd
+  files) hand out views of the live tensors: no copy, nothing to write back.
+* **Non-resident stores** (NVMe) read units ahead into a ring of aligned host buffers of
+  ``budget_bytes`` (the RAM bound), and, when the caller moves to the next unit, write the
+  finished one back in the background. A read of a state waits for any pending write of that
+  same state, so nothing is lost or reordered. Writes still pending when the pipeline ends are
+  owned by the store: :meth:`StateStore.sync` (called by ``save_checkpoint``, ``state_dict``,
+  ``get`` and ``close``) waits for them.
+
+Errors raised by background I/O surface at the caller's next call into the pipeline or store,
+as :class:`~statestore.errors.StateStoreIOError` naming the state and the file.
+
+Order of calls::
+
+    with store.pipeline(units, mode="rw") as pipe:   # 0) reads start at once
+        for tensors in pipe:                         # 1) wait for unit i, submit more reads
+            compute(tensors)                         # 2) caller updates in place
+                                                     # 3) next(): unit i written back
+    # 4) exit: remaining writes submitted (and waited for when wait=True)
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Deque, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+from ._types import Slice, StateKey
+from .errors import BudgetError, StateStoreClosedError, StateStoreValueError
+
+__all__ = ["Pipeline", "RingArena", "plan_units"]
+
+_MODES = ("r", "rw", "w")
+
+
+def _round_up(n: int, align: int) -> int:
+    return (n + align - 1) // align * align
+
+
+class RingArena:
+    """A ring of bytes carved from one aligned host buffer, allocated and freed in FIFO order.
+
+    Regions are released out of order (writes complete in any order) but the space is reused
+    only once every older region is released, which keeps allocation O(1) and the footprint
+    exactly ``capacity`` bytes.
+    """
+
+    def __init__(self, buffer: torch.Tensor, align: int):
+        if buffer.dtype != torch.uint8 or buffer.dim() != 1:
+            raise StateStoreValueError("arena buffer must be a 1-D uint8 tensor")
+        self.buffer = buffer
+        self.capacity = buffer.numel()
+        self.align = align
+        self._head = 0                          # where the next region starts
+        self._regions: Deque[list] = deque()    # [start, end, released], allocation order
+
+    @property
+    def used(self) -> int:
+        """Bytes held by live regions."""
+        return sum(e - s for s, e, _ in self._regions)
+
+    def try_alloc(self, nbytes: int) -> Optional[Tuple[int, list]]:
+        """Returns ``(offset, handle)``, or None when the ring has no room now."""
+        nbytes = _round_up(max(nbytes, 1), self.align)
+        if nbytes > self.capacity:
+            raise BudgetError(f"a pipeline unit of {nbytes} bytes exceeds the RAM budget of "
+                              f"{self.capacity} bytes; raise budget_bytes or use smaller units")
+        self._reclaim()
+        if not self._regions:
+            start = 0
+        else:
+            tail, head = self._regions[0][0], self._head
+            if head > tail:                 # live bytes in [tail, head)
+                if head + nbytes <= self.capacity:
+                    start = head
+                elif nbytes <= tail:        # wrap; [head, capacity) stays unused this lap
+                    start = 0
+                else:
+                    return None
+            elif head + nbytes <= tail:     # wrapped: live in [tail, cap) and [0, head)
+                start = head
+            else:
+                return None
+        handle = [start, start + nbytes, False]
+        self._regions.append(handle)
+        self._head = start + nbytes
+        return start, handle
+
+    def release(self, handle: list) -> None:
+        """Marks a region free; its space is reused once all older regions are free too."""
+        handle[2] = True
+        self._reclaim()
+
+    def _reclaim(self) -> None:
+        while self._regions and self._regions[0][2]:
+            self._regions.popleft()
+
+    def view(self, offset: int, nbytes: int) -> torch.Tensor:
+        return self.buffer[offset:offset + nbytes]
+
+
+def plan_units(groups: Sequence[Sequence[StateKey]], numels: Sequence[int], itemsize: int,
+               max_unit_bytes: Optional[int], align_elems: int = 1
+               ) -> List[List[Tuple[int, int, int]]]:
+    """Split and pack groups of same-sized states into pipeline units.
+
+    ``groups[i]`` lists the states visited together (all ``numels[i]`` elements of
+    ``itemsize`` bytes). Returns units, each a list of ``(group index, start, stop)``: a large
+    group is cut into ranges of at most ``max_unit_bytes`` (cut points multiples of
+    ``align_elems``), small groups are packed together up to the same size.
+    ``max_unit_bytes=None`` packs everything into one unit.
+    """
+    if max_unit_bytes is None:
+        return [[(i, 0, n) for i, n in enumerate(numels)]] if numels else []
+    units: List[List[Tuple[int, int, int]]] = []
+    cur: List[Tuple[int, int, int]] = []
+    cur_bytes = 0
+    for i, n in enumerate(numels):
+        per_elem = itemsize * max(len(groups[i]), 1)
+        cap = max(align_elems, (max_unit_bytes // per_elem) // align_elems * align_elems)
+        start = 0
+        while start < n or (n == 0 and start == 0):
+            stop = min(n, start + cap)
+            nbytes = (stop - start) * per_elem
+            if cur and cur_bytes + nbytes > max_unit_bytes:
+                units.append(cur)
+                cur, cur_bytes = [], 0
+            cur.append((i, start, stop))
+            cur_bytes += nbytes
+            if n == 0:
+                break
+            start = stop
+    if cur:
+        units.append(cur)
+    return units
+
+
+class _Unit:
+    __slots__ = ("slices", "region", "tensors", "reads")
+
+    def __init__(self, slices):
+        self.slices = slices
+        self.region = None
+        self.tensors: List[torch.Tensor] = []
+        self.reads: list = []
+
+
+class Pipeline:
+    """Iterates units of state slices with read-ahead and write-behind; see the module doc.
+
+    Built by :meth:`StateStore.pipeline`; not constructed directly.
+    """
+
+    def __init__(self, store, units: Sequence[Sequence[Slice]], mode: str = "rw",
+                 wait: bool = True):
+        if mode not in _MODES:
+            raise StateStoreValueError(f"pipeline mode must be one of {_MODES}, got {mode!r}")
+        self._store = store
+        self._mode = mode
+        self._wait = wait
+        self._units: List[_Unit] = []
+        for u in units:
+            sl = list(u)
+            for s in sl:
+                store._check_slice(s)
+            self._units.append(_Unit(sl))
+        self._resident = store.resident
+        self._next_submit = 0
+        self._next_yield = 0
+        self._current: Optional[_Unit] = None
+        self._closed = False
+        if not self._resident:
+            self._arena: RingArena = store._arena()
+            self._fill()
+
+    # -- iteration ---------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[List[torch.Tensor]]:
+        return self
+
+    def __next__(self) -> List[torch.Tensor]:
+        if self._closed:
+            raise StopIteration
+        self._store._raise_pending_error()
+        self._finish_current()
+        if self._next_yield >= len(self._units):
+            self.close()
+            raise StopIteration
+        unit = self._units[self._next_yield]
+        self._next_yield += 1
+        if self._resident:
+            unit.tensors = [self._store._view(s.key).view(-1)[s.start:s.stop] for s in unit.slices]
+        else:
+            while self._next_submit < self._next_yield:
+                self._submit_blocking()
+            for s, fut in unit.reads:
+                self._store._result(fut, s.key, "read")
+            unit.reads = []
+            self._fill()
+        self._current = unit
+        return unit.tensors
+
+    def __enter__(self) -> "Pipeline":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self._abort()
+
+    def close(self) -> None:
+        """Write back the current unit, release unread buffers, and (``wait=True``) wait for
+        every write; raises the first background error."""
+        if self._closed:
+            return
+        self._finish_current()
+        self._closed = True
+        if not self._resident:
+            self._drop_unconsumed()
+            if self._wait:
+                self._store.sync()
+            else:
+                self._store._raise_pending_error()
+
+    def _abort(self) -> None:
+        # The caller failed mid-unit: its unit is not written back (its data may be half
+        # updated, and the store keeps the previous values); reads in flight are drained.
+        self._current = None
+        self._closed = True
+        if not self._resident:
+            self._drop_unconsumed(swallow=True)
+
+    # -- internals ---------------------------------------------------------------------------
+    def _finish_current(self) -> None:
+        unit, self._current = self._current, None
+        if unit is None or self._resident:
+            return
+        if self._mode in ("rw", "w"):
+            futs = [(s, self._store._submit_write(s, t)) for s, t in zip(unit.slices, unit.tensors)]
+            self._store._add_pending(unit.region, futs)
+        else:
+            self._arena.release(unit.region)
+        unit.tensors = []
+
+    def _drop_unconsumed(self, swallow: bool = False) -> None:
+        for unit in self._units[self._next_yield:self._next_submit]:
+            for s, fut in unit.reads:
+                try:
+                    fut.result()
+                except BaseException:
+                    if not swallow:
+                        raise
+            unit.reads = []
+            self._arena.release(unit.region)
+        self._next_submit = self._next_yield
+
+    def _unit_bytes(self, unit: _Unit) -> List[int]:
+        align = self._store.alignment
+        return [_round_up(s.numel * self._store.spec(s.key).itemsize, align) for s in unit.slices]
+
+    def _try_submit(self) -> bool:
+        unit = self._units[self._next_submit]
+        sizes = self._unit_bytes(unit)
+        got = self._arena.try_alloc(sum(sizes))
+        if got is None:
+            return False
+        offset, unit.region = got
+        unit.tensors = []
+        for s, nb in zip(unit.slices, sizes):
+            spec = self._store.spec(s.key)
+            raw = self._arena.view(offset, nb)
+            t = raw[: s.numel * spec.itemsize].view(spec.dtype)
+            unit.tensors.append(t)
+            if self._mode in ("r", "rw"):
+                self._store._wait_pending_key(s.key)
+                unit.reads.append((s, self._store._submit_read(s, t)))
+            offset += nb
+        self._next_submit += 1
+        return True
+
+    def _fill(self) -> None:
+        while self._next_submit < len(self._units) and self._try_submit():
+            pass
+
+    def _submit_blocking(self) -> None:
+        while not self._try_submit():
+            if not self._store._wait_oldest_pending():
+                raise BudgetError("pipeline deadlock: no pending write to wait for and no "
+                                  "room in the RAM budget (internal error)")

@@ -1,0 +1,466 @@
+"""``StateStore``: the abstract store every backend implements, and everything written once
+on top of its few primitives (the pipeline, ``get``/``put``, stats, checkpoints).
+
+A store holds named state tensors (keys are :class:`~statestore.StateKey`) plus the optimizer
+metadata attached to it. Backends come in two kinds:
+
+* **resident** (``resident = True``): states live in addressable memory (a torch device,
+  pinned or pageable RAM, an mmap'd file). The backend implements :meth:`_allocate`,
+  :meth:`_free` and :meth:`_view`; the pipeline hands out views of the live tensors.
+* **non-resident** (``resident = False``): states live where the CPU cannot address them
+  directly (files read and written with direct I/O). The backend implements
+  :meth:`_allocate`, :meth:`_free`, :meth:`_submit_read` and :meth:`_submit_write` (both
+  return ``concurrent.futures.Future``-like objects), and may override
+  :meth:`_alloc_host_buffer` (aligned, page-locked) and :meth:`_flush` (fsync). The
+  pipeline moves states through a ring of host buffers of ``budget_bytes``.
+
+Order of calls a backend sees: ``__init__`` → (``_allocate`` | ``_free`` | ``_view`` |
+``_submit_read`` | ``_submit_write``)* → ``_flush`` (from :meth:`sync`) → ``_close``.
+
+Stores are not thread-safe: one thread drives a store (its own background I/O aside).
+"""
+from __future__ import annotations
+
+import weakref
+from abc import ABC
+from collections import deque
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from ._types import Slice, StateKey, StateSpec
+from .errors import (StateKeyError, StateStoreClosedError, StateStoreError, StateStoreIOError,
+                     StateStoreValueError)
+from .pipeline import Pipeline, RingArena
+
+__all__ = ["StateStore", "DEFAULT_BUDGET_BYTES"]
+
+#: Default RAM budget of non-resident (disk) stores: buffers for read-ahead, compute and
+#: write-behind, and for checkpoint streaming, never exceed it.
+DEFAULT_BUDGET_BYTES = 256 * 1024 * 1024
+
+_SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16,
+                     torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
+
+
+def _as_key(key) -> StateKey:
+    if isinstance(key, StateKey):
+        return key
+    if isinstance(key, tuple) and len(key) == 2 and all(isinstance(k, str) for k in key):
+        return StateKey(*key)
+    if isinstance(key, str):
+        try:
+            return StateKey.parse(key)
+        except ValueError as e:
+            raise StateStoreValueError(str(e)) from None
+    raise StateStoreValueError(f"a state key must be a StateKey, a (param, state) tuple of str "
+                               f"or a 'param/state' string, got {key!r}")
+
+
+class StateStore(ABC):
+    """Abstract base of every state store. See the module docstring for the backend contract.
+
+    Args:
+        budget_bytes: RAM budget of the pipeline's host buffers (non-resident stores only;
+            default :data:`DEFAULT_BUDGET_BYTES`). Resident stores ignore it.
+    """
+
+    #: True when states live in addressable memory and the pipeline hands out views.
+    resident: bool = True
+    #: Byte alignment of buffer offsets and file offsets for non-resident stores.
+    alignment: int = 1
+
+    def __init__(self, *, budget_bytes: Optional[int] = None):
+        if budget_bytes is None:
+            budget_bytes = DEFAULT_BUDGET_BYTES
+        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
+            raise StateStoreValueError(f"budget_bytes must be a positive int, got {budget_bytes!r}")
+        self.budget_bytes = budget_bytes
+        self._specs: Dict[StateKey, StateSpec] = {}
+        self._closed = False
+        self._ring: Optional[RingArena] = None
+        self._pending: deque = deque()          # [region, [(slice, future)]]
+        self._pending_error: Optional[BaseException] = None
+        self._metadata_provider: Optional[Callable[[], Optional[dict]]] = None
+        self._loaded_metadata: Optional[dict] = None
+        self._bytes_read = 0
+        self._bytes_written = 0
+
+    # ------------------------------------------------------------------ backend primitives
+    def _allocate(self, entries: Sequence[Tuple[StateKey, StateSpec]]) -> None:
+        """Create storage for new states, zero-filled."""
+        raise NotImplementedError
+
+    def _free(self, keys: Sequence[StateKey]) -> None:
+        """Release the storage of states (their specs are already gone)."""
+        raise NotImplementedError
+
+    def _view(self, key: StateKey) -> torch.Tensor:
+        """Resident stores: the live tensor of ``key`` (its shape and dtype)."""
+        raise NotImplementedError
+
+    def _submit_read(self, s: Slice, out: torch.Tensor):
+        """Non-resident stores: start reading slice ``s`` into ``out`` (1-D, ``s.numel``
+        elements of the state's dtype, inside an aligned buffer whose rounded-up size is
+        writable); returns a Future."""
+        raise NotImplementedError
+
+    def _submit_write(self, s: Slice, src: torch.Tensor):
+        """Non-resident stores: start writing ``src`` to slice ``s``; returns a Future.
+        ``src`` stays untouched until the Future completes."""
+        raise NotImplementedError
+
+    def _alloc_host_buffer(self, nbytes: int) -> torch.Tensor:
+        """A 1-D uint8 host buffer for the pipeline's ring; aligned to :attr:`alignment`."""
+        extra = self.alignment
+        raw = torch.empty(nbytes + extra, dtype=torch.uint8)
+        off = (-raw.data_ptr()) % extra
+        return raw[off:off + nbytes]
+
+    def _flush(self) -> None:
+        """Make every completed write durable (e.g. fsync)."""
+
+    def _close(self) -> None:
+        """Release memory, file descriptors and temporary files."""
+
+    def _backend_stats(self) -> Dict[str, Any]:
+        return {}
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the tensors the pipeline hands out."""
+        return torch.device("cpu")
+
+    # ------------------------------------------------------------------ state catalogue
+    def keys(self) -> List[StateKey]:
+        """Every state key, in creation order."""
+        return list(self._specs)
+
+    def __contains__(self, key) -> bool:
+        return _as_key(key) in self._specs
+
+    def __len__(self) -> int:
+        return len(self._specs)
+
+    def spec(self, key) -> StateSpec:
+        """Shape and dtype of a state; :class:`StateKeyError` when unknown."""
+        k = _as_key(key)
+        try:
+            return self._specs[k]
+        except KeyError:
+            raise StateKeyError(f"no state {k} in {type(self).__name__}") from None
+
+    def create(self, key, shape: Sequence[int], dtype: torch.dtype = torch.float32,
+               init: Optional[torch.Tensor] = None) -> None:
+        """Create one state, zero-filled or copied from ``init``."""
+        self.create_many([(key, shape, dtype, init)])
+
+    def create_many(self, entries: Iterable[Tuple[Any, Sequence[int], torch.dtype,
+                                                    Optional[torch.Tensor]]]) -> None:
+        """Create several states at once (backends may lay them out together).
+
+        Each entry is ``(key, shape, dtype, init)``; ``init`` (or None for zeros) must have
+        the given shape.
+        """
+        self._check_open()
+        new: List[Tuple[StateKey, StateSpec]] = []
+        inits: List[Tuple[StateKey, torch.Tensor]] = []
+        seen = set()
+        for entry in entries:
+            try:
+                key, shape, dtype, init = entry
+            except (TypeError, ValueError):
+                raise StateStoreValueError(
+                    f"create_many entries are (key, shape, dtype, init), got {entry!r}") from None
+            k = _as_key(key)
+            if k in self._specs or k in seen:
+                raise StateKeyError(f"state {k} already exists")
+            if not isinstance(dtype, torch.dtype) or dtype not in _SUPPORTED_DTYPES:
+                raise StateStoreValueError(f"state {k}: unsupported dtype {dtype!r}")
+            try:
+                shape_t = tuple(int(d) for d in shape)
+            except TypeError:
+                raise StateStoreValueError(f"state {k}: shape must be a sequence of ints, "
+                                           f"got {shape!r}") from None
+            if any(d < 0 for d in shape_t):
+                raise StateStoreValueError(f"state {k}: negative dimension in shape {shape_t}")
+            if init is not None:
+                if not isinstance(init, torch.Tensor):
+                    raise StateStoreValueError(f"state {k}: init must be a tensor or None")
+                if tuple(init.shape) != shape_t:
+                    raise StateStoreValueError(f"state {k}: init has shape {tuple(init.shape)}, "
+                                               f"expected {shape_t}")
+                inits.append((k, init))
+            seen.add(k)
+            new.append((k, StateSpec(shape_t, dtype)))
+        if not new:
+            return
+        self._allocate(new)
+        for k, spec in new:
+            self._specs[k] = spec
+        for k, init in inits:
+            self.put(k, init)
+
+    def delete(self, keys) -> None:
+        """Remove states and release their storage."""
+        self._check_open()
+        ks = [_as_key(k) for k in ([keys] if isinstance(keys, (str, StateKey)) else keys)]
+        for k in ks:
+            self.spec(k)
+        self.sync()
+        for k in ks:
+            del self._specs[k]
+        self._free(ks)
+
+    def clear(self) -> None:
+        """Remove every state and the loaded checkpoint metadata."""
+        if self._specs:
+            self.delete(list(self._specs))
+        self._loaded_metadata = None
+
+    # ------------------------------------------------------------------ whole-tensor access
+    def get(self, key) -> torch.Tensor:
+        """The state's value. Resident stores return the live tensor (a view: changes to it
+        change the store); others return a fresh CPU tensor read through the pipeline."""
+        self._check_open()
+        k = _as_key(key)
+        spec = self.spec(k)
+        if self.resident:
+            self._raise_pending_error()
+            return self._view(k)
+        out = torch.empty(spec.shape, dtype=spec.dtype)
+        flat = out.view(-1)
+        chunks = self._chunks(spec)
+        with self.pipeline([[Slice(k, a, b)] for a, b in chunks], mode="r") as pipe:
+            for (a, b), (t,) in zip(chunks, pipe):
+                flat[a:b].copy_(t)
+        return out
+
+    def put(self, key, value: torch.Tensor) -> None:
+        """Overwrite a state's value (shape must match; dtype is converted)."""
+        self._check_open()
+        k = _as_key(key)
+        spec = self.spec(k)
+        if not isinstance(value, torch.Tensor):
+            raise StateStoreValueError(f"state {k}: value must be a tensor, got {type(value).__name__}")
+        if tuple(value.shape) != spec.shape:
+            raise StateStoreValueError(f"state {k}: value has shape {tuple(value.shape)}, "
+                                       f"expected {spec.shape}")
+        if self.resident:
+            self._raise_pending_error()
+            self._view(k).copy_(value)
+            return
+        src = value.detach().reshape(-1)
+        chunks = self._chunks(spec)
+        with self.pipeline([[Slice(k, a, b)] for a, b in chunks], mode="w") as pipe:
+            for (a, b), (t,) in zip(chunks, pipe):
+                t.copy_(src[a:b])
+
+    def _chunks(self, spec: StateSpec) -> List[Tuple[int, int]]:
+        align = max(1, self.alignment // max(spec.itemsize, 1))
+        step = max(align, (self.budget_bytes // 2 // max(spec.itemsize, 1)) // align * align)
+        if spec.numel == 0:
+            return [(0, 0)]
+        return [(a, min(a + step, spec.numel)) for a in range(0, spec.numel, step)]
+
+    # ------------------------------------------------------------------ pipeline
+    def pipeline(self, units: Sequence[Sequence[Slice]], mode: str = "rw",
+                 wait: bool = True) -> Pipeline:
+        """The read / compute / write pipeline over ``units`` (see :mod:`statestore.pipeline`).
+
+        ``mode``: ``"rw"`` read, hand out, write back; ``"r"`` read only; ``"w"`` hand out
+        uninitialized buffers (non-resident stores) or the live views (resident stores) and
+        write back. ``wait=False`` leaves the last writes pending in the background (a later
+        read of the same state, :meth:`sync`, checkpoints and :meth:`close` wait for them).
+        """
+        self._check_open()
+        return Pipeline(self, units, mode=mode, wait=wait)
+
+    @property
+    def unit_bytes(self) -> Optional[int]:
+        """Suggested upper size of a pipeline unit: None (no limit) for resident stores, a
+        quarter of the budget for others, so read-ahead, compute and write-behind overlap."""
+        return None if self.resident else max(self.alignment, self.budget_bytes // 4)
+
+    def _check_slice(self, s: Slice) -> None:
+        if not isinstance(s, Slice):
+            raise StateStoreValueError(f"pipeline units hold Slice objects, got {s!r}")
+        spec = self.spec(s.key)
+        if not (0 <= s.start <= s.stop <= spec.numel):
+            raise StateStoreValueError(f"slice [{s.start}, {s.stop}) out of range for state "
+                                       f"{s.key} of {spec.numel} elements")
+        if not self.resident and (s.start * spec.itemsize) % self.alignment:
+            raise StateStoreValueError(f"slice of {s.key} starts at element {s.start}, not a "
+                                       f"multiple of {self.alignment} bytes")
+
+    def _arena(self) -> RingArena:
+        if self._ring is None:
+            self._ring = RingArena(self._alloc_host_buffer(self.budget_bytes), self.alignment)
+        return self._ring
+
+    # ------------------------------------------------------------------ background writes
+    def _result(self, fut, key: StateKey, op: str):
+        try:
+            n = fut.result()
+        except StateStoreError:
+            raise
+        except OSError as e:
+            raise StateStoreIOError(e.errno, f"{op} of state {key} failed: {e}") from e
+        except Exception as e:
+            raise StateStoreIOError(f"{op} of state {key} failed: {e}") from e
+        if isinstance(n, int):
+            if op == "read":
+                self._bytes_read += n
+            else:
+                self._bytes_written += n
+        return n
+
+    def _add_pending(self, region, futs) -> None:
+        self._pending.append([region, futs])
+        self._poll_pending()
+
+    def _complete(self, entry) -> None:
+        region, futs = entry
+        try:
+            for s, fut in futs:
+                try:
+                    self._result(fut, s.key, "write")
+                except StateStoreError as e:
+                    if self._pending_error is None:
+                        self._pending_error = e
+        finally:
+            self._ring.release(region)
+
+    def _poll_pending(self) -> None:
+        while self._pending and all(f.done() for _, f in self._pending[0][1]):
+            self._complete(self._pending.popleft())
+
+    def _wait_oldest_pending(self) -> bool:
+        if not self._pending:
+            return False
+        self._complete(self._pending.popleft())
+        return True
+
+    def _wait_pending_key(self, key: StateKey) -> None:
+        last = -1
+        for i, (_, futs) in enumerate(self._pending):
+            if any(s.key == key for s, _ in futs):
+                last = i
+        for _ in range(last + 1):
+            self._wait_oldest_pending()
+        self._raise_pending_error()
+
+    def _raise_pending_error(self) -> None:
+        self._poll_pending()
+        err, self._pending_error = self._pending_error, None
+        if err is not None:
+            raise err
+
+    def sync(self) -> None:
+        """Wait for every background write, make it durable, and raise the first error."""
+        if self._closed:
+            return
+        while self._wait_oldest_pending():
+            pass
+        self._raise_pending_error()
+        self._flush()
+
+    # ------------------------------------------------------------------ metadata
+    def attach_metadata(self, provider: Callable[[], Optional[dict]]) -> None:
+        """Attach the optimizer metadata saved with checkpoints: ``provider()`` returns a
+        JSON-serializable dict (bound methods are held weakly)."""
+        if hasattr(provider, "__self__") and hasattr(provider, "__func__"):
+            ref = weakref.WeakMethod(provider)
+            self._metadata_provider = lambda: (ref() or (lambda: None))()
+        else:
+            self._metadata_provider = provider
+
+    def metadata(self) -> Optional[dict]:
+        """The attached optimizer's metadata now, else the metadata of the last loaded
+        checkpoint, else None."""
+        if self._metadata_provider is not None:
+            meta = self._metadata_provider()
+            if meta is not None:
+                return meta
+        return self._loaded_metadata
+
+    @property
+    def loaded_metadata(self) -> Optional[dict]:
+        """Metadata of the checkpoint last loaded into this store (None if none)."""
+        return self._loaded_metadata
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, path: str, **kwargs) -> None:
+        """Write every state and the attached optimizer metadata to ``path`` (a local path or
+        an fsspec URL), atomically; see :func:`statestore.checkpoint.save_checkpoint`."""
+        from .checkpoint import save_checkpoint
+        save_checkpoint(self, path, **kwargs)
+
+    def load_checkpoint(self, path: str, **kwargs) -> None:
+        """Replace this store's states with those of the checkpoint at ``path`` (written by
+        any store); see :func:`statestore.checkpoint.load_checkpoint`."""
+        from .checkpoint import load_checkpoint
+        load_checkpoint(self, path, **kwargs)
+
+    # ------------------------------------------------------------------ stats and lifetime
+    def stats(self) -> Dict[str, Any]:
+        """``nbytes`` and ``ntensors`` of the states held, plus backend figures."""
+        out: Dict[str, Any] = {
+            "backend": type(self).__name__,
+            "nbytes": sum(s.nbytes for s in self._specs.values()),
+            "ntensors": len(self._specs),
+            "device": str(self.device),
+            "resident": self.resident,
+        }
+        if not self.resident:
+            out["budget_bytes"] = self.budget_bytes
+            out["buffer_bytes"] = self._ring.capacity if self._ring is not None else 0
+            out["bytes_read"] = self._bytes_read
+            out["bytes_written"] = self._bytes_written
+        out.update(self._backend_stats())
+        return out
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StateStoreClosedError(f"{type(self).__name__} is closed")
+
+    def close(self) -> None:
+        """Wait for pending writes, then release memory, descriptors and temporary files.
+        Idempotent. A background write error is raised after everything is released."""
+        if self._closed:
+            return
+        err = None
+        try:
+            self.sync()
+        except StateStoreError as e:
+            err = e
+        finally:
+            self._closed = True
+            try:
+                self._close()
+            finally:
+                self._specs = {}
+                self._ring = None
+        if err is not None:
+            raise err
+
+    def __enter__(self):
+        self._check_open()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            try:
+                self.close()
+            except StateStoreError:
+                pass
+
+    def __repr__(self) -> str:
+        st = "closed" if self._closed else f"{len(self._specs)} states"
+        return f"{type(self).__name__}({st})"
