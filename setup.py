@@ -53,17 +53,21 @@ def _extensions():
     want_cuda = (torch.version.cuda is not None and CUDA_HOME is not None
                  and os.environ.get("STATESTORE_NO_CUDA") != "1" and cuda_src)
     if adam_src and only in ("", "adam"):
+        # -ffp-contract=off: the kernels fuse multiply-adds only where csrc/adam_math.h says
+        # so, so that SIMD bodies and scalar tails give the same bits.
+        adam_cxx = cxx + ["-ffp-contract=off"]
         common = dict(include_dirs=[csrc], extra_link_args=["-fopenmp"])
         if want_cuda:
             cuda_bind = sorted(glob.glob(os.path.join("csrc", "cuda", "*.cpp")))
             exts.append(CUDAExtension(
                 "statestore._C_adam", adam_src + cuda_src + cuda_bind,
                 define_macros=[("STATESTORE_WITH_CUDA", "1")],
-                extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "--use_fast_math", "-std=c++17"]},
+                # no --use_fast_math: it swaps IEEE sqrt/div for approximations
+                extra_compile_args={"cxx": adam_cxx, "nvcc": ["-O3", "-std=c++17", "--fmad=false"]},
                 **common))
         else:
             exts.append(CppExtension("statestore._C_adam", adam_src,
-                                     extra_compile_args=cxx, **common))
+                                     extra_compile_args=adam_cxx, **common))
 
     io_src = sorted(glob.glob(os.path.join("csrc", "io", "*.cpp")))
     if io_src and only in ("", "io"):

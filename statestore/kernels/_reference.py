@@ -45,8 +45,10 @@ def adam_step_reference(
         master = masters[i] if masters is not None else None
         w = master if master is not None else p
         g = grads[i]
-        if g.dtype != torch.float32 or grad_scale != 1.0 or maximize:
-            g = g.float()
+        if g.dtype != w.dtype or grad_scale != 1.0 or maximize:
+            # float32 math for fp32/bf16/fp16 states; float64 where the states are float64
+            # (the tests' high-precision reference)
+            g = g.to(torch.float64 if w.dtype == torch.float64 else torch.float32)
             if grad_scale != 1.0:
                 g = g / grad_scale
             if maximize:

@@ -1,0 +1,75 @@
+// AVX2 + FMA + F16C CPU Adam (8 floats a vector). setup.py compiles every csrc/adam/*.cpp
+// with the same flags and no -m options: the instruction set is enabled below for this
+// file's own functions only, and adam_ops.cpp calls them only where the processor has it.
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "adam/adam_kernels.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+namespace statestore {
+namespace cpu {
+namespace {
+
+struct Avx2Ops {
+  using F = __m256;
+  static constexpr int64_t kWidth = 8;
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, F x) { _mm256_storeu_ps(p, x); }
+  static F set1(float x) { return _mm256_set1_ps(x); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F div(F a, F b) { return _mm256_div_ps(a, b); }
+  static F sqrt(F a) { return _mm256_sqrt_ps(a); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  // maxps: a > b ? a : b, as statestore::ss_max
+  static F max(F a, F b) { return _mm256_max_ps(a, b); }
+
+  static F load_bf16(const uint16_t* p) {
+    __m256i x = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+  }
+  // statestore::float_to_bf16 on 8 lanes: add 0x7FFF + lsb, truncate; NaN -> 0x7FC0.
+  static void store_bf16(uint16_t* p, F x) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
+    r = _mm256_srli_epi32(r, 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+    // packus works per 128-bit lane: [r0..r3 r0..r3 | r4..r7 r4..r7]; keep qwords 0 and 2
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+  }
+  static F load_f16(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static void store_f16(uint16_t* p, F x) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+  }
+};
+
+#include "adam/adam_simd_body.h"
+
+void avx2_adam(const AdamTensorArgs& a, int64_t begin, int64_t end) {
+  dispatch_adam_range<SimdAdam<Avx2Ops>>(a, begin, end);
+}
+
+}  // namespace
+}  // namespace cpu
+}  // namespace statestore
+
+#pragma GCC pop_options
+
+namespace statestore {
+namespace cpu {
+const SimdKernels& avx2_kernels() {
+  static const SimdKernels k{"avx2", 256, &avx2_adam, &simd_finite};
+  return k;
+}
+}  // namespace cpu
+}  // namespace statestore

@@ -1,0 +1,77 @@
+// AVX-512 CPU Adam (16 floats a vector). Same scheme as adam_avx2.cpp: the instruction set is
+// enabled for this file's functions only; adam_ops.cpp calls them only where the processor
+// (and the OS) supports AVX-512F/BW/VL/DQ.
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "adam/adam_kernels.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+// GCC 12 reports its own _mm512_undefined_* placeholders as maybe-uninitialized.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+namespace statestore {
+namespace cpu {
+namespace {
+
+struct Avx512Ops {
+  using F = __m512;
+  static constexpr int64_t kWidth = 16;
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, F x) { _mm512_storeu_ps(p, x); }
+  static F set1(float x) { return _mm512_set1_ps(x); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F div(F a, F b) { return _mm512_div_ps(a, b); }
+  static F sqrt(F a) { return _mm512_sqrt_ps(a); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  // vmaxps: a > b ? a : b, as statestore::ss_max
+  static F max(F a, F b) { return _mm512_max_ps(a, b); }
+
+  static F load_bf16(const uint16_t* p) {
+    __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+  }
+  // statestore::float_to_bf16 on 16 lanes: add 0x7FFF + lsb, truncate; NaN -> 0x7FC0.
+  // (vcvtneps2bf16 is not used: it flushes subnormals, torch's conversion does not.)
+  static void store_bf16(uint16_t* p, F x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+    r = _mm512_srli_epi32(r, 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    r = _mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7fc0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+  }
+  static F load_f16(const uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static void store_f16(uint16_t* p, F x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                        _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+};
+
+#include "adam/adam_simd_body.h"
+
+void avx512_adam(const AdamTensorArgs& a, int64_t begin, int64_t end) {
+  dispatch_adam_range<SimdAdam<Avx512Ops>>(a, begin, end);
+}
+
+}  // namespace
+}  // namespace cpu
+}  // namespace statestore
+
+#pragma GCC pop_options
+
+namespace statestore {
+namespace cpu {
+const SimdKernels& avx512_kernels() {
+  static const SimdKernels k{"avx512", 512, &avx512_adam, &simd_finite};
+  return k;
+}
+}  // namespace cpu
+}  // namespace statestore

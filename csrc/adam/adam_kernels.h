@@ -1,0 +1,107 @@
+// Interface between the torch binding (adam_ops.cpp) and the per-ISA CPU kernels
+// (adam_scalar.cpp, adam_avx2.cpp, adam_avx512.cpp). No torch header here: the ISA files are
+// compiled for their instruction set and must not instantiate torch's inline functions.
+#pragma once
+
+#include <cstdint>
+
+#include "adam_math.h"
+
+namespace statestore {
+namespace cpu {
+
+// One tensor of an Adam step, as raw pointers. w is fp32 (the parameter, or its fp32
+// master); p_out the low-precision parameter written from w (nullptr when w is the
+// parameter); vmax is nullptr without amsgrad.
+struct AdamTensorArgs {
+  float* w;
+  const void* g;
+  float* m;
+  float* v;
+  float* vmax;
+  void* p_out;
+  DType g_dtype;
+  DType p_dtype;  // kNone when p_out is nullptr
+  int64_t n;
+  AdamScalars s;
+};
+
+// Updates elements [begin, end) of one tensor.
+using AdamRangeFn = void (*)(const AdamTensorArgs& a, int64_t begin, int64_t end);
+// True when elements [begin, end) of a float buffer of kind `dtype` are all finite.
+using FiniteRangeFn = bool (*)(const void* data, DType dtype, int64_t begin, int64_t end);
+
+struct SimdKernels {
+  const char* name;   // "avx512", "avx2", "scalar"
+  int width_bits;     // 512, 256, 32
+  AdamRangeFn adam;
+  FiniteRangeFn finite;
+};
+
+const SimdKernels& scalar_kernels();
+const SimdKernels& avx2_kernels();
+const SimdKernels& avx512_kernels();
+
+// Calls Impl::template run<GD, PD, kAmsgrad>(a, begin, end) for the tensor's dtypes.
+template <class Impl>
+void dispatch_adam_range(const AdamTensorArgs& a, int64_t begin, int64_t end) {
+  const bool ams = a.vmax != nullptr;
+#define SS_ADAM_CASE_P(GD)                                                                   \
+  switch (a.p_dtype) {                                                                       \
+    case DType::kNone:                                                                       \
+      return ams ? Impl::template run<GD, DType::kNone, true>(a, begin, end)                 \
+                 : Impl::template run<GD, DType::kNone, false>(a, begin, end);               \
+    case DType::kF32:                                                                        \
+      return ams ? Impl::template run<GD, DType::kF32, true>(a, begin, end)                  \
+                 : Impl::template run<GD, DType::kF32, false>(a, begin, end);                \
+    case DType::kF16:                                                                        \
+      return ams ? Impl::template run<GD, DType::kF16, true>(a, begin, end)                  \
+                 : Impl::template run<GD, DType::kF16, false>(a, begin, end);                \
+    case DType::kBF16:                                                                       \
+      return ams ? Impl::template run<GD, DType::kBF16, true>(a, begin, end)                 \
+                 : Impl::template run<GD, DType::kBF16, false>(a, begin, end);               \
+  }
+  switch (a.g_dtype) {
+    case DType::kF32: SS_ADAM_CASE_P(DType::kF32) break;
+    case DType::kF16: SS_ADAM_CASE_P(DType::kF16) break;
+    case DType::kBF16: SS_ADAM_CASE_P(DType::kBF16) break;
+    case DType::kNone: break;
+  }
+#undef SS_ADAM_CASE_P
+}
+
+// Scalar loop over [begin, end): the reference every SIMD tail uses.
+template <DType GD, DType PD, bool kAmsgrad>
+inline void adam_scalar_range(const AdamTensorArgs& a, int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end; ++i) {
+    adam_element<GD, PD, kAmsgrad>(i, a.w, a.g, a.m, a.v, a.vmax, a.p_out, a.s);
+  }
+}
+
+// Non-finite test by exponent bits, scalar (the SIMD files have their own copy compiled for
+// their instruction set, see adam_simd_body.h).
+inline bool finite_range_scalar(const void* data, DType dtype, int64_t begin, int64_t end) {
+  const int64_t n = end - begin;
+  switch (dtype) {
+    case DType::kF32: {
+      const uint32_t* p = static_cast<const uint32_t*>(data) + begin;
+      for (int64_t i = 0; i < n; ++i)
+        if ((p[i] & 0x7f800000u) == 0x7f800000u) return false;
+      return true;
+    }
+    case DType::kF16:
+    case DType::kBF16: {
+      const uint16_t mask = dtype == DType::kF16 ? 0x7c00u : 0x7f80u;
+      const uint16_t* p = static_cast<const uint16_t*>(data) + begin;
+      for (int64_t i = 0; i < n; ++i)
+        if ((p[i] & mask) == mask) return false;
+      return true;
+    }
+    case DType::kNone:
+      break;
+  }
+  return true;
+}
+
+}  // namespace cpu
+}  // namespace statestore

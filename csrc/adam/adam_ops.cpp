@@ -1,0 +1,279 @@
+// Torch binding of the CPU Adam kernels: the `statestore` op library (schemas with mutation
+// annotations, CPU implementations), run-time choice of the SIMD path, multi-threading with
+// torch's intra-op threads, and the module `statestore._C_adam`.
+//
+// Threading: the elements of every tensor of a call are cut into fixed chunks (kChunk
+// elements); at::parallel_for hands each thread a contiguous run of chunks. The update is
+// elementwise with no reduction, and the SIMD body and the scalar tail compute the same bits,
+// so results do not depend on the number of threads.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "adam/adam_kernels.h"
+
+namespace statestore {
+namespace cpu {
+namespace {
+
+constexpr int64_t kChunk = 1 << 14;  // elements per work item (64 KiB of fp32)
+
+bool cpu_has_avx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
+}
+
+bool cpu_has_avx512() {
+  __builtin_cpu_init();
+  return cpu_has_avx2() && __builtin_cpu_supports("avx512f") &&
+         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512dq");
+}
+
+const SimdKernels* best_kernels() {
+  if (cpu_has_avx512()) return &avx512_kernels();
+  if (cpu_has_avx2()) return &avx2_kernels();
+  return &scalar_kernels();
+}
+
+std::atomic<const SimdKernels*>& active() {
+  static std::atomic<const SimdKernels*> k{best_kernels()};
+  return k;
+}
+
+std::vector<std::string> simd_supported() {
+  std::vector<std::string> out;
+  if (cpu_has_avx512()) out.emplace_back("avx512");
+  if (cpu_has_avx2()) out.emplace_back("avx2");
+  out.emplace_back("scalar");
+  return out;
+}
+
+// Selects a path by name ("avx512", "avx2", "scalar", or "auto"/"" for the best the
+// processor supports). Never selects a path the processor lacks: that is an error.
+std::string set_simd(const std::string& name) {
+  const SimdKernels* k = nullptr;
+  if (name.empty() || name == "auto") {
+    k = best_kernels();
+  } else if (name == "avx512") {
+    if (!cpu_has_avx512())
+      throw std::runtime_error("set_simd: this processor does not support AVX-512 (F/BW/VL/DQ)");
+    k = &avx512_kernels();
+  } else if (name == "avx2") {
+    if (!cpu_has_avx2())
+      throw std::runtime_error("set_simd: this processor does not support AVX2+FMA+F16C");
+    k = &avx2_kernels();
+  } else if (name == "scalar") {
+    k = &scalar_kernels();
+  } else {
+    throw std::invalid_argument("set_simd: unknown SIMD path '" + name +
+                                "' (expected avx512, avx2, scalar or auto)");
+  }
+  active().store(k);
+  return k->name;
+}
+
+pybind11::tuple simd_in_use() {
+  const SimdKernels* k = active().load();
+  return pybind11::make_tuple(std::string(k->name), k->width_bits);
+}
+
+DType storage_of(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return DType::kF32;
+    case at::kHalf: return DType::kF16;
+    case at::kBFloat16: return DType::kBF16;
+    default: return DType::kNone;
+  }
+}
+
+void check_tensor(const at::Tensor& t, const char* name, size_t i, int64_t numel) {
+  TORCH_CHECK(t.defined(), "adam_step_: ", name, "[", i, "] is undefined");
+  TORCH_CHECK(t.device().is_cpu(), "adam_step_: ", name, "[", i, "] is on ", t.device(),
+              ", expected cpu");
+  TORCH_CHECK(t.is_contiguous(), "adam_step_: ", name, "[", i,
+              "] is not contiguous; call .contiguous() or use the reference path");
+  TORCH_CHECK(t.numel() == numel, "adam_step_: ", name, "[", i, "] has ", t.numel(),
+              " elements, params[", i, "] has ", numel);
+}
+
+void check_f32(const at::Tensor& t, const char* name, size_t i) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat, "adam_step_: ", name, "[", i, "] must be float32, got ",
+              t.scalar_type());
+}
+
+// Runs k.adam over every tensor, in parallel over fixed chunks.
+void run_adam(const SimdKernels& k, const std::vector<AdamTensorArgs>& jobs) {
+  std::vector<int64_t> prefix(jobs.size() + 1, 0);
+  int64_t total = 0;
+  for (size_t t = 0; t < jobs.size(); ++t) {
+    prefix[t + 1] = prefix[t] + (jobs[t].n + kChunk - 1) / kChunk;
+    total += jobs[t].n;
+  }
+  const int64_t nchunks = prefix.back();
+  if (total <= 2 * kChunk || at::get_num_threads() <= 1 || at::in_parallel_region()) {
+    for (const auto& j : jobs) k.adam(j, 0, j.n);
+    return;
+  }
+  at::parallel_for(0, nchunks, 1, [&](int64_t cb, int64_t ce) {
+    size_t t = static_cast<size_t>(std::upper_bound(prefix.begin(), prefix.end(), cb) - prefix.begin()) - 1;
+    for (int64_t c = cb; c < ce;) {
+      while (prefix[t + 1] <= c) ++t;
+      const int64_t cend = std::min(ce, prefix[t + 1]);
+      const int64_t b = (c - prefix[t]) * kChunk;
+      const int64_t e = std::min(jobs[t].n, (cend - prefix[t]) * kChunk);
+      k.adam(jobs[t], b, e);
+      c = cend;
+    }
+  });
+}
+
+void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                   at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
+                   const c10::List<std::optional<at::Tensor>>& masters,
+                   at::ArrayRef<double> step_sizes, at::ArrayRef<double> bc2_sqrts, double lr,
+                   double beta1, double beta2, double eps, double weight_decay, bool adamw_mode,
+                   bool maximize, double grad_scale) {
+  const size_t n = params.size();
+  TORCH_CHECK(grads.size() == n, "adam_step_: grads has ", grads.size(), " tensors, params has ", n);
+  TORCH_CHECK(exp_avgs.size() == n, "adam_step_: exp_avgs has ", exp_avgs.size(),
+              " tensors, params has ", n);
+  TORCH_CHECK(exp_avg_sqs.size() == n, "adam_step_: exp_avg_sqs has ", exp_avg_sqs.size(),
+              " tensors, params has ", n);
+  TORCH_CHECK(max_exp_avg_sqs.empty() || max_exp_avg_sqs.size() == n,
+              "adam_step_: max_exp_avg_sqs must be empty (no amsgrad) or have one tensor per "
+              "param, got ", max_exp_avg_sqs.size(), " for ", n, " params");
+  TORCH_CHECK(masters.empty() || masters.size() == n,
+              "adam_step_: masters must be empty or have one entry per param, got ",
+              masters.size(), " for ", n, " params");
+  TORCH_CHECK(step_sizes.size() == n && bc2_sqrts.size() == n,
+              "adam_step_: step_sizes and bc2_sqrts need one value per param (", n, "), got ",
+              step_sizes.size(), " and ", bc2_sqrts.size());
+  TORCH_CHECK(std::isfinite(grad_scale) && grad_scale > 0, "adam_step_: grad_scale must be a "
+              "positive finite number, got ", grad_scale);
+  const bool amsgrad = !max_exp_avg_sqs.empty();
+
+  std::vector<AdamTensorArgs> jobs;
+  jobs.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& p = params[i];
+    std::optional<at::Tensor> master;
+    if (!masters.empty()) master = masters.get(i);
+    const bool has_master = master.has_value() && master->defined();
+    const int64_t numel = p.numel();
+    check_tensor(p, "params", i, numel);
+    check_tensor(grads[i], "grads", i, numel);
+    check_tensor(exp_avgs[i], "exp_avgs", i, numel);
+    check_tensor(exp_avg_sqs[i], "exp_avg_sqs", i, numel);
+    check_f32(exp_avgs[i], "exp_avgs", i);
+    check_f32(exp_avg_sqs[i], "exp_avg_sqs", i);
+    AdamTensorArgs a{};
+    a.g_dtype = storage_of(grads[i].scalar_type());
+    TORCH_CHECK(a.g_dtype != DType::kNone, "adam_step_: grads[", i,
+                "] must be float32, float16 or bfloat16, got ", grads[i].scalar_type());
+    if (amsgrad) {
+      check_tensor(max_exp_avg_sqs[i], "max_exp_avg_sqs", i, numel);
+      check_f32(max_exp_avg_sqs[i], "max_exp_avg_sqs", i);
+      a.vmax = max_exp_avg_sqs[i].data_ptr<float>();
+    }
+    if (has_master) {
+      check_tensor(*master, "masters", i, numel);
+      check_f32(*master, "masters", i);
+      a.p_dtype = storage_of(p.scalar_type());
+      TORCH_CHECK(a.p_dtype != DType::kNone, "adam_step_: params[", i,
+                  "] (with an fp32 master) must be float32, float16 or bfloat16, got ",
+                  p.scalar_type());
+      a.w = master->data_ptr<float>();
+      a.p_out = p.data_ptr();
+    } else {
+      TORCH_CHECK(p.scalar_type() == at::kFloat, "adam_step_: params[", i,
+                  "] is ", p.scalar_type(), " without an fp32 master; pass masters[", i, "]");
+      a.p_dtype = DType::kNone;
+      a.w = p.data_ptr<float>();
+      a.p_out = nullptr;
+    }
+    a.g = grads[i].data_ptr();
+    a.m = exp_avgs[i].data_ptr<float>();
+    a.v = exp_avg_sqs[i].data_ptr<float>();
+    a.n = numel;
+    a.s = make_adam_scalars(lr, beta1, beta2, eps, weight_decay, adamw_mode, maximize,
+                            grad_scale, step_sizes[i], bc2_sqrts[i]);
+    if (numel > 0) jobs.push_back(a);
+  }
+  run_adam(*active().load(), jobs);
+}
+
+bool grads_finite_cpu(at::TensorList grads) {
+  struct Job { const void* data; DType dtype; int64_t n; };
+  std::vector<Job> jobs;
+  for (size_t i = 0; i < grads.size(); ++i) {
+    const at::Tensor& g = grads[i];
+    TORCH_CHECK(g.device().is_cpu(), "grads_finite: grads[", i, "] is on ", g.device(), ", expected cpu");
+    const DType d = storage_of(g.scalar_type());
+    if (d == DType::kNone || !g.is_contiguous()) {
+      if (g.is_floating_point() || g.is_complex()) {
+        if (!at::isfinite(g).all().item<bool>()) return false;
+      }
+      continue;
+    }
+    if (g.numel() > 0) jobs.push_back({g.data_ptr(), d, g.numel()});
+  }
+  const SimdKernels& k = *active().load();
+  constexpr int64_t kFiniteChunk = 1 << 16;
+  std::vector<int64_t> prefix(jobs.size() + 1, 0);
+  for (size_t t = 0; t < jobs.size(); ++t) prefix[t + 1] = prefix[t] + (jobs[t].n + kFiniteChunk - 1) / kFiniteChunk;
+  std::atomic<bool> ok{true};
+  auto body = [&](int64_t cb, int64_t ce) {
+    size_t t = static_cast<size_t>(std::upper_bound(prefix.begin(), prefix.end(), cb) - prefix.begin()) - 1;
+    for (int64_t c = cb; c < ce && ok.load(std::memory_order_relaxed); ++c) {
+      while (prefix[t + 1] <= c) ++t;
+      const int64_t b = (c - prefix[t]) * kFiniteChunk;
+      const int64_t e = std::min(jobs[t].n, b + kFiniteChunk);
+      if (!k.finite(jobs[t].data, jobs[t].dtype, b, e)) ok.store(false, std::memory_order_relaxed);
+    }
+  };
+  if (prefix.back() <= 2 || at::in_parallel_region()) body(0, prefix.back());
+  else at::parallel_for(0, prefix.back(), 1, body);
+  return ok.load();
+}
+
+}  // namespace
+}  // namespace cpu
+}  // namespace statestore
+
+TORCH_LIBRARY(statestore, m) {
+  m.def(
+      "adam_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
+      "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)?[] masters, "
+      "float[] step_sizes, float[] bc2_sqrts, float lr, float beta1, float beta2, float eps, "
+      "float weight_decay, bool adamw_mode, bool maximize, float grad_scale) -> ()");
+  m.def("grads_finite(Tensor[] grads) -> bool");
+}
+
+TORCH_LIBRARY_IMPL(statestore, CPU, m) {
+  m.impl("adam_step_", &statestore::cpu::adam_step_cpu);
+  m.impl("grads_finite", &statestore::cpu::grads_finite_cpu);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "statestore's Adam kernels; the ops are torch.ops.statestore.adam_step_ / grads_finite";
+  m.def("set_simd", &statestore::cpu::set_simd, pybind11::arg("name"),
+        "Select the CPU path: 'avx512', 'avx2', 'scalar' or 'auto'. Raises where the processor "
+        "lacks it. Returns the name selected.");
+  m.def("simd", &statestore::cpu::simd_in_use, "(name, width in bits) of the CPU path in use");
+  m.def("simd_supported", &statestore::cpu::simd_supported,
+        "CPU paths this processor supports, widest first");
+#ifdef STATESTORE_WITH_CUDA
+  m.attr("with_cuda") = true;
+#else
+  m.attr("with_cuda") = false;
+#endif
+}

@@ -1,0 +1,27 @@
+// Scalar CPU Adam: the portable path and the reference the SIMD paths must match bit for bit.
+#include "adam/adam_kernels.h"
+
+namespace statestore {
+namespace cpu {
+namespace {
+
+struct ScalarAdam {
+  template <DType GD, DType PD, bool kAmsgrad>
+  static void run(const AdamTensorArgs& a, int64_t begin, int64_t end) {
+    adam_scalar_range<GD, PD, kAmsgrad>(a, begin, end);
+  }
+};
+
+void scalar_adam(const AdamTensorArgs& a, int64_t begin, int64_t end) {
+  dispatch_adam_range<ScalarAdam>(a, begin, end);
+}
+
+}  // namespace
+
+const SimdKernels& scalar_kernels() {
+  static const SimdKernels k{"scalar", 32, &scalar_adam, &finite_range_scalar};
+  return k;
+}
+
+}  // namespace cpu
+}  // namespace statestore
