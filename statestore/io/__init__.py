@@ -1,0 +1,39 @@
+"""Asynchronous direct I/O for statestore's disk stores.
+
+* :func:`make_engine` / :func:`available_engines` / :class:`IOEngine`: io_uring, libaio and a
+  thread pool (``statestore._C_io``), plus TensorNVMe when it is installed;
+* :class:`IOFile`: O_DIRECT where the filesystem supports it, buffered with one warning and the
+  page cache dropped otherwise;
+* :func:`alloc_buffer`: 4096-aligned, optionally page-locked host buffers.
+
+See ``docs/nvme.md``.
+"""
+from .buffers import ALIGNMENT, AlignedBuffer, alloc_buffer
+from .engine import (
+    ENGINE_NAMES,
+    IOEngine,
+    IOFuture,
+    NativeEngine,
+    PyThreadsEngine,
+    available_engines,
+    make_engine,
+    probe_engine,
+)
+from .files import DIRECT_ALIGNMENT, IOFile, drop_page_cache
+
+__all__ = [
+    "ALIGNMENT",
+    "AlignedBuffer",
+    "alloc_buffer",
+    "ENGINE_NAMES",
+    "IOEngine",
+    "IOFuture",
+    "NativeEngine",
+    "PyThreadsEngine",
+    "available_engines",
+    "make_engine",
+    "probe_engine",
+    "DIRECT_ALIGNMENT",
+    "IOFile",
+    "drop_page_cache",
+]

@@ -1,0 +1,113 @@
+"""Aligned host buffers for direct I/O.
+
+:func:`alloc_buffer` returns 4096-aligned memory, page-locked when asked and possible:
+
+* ``"cuda-registered"``: where CUDA is available, the pages are registered with
+  ``cudaHostRegister`` (exact size, no power-of-two rounding as torch's caching host allocator
+  does), so GPU copies from them are asynchronous;
+* ``"mlocked"``: otherwise ``mlock`` where the process may lock that much memory;
+* ``"plain"``: otherwise pageable memory; :attr:`AlignedBuffer.note` says why.
+
+The memory comes from an anonymous ``mmap`` and is returned to the OS when the last tensor
+viewing it is freed, so a freed buffer leaves nothing behind in RSS.
+"""
+from __future__ import annotations
+
+import mmap
+import weakref
+
+import torch
+
+from statestore.errors import StateStoreValueError
+
+from ._native import native
+
+__all__ = ["ALIGNMENT", "AlignedBuffer", "alloc_buffer"]
+
+ALIGNMENT = 4096
+
+
+def _round_up(n: int, a: int = ALIGNMENT) -> int:
+    return (n + a - 1) // a * a
+
+
+class AlignedBuffer:
+    """A 4096-aligned host buffer. ``tensor`` is a flat ``uint8`` tensor over all of it.
+
+    Attributes: ``nbytes`` (requested size), ``kind`` (``"cuda-registered"``, ``"mlocked"`` or
+    ``"plain"``), ``note`` (why it is not page-locked, if it is not).
+    """
+
+    __slots__ = ("tensor", "nbytes", "kind", "note", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor, kind: str, note: str) -> None:
+        self.tensor = tensor
+        self.nbytes = tensor.numel()
+        self.kind = kind
+        self.note = note
+
+    @property
+    def locked(self) -> bool:
+        return self.kind != "plain"
+
+    def data_ptr(self) -> int:
+        return self.tensor.data_ptr()
+
+    def view(self, dtype: torch.dtype, numel: int, byte_offset: int = 0) -> torch.Tensor:
+        """A ``dtype`` tensor of ``numel`` elements starting ``byte_offset`` bytes in."""
+        size = numel * torch.empty((), dtype=dtype).element_size()
+        if byte_offset < 0 or byte_offset + size > self.nbytes:
+            raise StateStoreValueError(
+                f"view of {size} bytes at byte_offset {byte_offset} exceeds the buffer's "
+                f"{self.nbytes} bytes")
+        return self.tensor[byte_offset:byte_offset + size].view(dtype)
+
+    def __repr__(self) -> str:
+        return f"AlignedBuffer(nbytes={self.nbytes}, kind={self.kind!r})"
+
+
+def _cuda_register(t: torch.Tensor) -> tuple[bool, str]:
+    try:
+        cudart = torch.cuda.cudart()
+        rc = cudart.cudaHostRegister(t.data_ptr(), t.numel(), 0)
+        code = rc if isinstance(rc, int) else getattr(rc, "value", rc)
+        if code != 0:
+            return False, f"cudaHostRegister returned {rc}"
+        return True, ""
+    except Exception as e:  # noqa: BLE001 - any failure means plain memory, reported
+        return False, f"cudaHostRegister failed: {e}"
+
+
+def _cuda_unregister(ptr: int) -> None:
+    try:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    except Exception:  # noqa: BLE001 - interpreter shutdown; nothing to report to
+        pass
+
+
+def alloc_buffer(nbytes: int, *, pinned: bool = True) -> AlignedBuffer:
+    """Allocates ``nbytes`` (rounded up to 4096 internally) of aligned host memory.
+
+    ``pinned=True`` asks for page-locked memory (see the module docstring for how); the result's
+    ``kind`` says what was obtained. Never raises because locking failed.
+    """
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
+        raise StateStoreValueError(f"nbytes must be a positive int, got {nbytes!r}")
+    use_cuda = pinned and torch.cuda.is_available()
+    if native is not None:
+        t, locked, note = native.alloc_aligned(nbytes, bool(pinned) and not use_cuda)
+    else:
+        # Pure-Python fallback: an anonymous mmap is page-aligned; no mlock without the extension.
+        m = mmap.mmap(-1, _round_up(nbytes))
+        t = torch.frombuffer(m, dtype=torch.uint8)[:nbytes]
+        locked, note = False, "statestore._C_io not built: mlock unavailable"
+    kind = "mlocked" if locked else "plain"
+    if use_cuda:
+        ok, note = _cuda_register(t)
+        kind = "cuda-registered" if ok else "plain"
+    elif not pinned:
+        note = "page-locking not requested"
+    buf = AlignedBuffer(t, kind, note)
+    if kind == "cuda-registered":
+        weakref.finalize(buf, _cuda_unregister, t.data_ptr())
+    return buf
