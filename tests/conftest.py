@@ -1,0 +1,91 @@
+"""Shared fixtures: the backend registry every conformance and optimizer test runs over.
+
+``BACKENDS`` lists ``(name, factory)``; ``factory(tmp_path)`` returns a fresh, open store.
+**A new backend joins every suite by adding ONE line to BACKENDS** (e.g.
+``("nvme", lambda tmp: ss.NVMeStore(str(tmp / "nvme")))``); nothing else needs to change.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from typing import Callable, List, Tuple
+
+import pytest
+
+import statestore as ss
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _simstore import SimDiskStore  # noqa: E402
+
+
+def _pinned():
+    # Without CUDA the store falls back to pageable memory with one RuntimeWarning: expected.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return ss.PinnedCPUStore()
+
+
+#: Small budget for the simulated disk store: large states are cut into many units and the
+#: ring wraps, so read-ahead, write-behind and back-pressure are exercised.
+SIM_BUDGET = 256 * 1024
+
+Factory = Callable[["os.PathLike"], ss.StateStore]
+
+BACKENDS: List[Tuple[str, Factory]] = [
+    ("device-cpu", lambda tmp: ss.DeviceStore("cpu")),
+    ("pinned", lambda tmp: _pinned()),
+    ("file", lambda tmp: ss.FileStore(str(tmp / "filestore"))),
+    ("simdisk", lambda tmp: SimDiskStore(budget_bytes=SIM_BUDGET, write_delay=0.0005)),
+    # ---- one line per further backend, e.g.:
+    # ("nvme", lambda tmp: ss.NVMeStore(str(tmp / "nvme"))),
+]
+if hasattr(ss, "NVMeStore"):
+    BACKENDS.append(("nvme", lambda tmp: ss.NVMeStore(str(tmp / "nvme"), budget_bytes=1 << 20)))
+
+BACKEND_NAMES = [name for name, _ in BACKENDS]
+_FACTORIES = dict(BACKENDS)
+
+
+def make_store(name: str, tmp_path) -> ss.StateStore:
+    """A fresh store of backend ``name`` under ``tmp_path``."""
+    return _FACTORIES[name](tmp_path)
+
+
+@pytest.fixture(params=BACKEND_NAMES)
+def backend(request):
+    """The name of the backend under test (one test per entry of BACKENDS)."""
+    return request.param
+
+
+@pytest.fixture
+def store(backend, tmp_path):
+    """A fresh store of every backend in BACKENDS; closed after the test."""
+    s = make_store(backend, tmp_path)
+    try:
+        yield s
+    finally:
+        try:
+            s.close()
+        except ss.StateStoreError:
+            pass  # a test that injected a failure may leave one to surface here
+
+
+@pytest.fixture
+def store_factory(backend, tmp_path):
+    """Makes further stores of the backend under test (each in its own directory); closes
+    them all after the test."""
+    made = []
+
+    def make():
+        d = tmp_path / f"s{len(made)}"
+        d.mkdir()
+        s = make_store(backend, d)
+        made.append(s)
+        return s
+    yield make
+    for s in made:
+        try:
+            s.close()
+        except ss.StateStoreError:
+            pass
