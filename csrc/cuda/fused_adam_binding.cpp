@@ -1,0 +1,162 @@
+// Torch binding of the fused CUDA Adam (fused_adam.cu): the CUDA implementations of the
+// `statestore` ops declared in csrc/adam/adam_ops.cpp. Compiled only when torch has CUDA
+// (setup.py); the kernel source itself has no torch header.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "cuda/fused_adam.h"
+
+namespace statestore {
+namespace cuda {
+namespace {
+
+DType storage_of(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return DType::kF32;
+    case at::kHalf: return DType::kF16;
+    case at::kBFloat16: return DType::kBF16;
+    default: return DType::kNone;
+  }
+}
+
+void check_tensor(const at::Tensor& t, const char* name, size_t i, int64_t numel,
+                  const at::Device& dev) {
+  TORCH_CHECK(t.defined(), "adam_step_: ", name, "[", i, "] is undefined");
+  TORCH_CHECK(t.device() == dev, "adam_step_: ", name, "[", i, "] is on ", t.device(),
+              ", params[0] is on ", dev);
+  TORCH_CHECK(t.is_contiguous(), "adam_step_: ", name, "[", i,
+              "] is not contiguous; call .contiguous() or use the reference path");
+  TORCH_CHECK(t.numel() == numel, "adam_step_: ", name, "[", i, "] has ", t.numel(),
+              " elements, params[", i, "] has ", numel);
+}
+
+void check_f32(const at::Tensor& t, const char* name, size_t i) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat, "adam_step_: ", name, "[", i,
+              "] must be float32, got ", t.scalar_type());
+}
+
+void adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                    at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
+                    const c10::List<std::optional<at::Tensor>>& masters,
+                    at::ArrayRef<double> step_sizes, at::ArrayRef<double> bc2_sqrts, double lr,
+                    double beta1, double beta2, double eps, double weight_decay,
+                    bool adamw_mode, bool maximize, double grad_scale) {
+  const size_t n = params.size();
+  if (n == 0) return;
+  TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n,
+              "adam_step_: grads, exp_avgs and exp_avg_sqs need one tensor per param (", n,
+              "), got ", grads.size(), ", ", exp_avgs.size(), ", ", exp_avg_sqs.size());
+  TORCH_CHECK(max_exp_avg_sqs.empty() || max_exp_avg_sqs.size() == n,
+              "adam_step_: max_exp_avg_sqs must be empty or have one tensor per param");
+  TORCH_CHECK(masters.empty() || masters.size() == n,
+              "adam_step_: masters must be empty or have one entry per param");
+  TORCH_CHECK(step_sizes.size() == n && bc2_sqrts.size() == n,
+              "adam_step_: step_sizes and bc2_sqrts need one value per param");
+  TORCH_CHECK(std::isfinite(grad_scale) && grad_scale > 0,
+              "adam_step_: grad_scale must be a positive finite number, got ", grad_scale);
+  const at::Device dev = params[0].device();
+  TORCH_CHECK(dev.is_cuda(), "adam_step_: params[0] is on ", dev, ", expected a CUDA device");
+  const bool amsgrad = !max_exp_avg_sqs.empty();
+  const c10::cuda::CUDAGuard guard(dev);
+
+  std::vector<CudaAdamTensor> meta;
+  std::vector<int64_t> prefix(1, 0);
+  meta.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& p = params[i];
+    const int64_t numel = p.numel();
+    check_tensor(p, "params", i, numel, dev);
+    check_tensor(grads[i], "grads", i, numel, dev);
+    check_tensor(exp_avgs[i], "exp_avgs", i, numel, dev);
+    check_tensor(exp_avg_sqs[i], "exp_avg_sqs", i, numel, dev);
+    check_f32(exp_avgs[i], "exp_avgs", i);
+    check_f32(exp_avg_sqs[i], "exp_avg_sqs", i);
+    CudaAdamTensor t{};
+    const DType gd = storage_of(grads[i].scalar_type());
+    TORCH_CHECK(gd != DType::kNone, "adam_step_: grads[", i,
+                "] must be float32, float16 or bfloat16, got ", grads[i].scalar_type());
+    t.g_dtype = static_cast<int32_t>(gd);
+    if (amsgrad) {
+      check_tensor(max_exp_avg_sqs[i], "max_exp_avg_sqs", i, numel, dev);
+      check_f32(max_exp_avg_sqs[i], "max_exp_avg_sqs", i);
+      t.vmax = max_exp_avg_sqs[i].data_ptr<float>();
+    }
+    std::optional<at::Tensor> master;
+    if (!masters.empty()) master = masters.get(i);
+    if (master.has_value() && master->defined()) {
+      check_tensor(*master, "masters", i, numel, dev);
+      check_f32(*master, "masters", i);
+      const DType pd = storage_of(p.scalar_type());
+      TORCH_CHECK(pd != DType::kNone, "adam_step_: params[", i,
+                  "] (with an fp32 master) must be float32, float16 or bfloat16, got ",
+                  p.scalar_type());
+      t.p_dtype = static_cast<int32_t>(pd);
+      t.w = master->data_ptr<float>();
+      t.p_out = p.data_ptr();
+    } else {
+      TORCH_CHECK(p.scalar_type() == at::kFloat, "adam_step_: params[", i, "] is ",
+                  p.scalar_type(), " without an fp32 master; pass masters[", i, "]");
+      t.p_dtype = static_cast<int32_t>(DType::kNone);
+      t.w = p.data_ptr<float>();
+      t.p_out = nullptr;
+    }
+    t.g = grads[i].data_ptr();
+    t.m = exp_avgs[i].data_ptr<float>();
+    t.v = exp_avg_sqs[i].data_ptr<float>();
+    t.n = numel;
+    t.s = make_adam_scalars(lr, beta1, beta2, eps, weight_decay, adamw_mode, maximize,
+                            grad_scale, step_sizes[i], bc2_sqrts[i]);
+    if (numel == 0) continue;
+    meta.push_back(t);
+    prefix.push_back(prefix.back() + (numel + kCudaChunk - 1) / kCudaChunk);
+  }
+  if (meta.empty()) return;
+
+  // Metadata travels in one pinned buffer, copied asynchronously on the current stream; the
+  // caching host allocator keeps the buffer alive until that copy has completed.
+  const size_t meta_bytes = meta.size() * sizeof(CudaAdamTensor);
+  const size_t prefix_off = (meta_bytes + 15) / 16 * 16;
+  const size_t total = prefix_off + prefix.size() * sizeof(int64_t);
+  at::Tensor host = at::empty({static_cast<int64_t>(total)},
+                              at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  std::memcpy(host.data_ptr(), meta.data(), meta_bytes);
+  std::memcpy(static_cast<char*>(host.data_ptr()) + prefix_off, prefix.data(),
+              prefix.size() * sizeof(int64_t));
+  at::Tensor dmeta = host.to(dev, /*non_blocking=*/true);
+  const char* base = static_cast<const char*>(dmeta.data_ptr());
+  int num_sms = 0;
+  if (cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, dev.index()) != cudaSuccess) {
+    (void)cudaGetLastError();
+    num_sms = 32;  // only sizes the grid
+  }
+  const int err = launch_fused_adam(reinterpret_cast<const CudaAdamTensor*>(base),
+                                    reinterpret_cast<const int64_t*>(base + prefix_off),
+                                    static_cast<int>(meta.size()), prefix.back(), amsgrad,
+                                    num_sms, c10::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(err == 0, "adam_step_: CUDA kernel launch failed: ",
+              cudaGetErrorString(static_cast<cudaError_t>(err)));
+}
+
+bool grads_finite_cuda(at::TensorList grads) {
+  if (grads.empty()) return true;
+  std::vector<at::Tensor> flags;
+  flags.reserve(grads.size());
+  for (const at::Tensor& g : grads) flags.push_back(at::isfinite(g).all());
+  return at::stack(flags).all().item<bool>();  // one synchronization
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace statestore
+
+TORCH_LIBRARY_IMPL(statestore, CUDA, m) {
+  m.impl("adam_step_", &statestore::cuda::adam_step_cuda);
+  m.impl("grads_finite", &statestore::cuda::grads_finite_cuda);
+}
