@@ -25,6 +25,7 @@ from torch import Tensor
 from .._types import Slice, StateKey
 from ..errors import CheckpointMismatchError, StateStoreError, StateStoreValueError
 from ..kernels import adam_step, grads_finite
+from ..distributed import group_info, partition
 from ..pipeline import plan_units
 from ..store import StateStore
 
@@ -75,7 +76,9 @@ class _StoreAdam(torch.optim.Optimizer):
         bias_correction: only True is supported (ColossalAI's argument, kept for its users).
         skip_nonfinite: skip the whole step (no state or step count changes) when any
             gradient holds inf or nan, as loss-scaled mixed precision needs.
-        process_group: shard states over a ``torch.distributed`` group (not yet available).
+        process_group: shard states over a ``torch.distributed`` group: each rank keeps the
+            states of the parameters :func:`statestore.distributed.partition` assigns it,
+            gradients are averaged with all-reduce, owners update and broadcast parameters.
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
@@ -100,9 +103,6 @@ class _StoreAdam(torch.optim.Optimizer):
                             f"{type(state_store).__name__}")
         if state_store is not None and nvme_offload_fraction > 0:
             raise ValueError("pass either state_store or nvme_offload_fraction, not both")
-        if process_group is not None:
-            raise StateStoreError("process_group (sharded optimizer states) is not available "
-                                  "in this version of statestore")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         amsgrad=bool(amsgrad), maximize=bool(maximize),
                         adamw_mode=bool(adamw_mode))
@@ -112,6 +112,12 @@ class _StoreAdam(torch.optim.Optimizer):
         self._params: List[Tensor] = []
         self._index_keys()
         self._check_params()
+        self.process_group = process_group
+        self._owner: Optional[Dict[Tensor, int]] = None
+        if process_group is not None:
+            self._rank, self._world = group_info(process_group)
+            owners = partition([p.numel() for p in self._params], self._world)
+            self._owner = dict(zip(self._params, owners))
         self._owned_stores: List[StateStore] = []
         self._stores: Dict[Tensor, StateStore] = {}
         self._steps: Dict[str, int] = {}
@@ -166,7 +172,7 @@ class _StoreAdam(torch.optim.Optimizer):
     def _assign_stores(self) -> None:
         default: Dict[torch.device, StateStore] = {}
         for p in self._params:
-            if p in self._stores:
+            if p in self._stores or not self._owns(p):
                 continue
             if self.state_store is not None:
                 self._stores[p] = self.state_store
@@ -180,9 +186,16 @@ class _StoreAdam(torch.optim.Optimizer):
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         super().add_param_group(param_group)
         if hasattr(self, "_stores"):        # after __init__: a group added later
+            if self._owner is not None:
+                raise StateStoreError("add_param_group is not supported with a process_group "
+                                      "(the state partition is fixed at construction)")
             self._index_keys()
             self._check_params()
             self._assign_stores()
+
+    def _owns(self, p: Tensor) -> bool:
+        """True when this rank keeps ``p``'s states (always, without a process group)."""
+        return self._owner is None or self._owner[p] == self._rank
 
     def _state_names(self, p: Tensor, group: dict) -> List[str]:
         names = ["exp_avg", "exp_avg_sq"]
@@ -301,22 +314,62 @@ class _StoreAdam(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 grads[p] = self._grad_of(p)
-                per_store.setdefault(self._stores[p], []).append(p)
+                if self._owns(p):
+                    per_store.setdefault(self._stores[p], []).append(p)
             for store, ps in per_store.items():
                 work.setdefault(store, []).append((group, ps))
         if not grads:
             return loss
+        if self._owner is not None:
+            self._allreduce_grads(grads)
+            work = {st: [(g, [p for p in ps if self._owns(p)]) for g, ps in items]
+                    for st, items in work.items()}
         if self.skip_nonfinite and not grads_finite(list(grads.values())):
             return loss
         grad_scale = float(div_scale) if div_scale is not None and div_scale > 0 else 1.0
         for store, items in work.items():
             self._ensure_states(store, [p for _, ps in items for p in ps])
         for p in grads:
-            k = self._keys[p]
-            self._steps[k] = self._steps.get(k, 0) + 1
+            if self._owns(p):
+                k = self._keys[p]
+                self._steps[k] = self._steps.get(k, 0) + 1
         for store, items in work.items():
             self._step_store(store, items, grads, grad_scale)
+        if self._owner is not None:
+            for store in work:
+                store.sync()
+            self._broadcast_params([p for p in self._params if p in grads])
         return loss
+
+    def _allreduce_grads(self, grads: Dict[Tensor, Tensor]) -> None:
+        """Average gradients over the group (all-reduce, as DDP does): afterwards every
+        rank's ``p.grad`` holds the group mean."""
+        import torch.distributed as dist
+        handles = []
+        for p in self._params:
+            g = grads.get(p)
+            if g is None:
+                continue
+            if g is not p.grad:          # made contiguous: reduce the copy, then store it back
+                p.grad = g
+            handles.append(dist.all_reduce(g, op=dist.ReduceOp.SUM, group=self.process_group,
+                                           async_op=True))
+        for h in handles:
+            h.wait()
+        for g in grads.values():
+            g.div_(self._world)
+
+    def _broadcast_params(self, params: List[Tensor]) -> None:
+        """Each owner sends its updated parameters to every rank (the all-gather step)."""
+        import torch.distributed as dist
+        handles = []
+        for p in params:
+            src = dist.get_global_rank(self.process_group, self._owner[p]) \
+                if self.process_group is not dist.group.WORLD else self._owner[p]
+            handles.append(dist.broadcast(p.detach(), src=src, group=self.process_group,
+                                          async_op=True))
+        for h in handles:
+            h.wait()
 
     def _step_store(self, store: StateStore, items, grads: Dict[Tensor, Tensor],
                     grad_scale: float) -> None:
@@ -402,7 +455,8 @@ class _StoreAdam(torch.optim.Optimizer):
         state: Dict[int, Dict[str, Any]] = {}
         by_store: Dict[StateStore, List[Tensor]] = {}
         for p in self._params:
-            by_store.setdefault(self._stores[p], []).append(p)
+            if p in self._stores:           # with a process group: this rank's shard only
+                by_store.setdefault(self._stores[p], []).append(p)
         for store, ps in by_store.items():
             tensors = _export_states(store, [StateKey(self._keys[p], n) for p in ps
                                              for n in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
@@ -456,6 +510,8 @@ class _StoreAdam(torch.optim.Optimizer):
         groups = self._group_of()
         for sid, st in states.items():
             p = id_map[sid]
+            if not self._owns(p):
+                continue                    # another rank's shard
             key = self._keys[p]
             store = self._stores[p]
             names = self._state_names(p, groups[p])
