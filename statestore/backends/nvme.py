@@ -1,0 +1,320 @@
+"""``NVMeStore``: states in safetensors files on disk, moved with asynchronous direct I/O
+through a bounded RAM budget.
+
+Layout (``docs/nvme.md``): each batch of states created together (one ``create_many`` call)
+is one file ``<dir>/states-<store id>-<n>.safetensors``, a valid safetensors file at all times:
+its header is written at creation, every tensor's data starts at a multiple of 4096 bytes
+(``__pad__/<n>`` U8 tensors fill the gaps, and one before the zero-length ``__pad__/end`` makes
+the file size a multiple of 4096), and the data region is reserved with ``posix_fallocate``
+(so ENOSPC shows at creation, not mid-step) and reads as zeros until written. After
+:meth:`~statestore.StateStore.sync` the files hold every state's current value, so stock
+``safetensors.safe_open`` (or a checkpoint that copies files) sees it.
+
+I/O goes through one :class:`~statestore.io.IOEngine` per store (``engine="auto"``: io_uring,
+else libaio, else the thread pool) on ``O_DIRECT`` descriptors, from a ring of 4096-aligned,
+page-locked host buffers of ``budget_bytes`` owned by the pipeline: RSS stays within the
+budget whatever the states' size, and the page cache does not hold the states. Where the
+filesystem refuses ``O_DIRECT``, I/O is buffered (one warning) and every transferred range is
+written back and dropped from the page cache.
+"""
+from __future__ import annotations
+
+import atexit
+import errno
+import os
+import shutil
+import tempfile
+import uuid
+import weakref
+from concurrent.futures import Future
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .._safetensors_layout import PAD_PREFIX, layout
+from .._types import Slice, StateKey, StateSpec
+from ..errors import StateStoreIOError, StateStoreValueError
+from ..io import IOEngine, IOFile, alloc_buffer, make_engine
+from ..store import StateStore
+
+__all__ = ["NVMeStore"]
+
+_ALIGN = 4096
+
+
+def _round_up(n: int, a: int = _ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+def _remove_tree(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _done(value: int) -> Future:
+    f: Future = Future()
+    f.set_result(value)
+    return f
+
+
+class _StateFile:
+    __slots__ = ("path", "file", "live", "size", "removed_reported")
+
+    def __init__(self, path: str, file: IOFile, size: int):
+        self.path, self.file, self.size = path, file, size
+        self.live = 0
+        self.removed_reported = False
+
+
+class NVMeStore(StateStore):
+    """States in files under ``dir``, read and written with asynchronous direct I/O.
+
+    Args:
+        dir: directory of the state files; ``None`` makes a temporary directory removed on
+            :meth:`close` and at interpreter exit.
+        engine: ``"auto"``, ``"io_uring"``, ``"libaio"``, ``"threads"``, ``"tensornvme"`` or
+            an :class:`~statestore.io.IOEngine` instance (not closed by the store).
+        budget_bytes: RAM for the pipeline's host buffers (read-ahead, compute, write-behind);
+            default 256 MiB. Nothing else of the states is held in RAM.
+        queue_depth, block_size, io_threads: engine settings (requests in flight, bytes per
+            request, workers of the thread-pool engine).
+        pinned: page-lock the host buffers (``cudaHostRegister`` with CUDA, else ``mlock``
+            where permitted; ``stats()["buffer_kind"]`` says what was obtained).
+        direct: ``None`` probes ``O_DIRECT`` (buffered with one warning where unsupported),
+            ``True`` requires it, ``False`` uses buffered I/O with the page cache dropped.
+        keep_files: leave the state files in ``dir`` at close (ignored for ``dir=None``).
+    """
+
+    resident = False
+    alignment = _ALIGN
+
+    def __init__(self, dir: Optional[str] = None, engine: Any = "auto", *,
+                 budget_bytes: Optional[int] = None, queue_depth: int = 32,
+                 block_size: int = 1 << 20, io_threads: int = 8, pinned: bool = True,
+                 direct: Optional[bool] = None, keep_files: bool = False):
+        super().__init__(budget_bytes=budget_bytes)
+        if self.budget_bytes < 4 * _ALIGN:
+            raise StateStoreValueError(f"NVMeStore: budget_bytes must be at least {4 * _ALIGN}, "
+                                       f"got {self.budget_bytes}")
+        if direct not in (None, True, False):
+            raise StateStoreValueError(f"NVMeStore: direct must be None, True or False, got {direct!r}")
+        self._finalizer = None
+        if dir is None:
+            self._tmp: Optional[str] = tempfile.mkdtemp(prefix="statestore-nvme-")
+            self._finalizer = weakref.finalize(self, _remove_tree, self._tmp)
+            atexit.register(self._finalizer)
+            dir = self._tmp
+        else:
+            if not isinstance(dir, (str, os.PathLike)):
+                raise StateStoreValueError(f"NVMeStore: dir must be a path or None, got {dir!r}")
+            dir = os.fspath(dir)
+            if os.path.exists(dir) and not os.path.isdir(dir):
+                raise StateStoreValueError(f"NVMeStore: dir {dir!r} exists and is not a directory")
+            try:
+                os.makedirs(dir, exist_ok=True)
+            except OSError as e:
+                raise StateStoreIOError(e.errno, f"NVMeStore: cannot create directory {dir!r}: "
+                                        f"{e.strerror}", dir) from e
+            self._tmp = None
+        self.dir = dir
+        self.keep_files = bool(keep_files) and self._tmp is None
+        self._direct = direct
+        self._pinned = bool(pinned)
+        self._id = uuid.uuid4().hex[:8]
+        self._nfiles = 0
+        self._files: Dict[str, _StateFile] = {}
+        self._where: Dict[StateKey, Tuple[_StateFile, int]] = {}   # key -> (file, data offset)
+        self._buffer = None          # the pipeline ring's AlignedBuffer
+        self._bounce = None          # 4 KiB buffer for read-modify-write of partial blocks
+        if isinstance(engine, IOEngine):
+            self._engine, self._own_engine = engine, False
+        elif isinstance(engine, str):
+            self._engine = make_engine(engine, queue_depth=queue_depth, block_size=block_size,
+                                       threads=io_threads, directory=dir)
+            self._own_engine = True
+        else:
+            raise StateStoreValueError(f"NVMeStore: engine must be a name or an IOEngine, "
+                                       f"got {engine!r}")
+
+    # ------------------------------------------------------------------ layout
+    def _allocate(self, entries: Sequence[Tuple[StateKey, StateSpec]]) -> None:
+        names = [(str(k), spec.dtype, spec.shape) for k, spec in entries]
+        names.append((f"{PAD_PREFIX}end", torch.uint8, (0,)))
+        lay = layout(names, align=_ALIGN, pad_tensors=True,
+                     metadata={"format": "statestore-nvmestore"})
+        path = os.path.join(self.dir, f"states-{self._id}-{self._nfiles:05d}.safetensors")
+        self._nfiles += 1
+        size = _round_up(lay.file_size)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+        except OSError as e:
+            raise StateStoreIOError(e.errno, f"NVMeStore: cannot create {path}: {e.strerror}",
+                                    path) from e
+        try:
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                    raise
+                os.ftruncate(fd, size)  # filesystem without fallocate: sparse zeros
+            n = os.pwrite(fd, lay.header, 0)
+            if n != len(lay.header):
+                raise OSError(errno.EIO, f"short write of the header ({n} of {len(lay.header)} bytes)")
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError as e:
+            os.close(fd)
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            raise StateStoreIOError(e.errno, f"NVMeStore: cannot lay out {path} ({size} bytes): "
+                                    f"{e.strerror}", path) from e
+        os.close(fd)
+        try:
+            f = IOFile(path, direct=self._direct)
+        except StateStoreIOError:
+            os.unlink(path)
+            raise
+        sf = _StateFile(path, f, size)
+        self._files[path] = sf
+        for k, _ in entries:
+            self._where[k] = (sf, lay.entries[str(k)].offset)
+            sf.live += 1
+
+    def _free(self, keys: Sequence[StateKey]) -> None:
+        for k in keys:
+            sf, _ = self._where.pop(k)
+            sf.live -= 1
+            if sf.live == 0:
+                self._drop_file(sf, unlink=True)
+
+    def _drop_file(self, sf: _StateFile, unlink: bool) -> None:
+        self._files.pop(sf.path, None)
+        try:
+            sf.file.close()
+        finally:
+            if unlink:
+                try:
+                    os.unlink(sf.path)
+                except FileNotFoundError:
+                    pass
+
+    # ------------------------------------------------------------------ I/O primitives
+    def _locate(self, s: Slice) -> Tuple[_StateFile, int, int, int]:
+        """(file, byte offset of the slice, exact bytes, item size)."""
+        sf, base = self._where[s.key]
+        item = self._specs[s.key].itemsize
+        return sf, base + s.start * item, s.numel * item, item
+
+    @staticmethod
+    def _bytes_view(t: torch.Tensor, nbytes: int) -> torch.Tensor:
+        """A uint8 tensor of ``nbytes`` starting at ``t``'s first byte, in the same storage
+        (the pipeline guarantees the rounded-up size is inside its aligned region)."""
+        storage = t.untyped_storage()
+        start = t.storage_offset() * t.element_size()
+        if start + nbytes > storage.nbytes():
+            raise StateStoreValueError(f"buffer of {storage.nbytes() - start} bytes cannot hold "
+                                       f"{nbytes} bytes of aligned I/O")
+        return torch.empty(0, dtype=torch.uint8).set_(storage, start, (nbytes,))
+
+    def _submit_read(self, s: Slice, out: torch.Tensor):
+        sf, off, nbytes, _ = self._locate(s)
+        if nbytes == 0:
+            return _done(0)
+        n = _round_up(nbytes)
+        return self._engine.read(sf.file, self._bytes_view(out, n), off, n)
+
+    def _submit_write(self, s: Slice, src: torch.Tensor):
+        sf, off, nbytes, _ = self._locate(s)
+        if nbytes == 0:
+            return _done(0)
+        self._check_present(sf)
+        spec = self._specs[s.key]
+        end = off + nbytes
+        n = _round_up(nbytes)
+        if s.stop < spec.numel and end % _ALIGN:
+            # The slice ends inside a block that holds later elements of the same state:
+            # merge that block (read-modify-write), then write the aligned prefix.
+            self._wait_pending_key(s.key)
+            n -= _ALIGN
+            self._merge_tail_block(sf, off + n, self._bytes_view(src, nbytes)[n:])
+        if n == 0:
+            return _done(nbytes)
+        return self._engine.write(sf.file, self._bytes_view(src, n), off, n)
+
+    def _merge_tail_block(self, sf: _StateFile, block_off: int, head: torch.Tensor) -> None:
+        if self._bounce is None:
+            self._bounce = alloc_buffer(_ALIGN, pinned=False)
+        b = self._bounce.tensor
+        self._engine.read(sf.file, b, block_off, _ALIGN).result()
+        b[:head.numel()].copy_(head)
+        self._engine.write(sf.file, b, block_off, _ALIGN).result()
+
+    def _alloc_host_buffer(self, nbytes: int) -> torch.Tensor:
+        self._buffer = alloc_buffer(_round_up(nbytes), pinned=self._pinned)
+        return self._buffer.tensor[:nbytes]
+
+    def _check_present(self, sf: _StateFile) -> None:
+        if sf.removed_reported:
+            return
+        try:
+            nlink = os.fstat(sf.file.fd).st_nlink
+        except OSError as e:
+            raise StateStoreIOError(e.errno, f"NVMeStore: fstat of {sf.path} failed: {e.strerror}",
+                                    sf.path) from e
+        if nlink == 0:
+            sf.removed_reported = True
+            raise StateStoreIOError(errno.ENOENT, f"NVMeStore: state file {sf.path} was removed "
+                                    "while the store was open; its states live on in the open "
+                                    "file until close(), save a checkpoint to keep them", sf.path)
+
+    def _flush(self) -> None:
+        for sf in list(self._files.values()):
+            self._check_present(sf)
+            sf.file.fsync()
+
+    def _close(self) -> None:
+        try:
+            if self._own_engine:
+                self._engine.close()
+        finally:
+            for sf in list(self._files.values()):
+                self._drop_file(sf, unlink=not self.keep_files)
+            self._where.clear()
+            self._buffer = None
+            self._bounce = None
+            if self._finalizer is not None:
+                self._finalizer()
+
+    # ------------------------------------------------------------------ introspection
+    def files(self) -> List[str]:
+        """Paths of the store's safetensors files."""
+        return list(self._files)
+
+    def location(self, key) -> Tuple[str, int, int]:
+        """``(path, byte offset, nbytes)`` of a state's data in its file (valid after
+        :meth:`sync`)."""
+        from ..store import _as_key
+
+        k = _as_key(key)
+        spec = self.spec(k)
+        sf, off = self._where[k]
+        return sf.path, off, spec.nbytes
+
+    @property
+    def engine(self) -> IOEngine:
+        return self._engine
+
+    def _backend_stats(self) -> Dict[str, Any]:
+        out: Dict[str, Any] = {
+            "dir": self.dir,
+            "files": len(self._files),
+            "disk_bytes": sum(sf.size for sf in self._files.values()),
+            "engine": self._engine.name,
+            "direct": all(sf.file.direct for sf in self._files.values()) if self._files else None,
+            "buffer_kind": self._buffer.kind if self._buffer is not None else None,
+            "pinned_bytes": (self._buffer.nbytes if self._buffer is not None
+                             and self._buffer.locked else 0),
+        }
+        out["engine_stats"] = self._engine.stats()
+        return out
