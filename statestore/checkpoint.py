@@ -94,8 +94,10 @@ def _commit(fs, f, tmp: str, final: str) -> None:
 
 
 def _progress(total: int, desc: str, enabled: Optional[bool]):
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, delay=1.0,
-                disable=(enabled is False), leave=False)
+    """A byte progress bar: ``enabled=True`` at once, ``None`` only for work over a second,
+    ``False`` never."""
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True,
+                delay=0.0 if enabled is True else 1.0, disable=(enabled is False), leave=False)
 
 
 # ---------------------------------------------------------------------------------- save
@@ -386,10 +388,14 @@ def load_checkpoint(store, path: str, *, progress: Optional[bool] = None) -> Non
     checksum while streaming. On any error the store is left empty (never half-loaded) and
     the exception names the file and tensor."""
     store._check_open()
-    m = read_manifest(path)
-    groups = _by_file(m)
-    for name, rows in groups.items():
-        _check_shard_header(m, name, rows)
+    try:
+        m = read_manifest(path)
+        groups = _by_file(m)
+        for name, rows in groups.items():
+            _check_shard_header(m, name, rows)
+    except BaseException:
+        store.clear()
+        raise
     store.clear()
     try:
         store.create_many([(r["state_key"], r["spec"].shape, r["spec"].dtype, None) for r in m.rows])

@@ -1,0 +1,212 @@
+"""``python -m statestore`` (also installed as ``statestore``): checkpoint tools.
+
+Commands::
+
+    statestore inspect CKPT                   a table of tensors, sizes, dtypes; steps; groups
+    statestore verify CKPT                    every checksum, with a progress bar; exit 1 on damage
+    statestore convert CKPT --to torch OUT.pt a torch.optim.AdamW-loadable state dict
+
+``CKPT`` is a local path or any fsspec URL. Exit status: 0 success, 1 a damaged or missing
+checkpoint (problems printed on stderr), 2 a usage error.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, Dict, List, Optional, Sequence
+
+__all__ = ["main", "to_torch_state_dict"]
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _table(rows: List[List[str]], header: List[str]) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    lines = [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
+    lines += [fmt.format(*map(str, r)) for r in rows]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+# ------------------------------------------------------------------------------ inspect
+def _cmd_inspect(args) -> int:
+    from .checkpoint import read_manifest
+    m = read_manifest(args.ckpt)
+    meta = m.metadata
+    steps = meta.get("steps", {}) if isinstance(meta.get("steps"), dict) else {}
+    out = [f"checkpoint   {args.ckpt}",
+           f"format       {m.info['format']} v{m.info['format_version']} "
+           f"(written by statestore {m.info['statestore_version']}, save id {m.info['save_id']})",
+           f"checksum     {m.info['checksum']}",
+           f"tensors      {len(m.rows)} in {len(m.files)} shard(s), {_human(m.nbytes)} "
+           f"({m.nbytes} bytes)"]
+    if meta.get("optimizer"):
+        out.append(f"optimizer    {meta['optimizer']} (metadata v{meta.get('version')})")
+    if steps:
+        vals = sorted(set(int(v) for v in steps.values()))
+        out.append(f"step         {vals[0] if len(vals) == 1 else f'{vals[0]}..{vals[-1]}'} "
+                   f"({len(steps)} parameters with state)")
+    print("\n".join(out))
+    groups = meta.get("param_groups") or []
+    if groups:
+        print()
+        hyper = [k for k in groups[0] if k != "params"]
+        rows = [[str(i), str(len(g.get("params", [])))] + [json.dumps(g.get(k)) for k in hyper]
+                for i, g in enumerate(groups)]
+        print(_table(rows, ["group", "params"] + hyper))
+    print()
+    rows = [[r["key"], r["dtype"], "x".join(map(str, r["shape"])) or "()", _human(r["nbytes"]),
+             str(steps.get(r["param"], "-")), r["file"], str(r["offset"])]
+            for r in m.rows]
+    print(_table(rows, ["tensor", "dtype", "shape", "size", "step", "file", "offset"]))
+    return 0
+
+
+# ------------------------------------------------------------------------------ verify
+def _cmd_verify(args) -> int:
+    from .checkpoint import read_manifest, verify_checkpoint
+    problems = verify_checkpoint(args.ckpt, progress=not args.quiet)
+    if problems:
+        for p in problems:
+            print(f"FAILED: {p}", file=sys.stderr)
+        print(f"{args.ckpt}: {len(problems)} problem(s)", file=sys.stderr)
+        return 1
+    m = read_manifest(args.ckpt)
+    print(f"OK: {args.ckpt}: {len(m.rows)} tensors in {len(m.files)} shard(s), "
+          f"{_human(m.nbytes)}, every {m.info['checksum']} checksum matches")
+    return 0
+
+
+# ------------------------------------------------------------------------------ convert
+def _open_tensor(m, r, verify: bool):
+    """The tensor of manifest row ``r``: mapped copy-on-write from local shards (pages load
+    on access and stay evictable page cache), read into RAM from other filesystems."""
+    import numpy as np
+    import torch
+    import xxhash
+    from .checkpoint import _is_local, _join
+    from .errors import CheckpointCorruptError
+    fpath = _join(m.root, r["file"])
+    spec = r["spec"]
+    if spec.nbytes == 0:
+        return torch.empty(spec.shape, dtype=spec.dtype)
+    if _is_local(m.fs):
+        raw = np.memmap(fpath, dtype=np.uint8, mode="c", offset=r["offset"], shape=(spec.nbytes,))
+    else:
+        raw = np.frombuffer(bytearray(m.fs.cat_file(fpath, start=r["offset"],
+                                                    end=r["offset"] + spec.nbytes)), dtype=np.uint8)
+    if verify and xxhash.xxh3_64(memoryview(raw)).hexdigest() != r["checksum"]:
+        raise CheckpointCorruptError(f"{fpath}: checksum mismatch in tensor {r['key']!r}")
+    return torch.from_numpy(raw).view(spec.dtype).view(spec.shape)
+
+
+def to_torch_state_dict(path: str, verify: bool = True) -> Dict[str, Any]:
+    """The checkpoint at ``path`` as ``torch.optim.AdamW``'s ``state_dict()``.
+
+    Parameters are numbered in the order of the optimizer metadata's ``param_groups`` (torch's
+    numbering); tensors of local checkpoints are memory-mapped, so only the pages being
+    written out are in RAM. ``verify`` checks every checksum on the way.
+    """
+    import torch
+    from .checkpoint import _by_file, _check_shard_header, read_manifest
+    from .errors import CheckpointError
+    m = read_manifest(path)
+    groups = m.metadata.get("param_groups")
+    if not groups:
+        raise CheckpointError(f"{path}: the checkpoint carries no optimizer metadata "
+                              f"(param_groups); it cannot be numbered for torch")
+    for name, rows in _by_file(m).items():
+        _check_shard_header(m, name, rows)
+    index: Dict[str, int] = {}
+    out_groups = []
+    for g in groups:
+        names = [str(n) for n in g.get("params", [])]
+        ids = []
+        for n in names:
+            index[n] = len(index)
+            ids.append(index[n])
+        ng = {k: v for k, v in g.items() if k != "params"}
+        ng["betas"] = tuple(ng.get("betas", (0.9, 0.999)))
+        adamw = bool(ng.get("adamw_mode", True))
+        ng["decoupled_weight_decay"] = adamw
+        for k, v in (("foreach", None), ("capturable", False), ("differentiable", False),
+                     ("fused", None), ("maximize", False), ("amsgrad", False)):
+            ng.setdefault(k, v)
+        ng["params"] = ids
+        if any(n != str(i) for n, i in zip(names, ids)):
+            ng["param_names"] = names
+        out_groups.append(ng)
+    unknown = sorted({r["param"] for r in m.rows} - set(index))
+    if unknown:
+        raise CheckpointError(f"{path}: states of parameters {unknown} that no param group "
+                              f"of the metadata lists")
+    steps = m.metadata.get("steps", {})
+    state: Dict[int, Dict[str, Any]] = {}
+    for r in m.rows:
+        entry = state.setdefault(index[r["param"]],
+                                 {"step": torch.tensor(float(steps.get(r["param"], 0)))})
+        entry[r["state"]] = _open_tensor(m, r, verify)
+    return {"state": dict(sorted(state.items())), "param_groups": out_groups}
+
+
+def _cmd_convert(args) -> int:
+    import torch
+    from .errors import StateStoreValueError
+    if args.to != "torch":
+        raise StateStoreValueError(f"--to: unknown target {args.to!r} (supported: torch)")
+    sd = to_torch_state_dict(args.ckpt, verify=not args.no_verify)
+    tmp = f"{args.out}.tmp-{os.getpid()}"
+    try:
+        torch.save(sd, tmp)
+        os.replace(tmp, args.out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    n = sum(len(v) - 1 for v in sd["state"].values())
+    print(f"wrote {args.out}: {len(sd['state'])} parameters, {n} state tensors, "
+          f"{len(sd['param_groups'])} param group(s); load it with torch.optim.AdamW(...)"
+          f".load_state_dict(torch.load({args.out!r}))")
+    return 0
+
+
+# ------------------------------------------------------------------------------ main
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="statestore", description="statestore checkpoint tools")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("inspect", help="list the tensors, steps and param groups of a checkpoint")
+    a.add_argument("ckpt", help="checkpoint path or fsspec URL")
+    a = sub.add_parser("verify", help="check every checksum of a checkpoint (exit 1 on damage)")
+    a.add_argument("ckpt")
+    a.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    a = sub.add_parser("convert", help="write a checkpoint in another format")
+    a.add_argument("ckpt")
+    a.add_argument("--to", required=True, choices=["torch"], help="target format")
+    a.add_argument("out", help="output file (torch: a .pt file for torch.load)")
+    a.add_argument("--no-verify", action="store_true", help="skip the checksums")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point; returns the exit status."""
+    args = _parser().parse_args(argv)
+    from .errors import StateStoreError
+    cmd = {"inspect": _cmd_inspect, "verify": _cmd_verify, "convert": _cmd_convert}[args.cmd]
+    try:
+        return cmd(args)
+    except StateStoreError as e:
+        print(f"statestore {args.cmd}: error: {e}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:         # `statestore inspect X | head`
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
