@@ -107,7 +107,7 @@ class RingArena:
 
 
 def plan_units(groups: Sequence[Sequence[StateKey]], numels: Sequence[int], itemsize: int,
-               max_unit_bytes: Optional[int], align_elems: int = 1
+               max_unit_bytes: Optional[int], align_elems: int = 1, slice_round: int = 1
                ) -> List[List[Tuple[int, int, int]]]:
     """Split and pack groups of same-sized states into pipeline units.
 
@@ -115,7 +115,8 @@ def plan_units(groups: Sequence[Sequence[StateKey]], numels: Sequence[int], item
     ``itemsize`` bytes). Returns units, each a list of ``(group index, start, stop)``: a large
     group is cut into ranges of at most ``max_unit_bytes`` (cut points multiples of
     ``align_elems``), small groups are packed together up to the same size.
-    ``max_unit_bytes=None`` packs everything into one unit.
+    ``max_unit_bytes=None`` packs everything into one unit. Each slice's bytes count
+    rounded up to ``slice_round`` (the ring's alignment), as the pipeline allocates them.
     """
     if max_unit_bytes is None:
         return [[(i, 0, n) for i, n in enumerate(numels)]] if numels else []
@@ -128,7 +129,7 @@ def plan_units(groups: Sequence[Sequence[StateKey]], numels: Sequence[int], item
         start = 0
         while start < n or (n == 0 and start == 0):
             stop = min(n, start + cap)
-            nbytes = (stop - start) * per_elem
+            nbytes = len(groups[i]) * _round_up(max((stop - start) * itemsize, 1), slice_round)
             if cur and cur_bytes + nbytes > max_unit_bytes:
                 units.append(cur)
                 cur, cur_bytes = [], 0

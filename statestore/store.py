@@ -179,7 +179,7 @@ class StateStore(ABC):
                 raise StateStoreValueError(f"state {k}: unsupported dtype {dtype!r}")
             try:
                 shape_t = tuple(int(d) for d in shape)
-            except TypeError:
+            except (TypeError, ValueError):
                 raise StateStoreValueError(f"state {k}: shape must be a sequence of ints, "
                                            f"got {shape!r}") from None
             if any(d < 0 for d in shape_t):
@@ -214,6 +214,7 @@ class StateStore(ABC):
 
     def clear(self) -> None:
         """Remove every state and the loaded checkpoint metadata."""
+        self._check_open()
         if self._specs:
             self.delete(list(self._specs))
         self._loaded_metadata = None

@@ -63,7 +63,7 @@ class FileStore(SlabStore):
 
     def _new_slab(self, entries: Sequence[Tuple[StateKey, StateSpec]]):
         lay = layout([(str(k), spec.dtype, spec.shape) for k, spec in entries], align=64,
-                     metadata={"format": "statestore-filestore"})
+                     pad_tensors=True, metadata={"format": "statestore-filestore"})
         path = os.path.join(self.dir, f"states-{self._id}-{self._nfiles:05d}.safetensors")
         self._nfiles += 1
         try:

@@ -129,7 +129,7 @@ class _StoreAdam(torch.optim.Optimizer):
         self._assign_stores()
         for store in set(self._stores.values()):
             self._resume_from(store)
-            store.attach_metadata(self._metadata)
+            store.attach_metadata(self._metadata_source())
 
     # ------------------------------------------------------------------ set-up
     def _make_offload_store(self, fraction: float, directory: Optional[str]) -> StateStore:
@@ -211,9 +211,9 @@ class _StoreAdam(torch.optim.Optimizer):
     def _resume_from(self, store: StateStore) -> None:
         """Pick up steps of states already in the store (a loaded checkpoint, or an earlier
         optimizer on it); raise CheckpointMismatchError listing every difference."""
-        if len(store) == 0:
-            return
         meta = store.metadata() or {}
+        if len(store) == 0 and not meta.get("params"):
+            return
         ours = {self._keys[p]: p for p, s in self._stores.items() if s is store}
         stored_params: Dict[str, Dict[str, Any]] = {}
         for k in store.keys():
@@ -221,6 +221,18 @@ class _StoreAdam(torch.optim.Optimizer):
         problems = []
         for name in sorted(set(stored_params) - set(ours)):
             problems.append(f"unexpected parameter {name!r} in the store")
+        saved = meta.get("params") if isinstance(meta, dict) else None
+        if isinstance(saved, dict) and saved:
+            every = {self._keys[p]: p for p in self._params}
+            for name in sorted(set(saved) - set(every)):
+                problems.append(f"parameter {name!r} of the checkpoint is not in the optimizer")
+            for name in sorted(set(every) - set(saved)):
+                problems.append(f"parameter {name!r} of the optimizer is not in the checkpoint")
+            for name in sorted(set(saved) & set(every)):
+                shape = tuple(saved[name].get("shape", ())) if isinstance(saved[name], dict) else ()
+                if shape != tuple(every[name].shape):
+                    problems.append(f"parameter {name!r}: shape {tuple(every[name].shape)} in the "
+                                    f"optimizer, {shape} in the checkpoint")
         groups = self._group_of()
         for name, p in ours.items():
             if name not in stored_params:
@@ -236,6 +248,7 @@ class _StoreAdam(torch.optim.Optimizer):
             missing = [s for s in needed if s not in stored_params[name] and s != "master"]
             if missing and stored_params[name]:
                 problems.append(f"parameter {name!r}: states {missing} missing from the store")
+        problems = list(dict.fromkeys(problems))
         if problems:
             raise CheckpointMismatchError(
                 "the store's states do not match the optimizer's parameters:\n  "
@@ -247,21 +260,33 @@ class _StoreAdam(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ metadata
     def _metadata(self) -> dict:
-        groups = []
-        for g in self.param_groups:
-            hyper = {k: (list(g[k]) if k == "betas" else g[k]) for k in _HYPER}
-            if isinstance(hyper["lr"], Tensor):
-                hyper["lr"] = hyper["lr"].item()
-            hyper["params"] = [self._keys[p] for p in g["params"]]
-            groups.append(hyper)
-        return {
-            "optimizer": type(self).__name__,
-            "version": OPTIMIZER_METADATA_VERSION,
-            "param_groups": groups,
-            "steps": dict(self._steps),
-            "params": {self._keys[p]: {"shape": list(p.shape), "dtype": str(p.dtype).replace("torch.", "")}
-                       for p in self._params},
-        }
+        return self._metadata_source()()
+
+    def _metadata_source(self):
+        """A callable producing this optimizer's metadata that holds the containers it reads
+        (groups, keys, step counts), not the optimizer: the store keeps it after the
+        optimizer is gone, so a later optimizer on the store picks up the step counts."""
+        name, param_groups, keys, steps, params = (type(self).__name__, self.param_groups,
+                                                   self._keys, self._steps, self._params)
+
+        def metadata() -> dict:
+            groups = []
+            for g in param_groups:
+                hyper = {k: (list(g[k]) if k == "betas" else g[k]) for k in _HYPER}
+                if isinstance(hyper["lr"], Tensor):
+                    hyper["lr"] = hyper["lr"].item()
+                hyper["params"] = [keys[p] for p in g["params"]]
+                groups.append(hyper)
+            return {
+                "optimizer": name,
+                "version": OPTIMIZER_METADATA_VERSION,
+                "param_groups": groups,
+                "steps": dict(steps),
+                "params": {keys[p]: {"shape": list(p.shape),
+                                     "dtype": str(p.dtype).replace("torch.", "")}
+                           for p in params},
+            }
+        return metadata
 
     # ------------------------------------------------------------------ step
     def _ensure_states(self, store: StateStore, params: Sequence[Tensor]) -> None:
@@ -379,7 +404,8 @@ class _StoreAdam(torch.optim.Optimizer):
         for group, ps in items:
             names = [self._state_names(p, group) for p in ps]
             keys = [[StateKey(self._keys[p], n) for n in ns] for p, ns in zip(ps, names)]
-            plan = plan_units(keys, [p.numel() for p in ps], 4, store.unit_bytes, align)
+            plan = plan_units(keys, [p.numel() for p in ps], 4, store.unit_bytes, align,
+                              slice_round=store.alignment)
             for unit in plan:
                 all_units.append([Slice(k, a, b) for i, a, b in unit for k in keys[i]])
                 meta.append((group, [(ps[i], a, b, names[i]) for i, a, b in unit]))
