@@ -40,8 +40,13 @@ BACKENDS: List[Tuple[str, Factory]] = [
     # ---- one line per further backend, e.g.:
     # ("nvme", lambda tmp: ss.NVMeStore(str(tmp / "nvme"))),
 ]
+# Backends that land separately (statestore exports them only when importable): still
+# one line each. Budgets are kept small so tests stay fast and exercise chunking.
 if hasattr(ss, "NVMeStore"):
     BACKENDS.append(("nvme", lambda tmp: ss.NVMeStore(str(tmp / "nvme"), budget_bytes=1 << 20)))
+if hasattr(ss, "TieredStore"):
+    BACKENDS.append(("tiered", lambda tmp: ss.TieredStore(
+        [(ss.DeviceStore("cpu"), 0.5), (SimDiskStore(budget_bytes=SIM_BUDGET), 0.5)])))
 
 BACKEND_NAMES = [name for name, _ in BACKENDS]
 _FACTORIES = dict(BACKENDS)

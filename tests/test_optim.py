@@ -22,7 +22,7 @@ from torch import nn
 
 import statestore as ss
 from statestore import StateKey
-from statestore.errors import BudgetError, StateStoreError
+from statestore.errors import StateStoreError
 from statestore.optim import CPUAdam, HybridAdam
 
 from _simstore import SimDiskStore
@@ -361,8 +361,11 @@ def test_grad_on_other_device_raises():
     p = nn.Parameter(torch.randn(4))
     opt = CPUAdam([p])
     p.grad = torch.randn(4)
-    p.grad.data = torch.randn(4, device="cuda")   # bypasses the setter's device check
-    with pytest.raises(StateStoreError, match="0"):
+    try:
+        p.grad.data = torch.randn(4, device="cuda")   # bypasses the setter's device check
+    except RuntimeError:
+        pytest.skip("this torch refuses a gradient on another device outright")
+    with pytest.raises(StateStoreError, match="'0'.*cuda"):
         opt.step()
 
 
@@ -463,11 +466,8 @@ def test_resume_on_store_with_states(store):
     assert second.state_dict()["state"][0]["step"].item() == 5
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: steps are lost once the optimizer that stepped "
-                   "is gone: StateStore.attach_metadata holds it weakly and metadata() then "
-                   "returns None, so _StoreAdam._resume_from sets every step to 0 while the "
-                   "moments are kept (optim/adam.py _resume_from / store.py attach_metadata)")
 def test_resume_after_first_optimizer_is_gone(store):
+    # regression: steps were lost once the first optimizer was garbage-collected
     params = make_params()
     twin = clone_params(params)
     grads = make_grads(params, 5)
@@ -585,11 +585,9 @@ def test_chunked_on_tiny_budget_matches_torch():
         store.close()
 
 
-@pytest.mark.xfail(strict=True, raises=BudgetError, reason=(
-    "BUG: optim/adam.py _step_store packs small parameters into one unit by their raw bytes "
-    "(pipeline.plan_units), but the ring rounds every slice up to store.alignment, so 10 "
-    "parameters of 7 floats need 10*2*4096 bytes > a 64 KiB budget: BudgetError"))
 def test_many_small_params_on_small_budget():
+    # regression: units were packed by raw bytes while the ring rounds each slice up to
+    # 4096 bytes: 10 parameters of 7 floats needed 80 KiB of a 64 KiB budget (BudgetError)
     store = SimDiskStore(budget_bytes=64 * 1024)
     try:
         params = make_params(shapes=[(7,)] * 10)

@@ -155,3 +155,13 @@ def test_plan_random_cover_and_bound(seed):
         assert sum((b - a) * 4 * states[i] for i, a, b in u) <= max_b
         for i, a, b in u:
             assert a % 64 == 0
+
+
+def test_plan_counts_ring_footprint_of_small_slices():
+    # the ring rounds every slice up to the store's alignment; a unit's footprint, so
+    # rounded, stays within max_unit_bytes (else small parameters overflow the budget)
+    units = plan_units(keys(10), [7] * 10, 4, 16384, align_elems=1024, slice_round=4096)
+    covered(units, [7] * 10)
+    for u in units:
+        assert sum(2 * 4096 for _ in u) <= 16384
+    assert len(units) == 5

@@ -121,25 +121,18 @@ class TestCatalogue:
             st = store.stats()
             assert st["bytes_read"] >= 18 and st["budget_bytes"] == store.budget_bytes
 
-    def test_create_many_mixed_dtypes(self, store, backend, request):
-        if backend == "file":
-            request.applymarker(pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-                "BUG: FileStore lays states of one create_many back to back without padding "
-                "(file.py:65 layout(..., align=64) lacks pad_tensors=True), so a float32 "
-                "after 3 float16 is misaligned and torch's view() raises RuntimeError")))
+    def test_create_many_mixed_dtypes(self, store):
+        # regression: FileStore once packed these without padding (misaligned views)
         vals = {K("h", "m"): _rand((3,), torch.float16), K("f", "m"): _rand((5,), torch.float32),
                 K("d", "m"): _rand((1,), torch.float64), K("i", "m"): _rand((7,), torch.uint8)}
         store.create_many([(k, tuple(v.shape), v.dtype, v) for k, v in vals.items()])
         for k, v in vals.items():
             assert torch.equal(store.get(k).cpu(), v)
 
-    def test_views_64_byte_aligned(self, store, backend, request):
+    def test_views_64_byte_aligned(self, store):
+        # _slab.py promises 64-byte aligned views to the SIMD kernels
         if not store.resident:
             pytest.skip("views are a resident-store property")
-        if backend == "file":
-            request.applymarker(pytest.mark.xfail(strict=True, reason=(
-                "BUG: FileStore states are not 64-byte aligned (file.py:65 layout() without "
-                "pad_tensors=True), against _slab.py's promise to the SIMD kernels")))
         store.create_many([(K(str(i), "m"), (3 + i,), torch.float32, None) for i in range(4)])
         assert [store.get(K(str(i), "m")).data_ptr() % 64 for i in range(4)] == [0] * 4
 
@@ -315,8 +308,6 @@ class TestLifetime:
                 op()
         assert issubclass(StateStoreClosedError, StateStoreError)
 
-    @pytest.mark.xfail(strict=True, reason="BUG: StateStore.clear() on a closed store is a "
-                       "silent no-op (store.py clear() never calls _check_open)")
     def test_clear_on_closed_store_raises(self, store_factory):
         s = store_factory()
         s.create("a/m", (3,))
@@ -359,9 +350,7 @@ def test_duplicate_key(store):
 BAD_CREATE = [
     pytest.param(dict(key="a/m", shape=(-1, 2)), "a/m", id="negative-dim"),
     pytest.param(dict(key="a/m", shape=None), "a/m", id="shape-none"),
-    pytest.param(dict(key="a/m", shape="xy"), "a/m", id="shape-not-ints", marks=pytest.mark.xfail(
-        strict=True, raises=ValueError, reason="BUG: store.py:181 create_many catches only "
-        "TypeError around int(d); int('x') raises a bare ValueError not naming the state")),
+    pytest.param(dict(key="a/m", shape="xy"), "a/m", id="shape-not-ints"),
     pytest.param(dict(key="a/m", shape=(2,), dtype=torch.complex64), "a/m", id="bad-dtype"),
     pytest.param(dict(key="a/m", shape=(2,), dtype="float32"), "a/m", id="dtype-not-dtype"),
     pytest.param(dict(key="a/m", shape=(2,), init=torch.zeros(3)), "a/m", id="init-shape"),
