@@ -38,7 +38,7 @@ BACKENDS: List[Tuple[str, Factory]] = [
     ("file", lambda tmp: ss.FileStore(str(tmp / "filestore"))),
     ("simdisk", lambda tmp: SimDiskStore(budget_bytes=SIM_BUDGET, write_delay=0.0005)),
     # ---- one line per further backend, e.g.:
-    # ("nvme", lambda tmp: ss.NVMeStore(str(tmp / "nvme"))),
+    # ("mystore", lambda tmp: ss.MyStore(str(tmp / "mystore"))),
 ]
 # Backends that land separately (statestore exports them only when importable): still
 # one line each. Budgets are kept small so tests stay fast and exercise chunking.
