@@ -427,10 +427,9 @@ def test_mismatch_lists_differences(kind, tmp_path):
                 assert w in str(ei.value), f"{what}: {w!r} not in {ei.value}"
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: statestore/optim/adam.py _resume_from ignores the "
-                   "checkpoint's metadata['params']: a parameter the checkpoint never had "
-                   "silently starts fresh instead of raising CheckpointMismatchError")
 def test_mismatch_extra_parameter(tmp_path):
+    """A parameter the checkpoint's metadata never listed is a difference too (it does not
+    silently start fresh). Fixed in adam.py by f3bb881; was an xfail here."""
     c, named, path = _checkpoint_of("mixed", tmp_path)
     extra = named + [("layer4.weight", torch.nn.Parameter(torch.zeros(5)))]
     with ss.DeviceStore("cpu") as s:
