@@ -50,6 +50,15 @@ def _remove_tree(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def _unlink_all(paths: set) -> None:
+    for p in list(paths):
+        try:
+            os.unlink(p)
+        except OSError:
+            pass
+    paths.clear()
+
+
 def _done(value: int) -> Future:
     f: Future = Future()
     f.set_result(value)
@@ -117,6 +126,10 @@ class NVMeStore(StateStore):
             self._tmp = None
         self.dir = dir
         self.keep_files = bool(keep_files) and self._tmp is None
+        self._paths: set = set()     # files to remove at close or interpreter exit
+        if self._tmp is None and not self.keep_files:
+            self._finalizer = weakref.finalize(self, _unlink_all, self._paths)
+            atexit.register(self._finalizer)
         self._direct = direct
         self._pinned = bool(pinned)
         self._id = uuid.uuid4().hex[:8]
@@ -177,6 +190,8 @@ class NVMeStore(StateStore):
             raise
         sf = _StateFile(path, f, size)
         self._files[path] = sf
+        if not self.keep_files:
+            self._paths.add(path)
         for k, _ in entries:
             self._where[k] = (sf, lay.entries[str(k)].offset)
             sf.live += 1
@@ -194,6 +209,7 @@ class NVMeStore(StateStore):
             sf.file.close()
         finally:
             if unlink:
+                self._paths.discard(sf.path)
                 try:
                     os.unlink(sf.path)
                 except FileNotFoundError:

@@ -24,11 +24,13 @@ makes later block completions fail with an errno or come back short. Nothing els
 from __future__ import annotations
 
 import abc
+import atexit
 import errno as _errno
 import os
 import tempfile
 import threading
 import warnings
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -163,6 +165,21 @@ def _make_error(err: int, message: str, path: str) -> StateStoreIOError:
     return StateStoreIOError(err, message, path)
 
 
+_live_engines: "weakref.WeakSet[IOEngine]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_engines() -> None:
+    # At interpreter exit, finish every request and stop the reaper threads while Python can
+    # still run them: a daemon thread left waiting inside the extension would be torn down
+    # mid-call when the interpreter finalizes.
+    for eng in list(_live_engines):
+        try:
+            eng.close()
+        except Exception:  # noqa: BLE001 - exiting; nothing to report to
+            pass
+
+
 class NativeEngine(IOEngine):
     """An engine of ``statestore._C_io``: ``io_uring``, ``libaio`` or ``threads``."""
 
@@ -185,6 +202,7 @@ class NativeEngine(IOEngine):
         self._lock = threading.Lock()
         self._pending: dict[int, tuple[IOFuture, Any, str]] = {}
         self._reaper: threading.Thread | None = None
+        _live_engines.add(self)
 
     def _submit(self, op, file, ptr, nbytes, offset, keep, sync) -> IOFuture:
         flags = 0

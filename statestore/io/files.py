@@ -85,6 +85,12 @@ class IOFile:
                 raise StateStoreIOError(e.errno, f"cannot open '{self.path}': {e.strerror}",
                                         self.path) from e
         self.drop_cache = (not self.direct) if drop_cache is None else bool(drop_cache)
+        if self.drop_cache and not self.direct:
+            # No kernel read-ahead: it would fill the cache beyond the ranges we drop.
+            try:
+                os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)
+            except OSError:
+                pass  # advisory only; the ranges transferred are still dropped
         self.alignment = DIRECT_ALIGNMENT if self.direct else 1
 
     # --- file-level operations (synchronous) -------------------------------------------------
