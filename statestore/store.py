@@ -295,8 +295,14 @@ class StateStore(ABC):
                                        f"multiple of {self.alignment} bytes")
 
     def _arena(self) -> RingArena:
-        if self._ring is None:
-            self._ring = RingArena(self._alloc_host_buffer(self.budget_bytes), self.alignment)
+        """The pipeline's ring: ``budget_bytes``, or less while the states are smaller (it
+        grows, up to the budget, when more states exist and no buffer is in use)."""
+        states = sum(-(-sp.nbytes // self.alignment) * self.alignment for sp in self._specs.values())
+        want = min(self.budget_bytes, states + (1 << 20) + 4 * self.alignment)
+        ring = self._ring
+        if ring is None or (ring.capacity < want and not self._pending and ring.used == 0):
+            self._ring = None           # release the old buffer before allocating the new
+            self._ring = RingArena(self._alloc_host_buffer(want), self.alignment)
         return self._ring
 
     # ------------------------------------------------------------------ background writes
