@@ -55,6 +55,8 @@ struct Avx2Ops {
 
 #include "adam/adam_simd_body.h"
 
+STATESTORE_DEFINE_PROBE(avx2_probe)
+
 void avx2_adam(const AdamTensorArgs& a, int64_t begin, int64_t end) {
   dispatch_adam_range<SimdAdam<Avx2Ops>>(a, begin, end);
 }
@@ -68,7 +70,7 @@ void avx2_adam(const AdamTensorArgs& a, int64_t begin, int64_t end) {
 namespace statestore {
 namespace cpu {
 const SimdKernels& avx2_kernels() {
-  static const SimdKernels k{"avx2", 256, &avx2_adam, &simd_finite};
+  static const SimdKernels k{"avx2", 256, &avx2_adam, &simd_finite, &avx2_probe};
   return k;
 }
 }  // namespace cpu

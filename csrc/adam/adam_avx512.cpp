@@ -57,6 +57,8 @@ struct Avx512Ops {
 
 #include "adam/adam_simd_body.h"
 
+STATESTORE_DEFINE_PROBE(avx512_probe)
+
 void avx512_adam(const AdamTensorArgs& a, int64_t begin, int64_t end) {
   dispatch_adam_range<SimdAdam<Avx512Ops>>(a, begin, end);
 }
@@ -70,7 +72,7 @@ void avx512_adam(const AdamTensorArgs& a, int64_t begin, int64_t end) {
 namespace statestore {
 namespace cpu {
 const SimdKernels& avx512_kernels() {
-  static const SimdKernels k{"avx512", 512, &avx512_adam, &simd_finite};
+  static const SimdKernels k{"avx512", 512, &avx512_adam, &simd_finite, &avx512_probe};
   return k;
 }
 }  // namespace cpu

@@ -31,12 +31,30 @@ using AdamRangeFn = void (*)(const AdamTensorArgs& a, int64_t begin, int64_t end
 // True when elements [begin, end) of a float buffer of kind `dtype` are all finite.
 using FiniteRangeFn = bool (*)(const void* data, DType dtype, int64_t begin, int64_t end);
 
+// Bandwidth probe with an fp32 Adam step's memory traffic and almost no arithmetic:
+// reads p, g, m, v and writes p, m, v (28 bytes an element). The benchmark's roofline.
+using ProbeRangeFn = void (*)(float* p, const float* g, float* m, float* v, int64_t begin,
+                              int64_t end);
+
 struct SimdKernels {
   const char* name;   // "avx512", "avx2", "scalar"
   int width_bits;     // 512, 256, 32
   AdamRangeFn adam;
   FiniteRangeFn finite;
+  ProbeRangeFn probe;
 };
+
+// The probe loop; instantiated by each ISA file in its own anonymous namespace.
+#define STATESTORE_DEFINE_PROBE(fn)                                                         \
+  void fn(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,         \
+          float* __restrict__ v, int64_t begin, int64_t end) {                               \
+    for (int64_t i = begin; i < end; ++i) {                                                  \
+      const float gi = g[i];                                                                 \
+      p[i] += gi;                                                                            \
+      m[i] += gi;                                                                            \
+      v[i] += gi;                                                                            \
+    }                                                                                        \
+  }
 
 const SimdKernels& scalar_kernels();
 const SimdKernels& avx2_kernels();

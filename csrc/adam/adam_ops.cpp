@@ -245,6 +245,28 @@ bool grads_finite_cpu(at::TensorList grads) {
   return ok.load();
 }
 
+// Roofline probe (benchmarks only): p += g; m += g; v += g over fp32 tensors, with the
+// threading of adam_step_.
+void bandwidth_probe(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m,
+                     const at::Tensor& v) {
+  for (const at::Tensor* t : {&p, &g, &m, &v}) {
+    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() && t->scalar_type() == at::kFloat &&
+                    t->numel() == p.numel(),
+                "bandwidth_probe: p, g, m, v must be contiguous float32 CPU tensors of one size");
+  }
+  const SimdKernels& k = *active().load();
+  float* pp = p.data_ptr<float>();
+  const float* gp = g.data_ptr<float>();
+  float* mp = m.data_ptr<float>();
+  float* vp = v.data_ptr<float>();
+  const int64_t nchunks = (p.numel() + kChunk - 1) / kChunk;
+  const int64_t n = p.numel();
+  pybind11::gil_scoped_release nogil;
+  at::parallel_for(0, nchunks, 1, [&](int64_t cb, int64_t ce) {
+    k.probe(pp, gp, mp, vp, cb * kChunk, std::min(n, ce * kChunk));
+  });
+}
+
 }  // namespace
 }  // namespace cpu
 }  // namespace statestore
@@ -269,6 +291,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Select the CPU path: 'avx512', 'avx2', 'scalar' or 'auto'. Raises where the processor "
         "lacks it. Returns the name selected.");
   m.def("simd", &statestore::cpu::simd_in_use, "(name, width in bits) of the CPU path in use");
+  m.def("bandwidth_probe", &statestore::cpu::bandwidth_probe,
+        "Roofline probe for benchmarks: p += g; m += g; v += g (28 bytes an element)");
   m.def("simd_supported", &statestore::cpu::simd_supported,
         "CPU paths this processor supports, widest first");
 #ifdef STATESTORE_WITH_CUDA

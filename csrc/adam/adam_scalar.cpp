@@ -12,6 +12,8 @@ struct ScalarAdam {
   }
 };
 
+STATESTORE_DEFINE_PROBE(scalar_probe)
+
 void scalar_adam(const AdamTensorArgs& a, int64_t begin, int64_t end) {
   dispatch_adam_range<ScalarAdam>(a, begin, end);
 }
@@ -19,7 +21,7 @@ void scalar_adam(const AdamTensorArgs& a, int64_t begin, int64_t end) {
 }  // namespace
 
 const SimdKernels& scalar_kernels() {
-  static const SimdKernels k{"scalar", 32, &scalar_adam, &finite_range_scalar};
+  static const SimdKernels k{"scalar", 32, &scalar_adam, &finite_range_scalar, &scalar_probe};
   return k;
 }
 

@@ -42,7 +42,7 @@ struct SimdAdam {
     const F beta2 = V::set1(s.beta2);
     const F beta2_c = V::set1(s.beta2_c);
     const F neg_step = V::set1(s.neg_step_size);
-    const F bc2_sqrt = V::set1(s.bc2_sqrt);
+    const F inv_bc2_sqrt = V::set1(s.inv_bc2_sqrt);
     const F eps = V::set1(s.eps);
     float* const wp = a.w;
     float* const mp = a.m;
@@ -64,7 +64,7 @@ struct SimdAdam {
         vm = V::max(V::load(vmaxp + i), vn);
         V::store(vmaxp + i, vm);
       }
-      F d = V::add(V::div(V::sqrt(vm), bc2_sqrt), eps);
+      F d = V::fma(V::sqrt(vm), inv_bc2_sqrt, eps);
       F wn = V::fma(neg_step, V::div(mn, d), wd);
       V::store(wp + i, wn);
       V::store(mp + i, mn);

@@ -1,0 +1,292 @@
+"""CPU Adam step throughput: statestore's kernel beside torch's AdamW (fused, foreach),
+DeepSpeedCPUAdam and ColossalAI's CPUAdam, with the memory-bandwidth roofline measured in the
+same run.
+
+    .venv/bin/python benchmarks/adam_step.py                 # full table (a few minutes)
+    .venv/bin/python benchmarks/adam_step.py --quick         # 16M only, fewer repetitions
+    .venv/bin/python benchmarks/adam_step.py --peers-python benchmarks/.venv-peers/bin/python
+
+Peers: DeepSpeed and ColossalAI are not dependencies of statestore. Where they are not
+importable here, and a peers interpreter exists (``--peers-python``, default
+``benchmarks/.venv-peers/bin/python`` when present), the script runs itself again under that
+interpreter with the repository on ``sys.path``, so that every contestant runs in ONE process,
+interleaved, on the same buffers. That interpreter must import the same torch (e.g. a venv
+with a ``.pth`` file pointing at ``.venv``'s site-packages, then
+``DS_BUILD_OPS=0 pip install deepspeed==0.19.8 py-cpuinfo psutil``). Peers that cannot be
+imported are listed with the reason.
+
+Method: per configuration (size, layout, threads, grad dtype) the buffers are allocated once;
+each contestant is warmed up, then the contestants are timed in rotating order, one step at a
+time, ``--reps`` rounds; medians are reported, with ratios against the best peer and against
+the roofline. Roofline: a kernel with the memory traffic of an fp32 Adam step (read p, g, m, v,
+write p, m, v: 28 bytes a parameter) and no arithmetic, from the same extension and threads.
+Timing is informative only; nothing here is a test.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_PEERS = os.path.join(REPO, "benchmarks", ".venv-peers", "bin", "python")
+M = 1 << 20
+
+
+def _maybe_reexec(args) -> None:
+    """Runs this script under the peers interpreter when DeepSpeed is missing here."""
+    if args.no_peers or os.environ.get("STATESTORE_BENCH_CHILD"):
+        return
+    try:
+        import deepspeed  # noqa: F401
+        return
+    except Exception:  # noqa: BLE001
+        pass
+    peers = args.peers_python or (DEFAULT_PEERS if os.path.exists(DEFAULT_PEERS) else None)
+    if not peers:
+        return
+    import subprocess
+    import torch
+    probe = subprocess.run([peers, "-c", "import torch; print(torch.__version__)"],
+                           capture_output=True, text=True)
+    if probe.returncode != 0 or probe.stdout.strip() != torch.__version__:
+        print(f"note: peers interpreter {peers} not used (its torch: "
+              f"{probe.stdout.strip() or probe.stderr.strip()[-200:]}, ours: {torch.__version__})")
+        return
+    env = dict(os.environ, STATESTORE_BENCH_CHILD="1",
+               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    print(f"note: running under the peers interpreter {peers}", flush=True)
+    os.execve(peers, [peers, os.path.abspath(__file__)] + sys.argv[1:], env)
+
+
+class Contestant:
+    name = "?"
+    peer = True
+
+    def __init__(self, params, grads, gdtype):
+        self.params, self.grads, self.gdtype = params, grads, gdtype
+
+    def step(self):
+        raise NotImplementedError
+
+
+class Ours(Contestant):
+    name = "statestore"
+    peer = False
+
+    def __init__(self, params, grads, gdtype):
+        import torch
+        from statestore.kernels import adam_step
+        super().__init__(params, grads, gdtype)
+        self.m = [torch.zeros_like(p) for p in params]
+        self.v = [torch.zeros_like(p) for p in params]
+        self.n = 0
+        self._step = adam_step
+
+    def step(self):
+        self.n += 1
+        self._step(self.params, self.grads, self.m, self.v, steps=[self.n] * len(self.params),
+                   lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, adamw_mode=True)
+
+
+class TorchAdamW(Contestant):
+    kind = "fused"
+
+    def __init__(self, params, grads, gdtype):
+        import torch
+        super().__init__(params, grads, gdtype)
+        self.tp = [torch.nn.Parameter(p, requires_grad=True) for p in params]
+        kw = {"fused": True} if self.kind == "fused" else {"foreach": True}
+        self.opt = torch.optim.AdamW(self.tp, lr=1e-3, weight_decay=0.01, **kw)
+
+    def step(self):
+        import torch
+        for p, g in zip(self.tp, self.grads):
+            # fp32 params need fp32 grads: a low-precision grad is upcast first (timed)
+            p.grad = g if g.dtype == torch.float32 else g.float()
+        self.opt.step()
+
+
+class TorchFused(TorchAdamW):
+    name = "torch AdamW fused"
+    kind = "fused"
+
+
+class TorchForeach(TorchAdamW):
+    name = "torch AdamW foreach"
+    kind = "foreach"
+
+
+class DeepSpeed(Contestant):
+    name = "DeepSpeedCPUAdam"
+
+    def __init__(self, params, grads, gdtype):
+        import torch
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        super().__init__(params, grads, gdtype)
+        self.tp = [torch.nn.Parameter(p, requires_grad=True) for p in params]
+        self.opt = DeepSpeedCPUAdam(self.tp, lr=1e-3, weight_decay=0.01, adamw_mode=True)
+
+    def step(self):
+        import torch
+        for p, g in zip(self.tp, self.grads):
+            p.grad = g if g.dtype == torch.float32 else g.float()
+        self.opt.step()
+
+
+class Colossal(Contestant):
+    name = "ColossalAI CPUAdam"
+
+    def __init__(self, params, grads, gdtype):
+        import torch
+        from colossalai.nn.optimizer import CPUAdam
+        super().__init__(params, grads, gdtype)
+        self.tp = [torch.nn.Parameter(p, requires_grad=True) for p in params]
+        self.opt = CPUAdam(self.tp, lr=1e-3, weight_decay=0.01, adamw_mode=True)
+
+    def step(self):
+        import torch
+        for p, g in zip(self.tp, self.grads):
+            p.grad = g if g.dtype == torch.float32 else g.float()
+        self.opt.step()
+
+
+def available_peers():
+    """(classes usable, {name: reason skipped})."""
+    usable, skipped = [TorchFused, TorchForeach], {}
+    import torch
+    for cls, mod in ((DeepSpeed, "deepspeed.ops.adam"), (Colossal, "colossalai.nn.optimizer")):
+        try:
+            p = torch.nn.Parameter(torch.randn(64))
+            p.grad = torch.randn(64)
+            c = cls([p.data], [p.grad], torch.float32)
+            c.step()
+            usable.append(cls)
+        except Exception as e:  # noqa: BLE001 - report why, go on
+            msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            skipped[cls.name] = f"{type(e).__name__}: {msg[:160]}"
+    return usable, skipped
+
+
+def roofline(ext, n, reps):
+    """Median seconds of the 28 B/param probe over n fp32 elements."""
+    import torch
+    p, g, m, v = (torch.rand(n) for _ in range(4))
+    ext.bandwidth_probe(p, g, m, v)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        ext.bandwidth_probe(p, g, m, v)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def run_config(classes, n, ntensors, gdtype, reps, ext):
+    import torch
+    sizes = [n // ntensors] * ntensors
+    sizes[-1] += n - sum(sizes)
+    params = [torch.randn(s) for s in sizes]
+    grads = [(torch.randn(s) * 1e-2).to(gdtype) for s in sizes]
+    contestants = [cls(params, grads, gdtype) for cls in classes]
+    for c in contestants:  # warm-up: state allocation, first-touch
+        c.step()
+    times = {c.name: [] for c in contestants}
+    roof = []
+    for r in range(reps):
+        order = contestants[r % len(contestants):] + contestants[:r % len(contestants)]
+        for c in order:
+            t0 = time.perf_counter()
+            c.step()
+            times[c.name].append(time.perf_counter() - t0)
+        roof.append(roofline(ext, n, 1) if r % 2 == 0 else None)
+    del contestants, params, grads
+    gc.collect()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return med, statistics.median([x for x in roof if x is not None])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", default="16,128", help="millions of parameters (M = 2^20)")
+    ap.add_argument("--tensors", default="1,100", help="tensor counts per step")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--grads", default="fp32,bf16")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--quick", action="store_true", help="16M only, 5 reps")
+    ap.add_argument("--no-foreach", action="store_true", help="skip torch foreach (slow)")
+    ap.add_argument("--peers-python", default=None)
+    ap.add_argument("--no-peers", action="store_true", help="stay in this interpreter")
+    args = ap.parse_args()
+    if args.quick:
+        args.sizes, args.reps = "16", 5
+    _maybe_reexec(args)
+
+    import torch
+    sys.path.insert(0, REPO)
+    from statestore.kernels import kernels_info
+    from statestore.kernels._dispatch import _load
+    ext = _load()
+    if ext is None:
+        sys.exit("statestore._C_adam is not built: STATESTORE_EXT=adam python setup.py build_ext --inplace")
+    info = kernels_info()
+    peers, skipped = available_peers()
+    if args.no_foreach:
+        peers = [p for p in peers if p is not TorchForeach]
+    classes = [Ours] + peers
+    gd = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    print(f"torch {torch.__version__}; statestore path {info['simd']} ({info['simd_width']}-bit); "
+          f"cpu: {_cpu_name()}")
+    for name, why in skipped.items():
+        print(f"skipped {name}: {why}")
+    if "ColossalAI CPUAdam" in skipped:
+        print("  (ColossalAI 0.5.0's CPU Adam loader refuses to load without CUDA; measured by hand "
+              "its speed equals DeepSpeed's within noise, see ANCHORS.md)")
+    names = [c.name for c in classes]
+    header = (["params", "tensors", "thr", "grads"] + names +
+              ["roofline", "ours/best peer", "ours/roofline"])
+    rows = []
+    old_threads = torch.get_num_threads()
+    for size in [int(s) for s in args.sizes.split(",")]:
+        for nt in [int(s) for s in args.tensors.split(",")]:
+            for thr in [int(s) for s in args.threads.split(",")]:
+                for g in args.grads.split(","):
+                    torch.set_num_threads(thr)
+                    med, roof_t = run_config(classes, size * M, nt, gd[g], args.reps, ext)
+                    n = size * M
+                    rate = {k: n / t for k, t in med.items()}
+                    best_peer = max(v for k, v in rate.items() if k != Ours.name)
+                    roof = n / roof_t
+                    row = [f"{size}M", str(nt), str(thr), g]
+                    row += [f"{rate[k] / 1e9:.2f} G" for k in names]
+                    row += [f"{roof / 1e9:.2f} G ({roof * 28 / 1e9:.0f} GB/s)",
+                            f"{rate[Ours.name] / best_peer:.2f}x",
+                            f"{100 * rate[Ours.name] / roof:.0f}%"]
+                    rows.append(row)
+                    print(" | ".join(row), flush=True)
+    torch.set_num_threads(old_threads)
+    print()
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
+    print("\nparams/s, medians of %d interleaved steps; roofline = 28 B/param probe, same run; "
+          "peers with bf16 grads include the upcast they need." % args.reps)
+
+
+def _cpu_name():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "?"
+
+
+if __name__ == "__main__":
+    main()
