@@ -66,12 +66,13 @@ def _done(value: int) -> Future:
 
 
 class _StateFile:
-    __slots__ = ("path", "file", "live", "size", "removed_reported")
+    __slots__ = ("path", "file", "live", "size", "removed_reported", "dirty")
 
     def __init__(self, path: str, file: IOFile, size: int):
         self.path, self.file, self.size = path, file, size
         self.live = 0
         self.removed_reported = False
+        self.dirty = False      # written since the last fsync
 
 
 class NVMeStore(StateStore):
@@ -245,6 +246,7 @@ class NVMeStore(StateStore):
         if nbytes == 0:
             return _done(0)
         self._check_present(sf)
+        sf.dirty = True
         spec = self._specs[s.key]
         end = off + nbytes
         n = _round_up(nbytes)
@@ -287,7 +289,9 @@ class NVMeStore(StateStore):
     def _flush(self) -> None:
         for sf in list(self._files.values()):
             self._check_present(sf)
-            sf.file.fsync()
+            if sf.dirty:
+                sf.dirty = False
+                sf.file.fsync()
 
     def _close(self) -> None:
         try:

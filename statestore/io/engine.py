@@ -140,6 +140,8 @@ class IOEngine(abc.ABC):
                     raise StateStoreValueError(
                         f"{what} {v} is not a multiple of {a}, which direct I/O on "
                         f"'{file.path}' requires (use statestore.io.alloc_buffer and pad sizes)")
+            if op == 1 and nbytes and self.writes_in_place:
+                file.ensure_allocated(offset + nbytes)
         return self._submit(op, file, ptr, nbytes, offset, keep, sync)
 
     def close(self) -> None:

@@ -1,0 +1,462 @@
+"""Disk write/read bandwidth: statestore's engines and NVMeStore against the peers.
+
+Contestants, all on the same directory and interleaved (each repetition runs every contestant
+once, in turn; tables report medians):
+
+* ``ss:<engine>``: one request of the whole size through statestore.io (io_uring, libaio,
+  threads) on an O_DIRECT file from a page-locked buffer, then ``fdatasync``;
+* ``NVMeStore``: the store itself: ``put`` of 64 MiB states then ``sync``; cold read through the
+  pipeline (mode ``r``) within the default 256 MiB budget;
+* ``probe``: plain O_DIRECT ``pwrite``/``pread``, one thread, 4 KiB-aligned buffer;
+* ``fio``: Debian's fio, sequential 1 MiB direct io_uring, best of iodepth 8 and 32;
+* ``torch.save``/``torch.load`` and ``safetensors`` ``save_file``/``load_file`` (+ fsync);
+* ``deepspeed-aio`` and ``tensornvme`` (DiskOffloader, write + fsync / cold read), when they
+  import in ``benchmarks/.venv-peers`` (see ``docs/nvme.md``); run in a worker process there.
+
+Every write ends with fsync/fdatasync; every read is cold: the file's pages are dropped with
+``posix_fadvise(DONTNEED)`` first. GB/s = 1e9 bytes per second.
+
+    .venv/bin/python benchmarks/nvme_io.py                       # 64 MiB .. 2 GiB, 3 reps
+    .venv/bin/python benchmarks/nvme_io.py --sizes 256M --reps 5 --sweep
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PEERS_PY = os.path.join(HERE, ".venv-peers", "bin", "python")
+
+
+def _parse_size(s: str) -> int:
+    s = s.strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    if s[-1] in mult:
+        return int(float(s[:-1]) * mult[s[-1]])
+    return int(s)
+
+
+def _fmt_size(n: int) -> str:
+    return f"{n >> 30} GiB" if n >= 1 << 30 else f"{n >> 20} MiB"
+
+
+def _drop(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _rm(path: str) -> None:
+    if os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.exists(path):
+        os.unlink(path)
+
+
+# ============================================================================ peers worker
+def peer_worker() -> None:
+    """Runs in the peers venv: one JSON command per stdin line, one JSON answer per line."""
+    import torch
+
+    ds = tn = None
+    handles = {}
+    bufs = {}
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        try:
+            kind = cmd["peer"]
+            if kind == "probe":
+                out = {}
+                try:
+                    from deepspeed.ops.op_builder import AsyncIOBuilder
+                    ds = AsyncIOBuilder().load(verbose=False)
+                    out["deepspeed"] = None
+                except Exception as e:  # noqa: BLE001
+                    out["deepspeed"] = f"{type(e).__name__}: {e}"[:200]
+                try:
+                    import tensornvme  # noqa: F401
+                    from tensornvme import DiskOffloader
+                    tn = DiskOffloader
+                    out["tensornvme"] = None
+                except Exception as e:  # noqa: BLE001
+                    out["tensornvme"] = f"{type(e).__name__}: {e}"[:200]
+                print("@@JSON " + json.dumps(out), flush=True)
+                continue
+            size, path, op = cmd["size"], cmd["path"], cmd["op"]
+            if kind == "deepspeed":
+                key = (cmd["bs"], cmd["qd"], cmd.get("par", 1))
+                if key not in handles:
+                    handles[key] = ds.aio_handle(cmd["bs"], cmd["qd"], False, True, cmd.get("par", 1))
+                h = handles[key]
+                bkey = ("ds", size, cmd["pinned"])
+                if bkey not in bufs:
+                    bufs.clear()
+                    if cmd["pinned"]:
+                        bufs[bkey] = h.new_cpu_locked_tensor(size, torch.empty(0, dtype=torch.uint8))
+                    else:
+                        bufs[bkey] = torch.empty(size, dtype=torch.uint8)
+                    bufs[bkey].random_(0, 255)
+                buf = bufs[bkey]
+                if op == "write":
+                    t0 = time.perf_counter()
+                    h.sync_pwrite(buf, path)
+                    _fsync(path)
+                    dt = time.perf_counter() - t0
+                else:
+                    _drop(path)
+                    t0 = time.perf_counter()
+                    h.sync_pread(buf, path)
+                    dt = time.perf_counter() - t0
+            elif kind == "tensornvme":
+                d = path
+                os.makedirs(d, exist_ok=True)
+                if op == "write":
+                    for f in os.listdir(d):
+                        os.unlink(os.path.join(d, f))
+                    off = tn(d, n_entries=cmd["qd"], backend="uring")
+                    handles["tn"] = off
+                    t = torch.empty(size // 4, dtype=torch.float32).uniform_()
+                    bufs["tn"] = t
+                    t0 = time.perf_counter()
+                    off.async_write(t)
+                    off.synchronize()
+                    (fname,) = os.listdir(d)
+                    _fsync(os.path.join(d, fname))
+                    dt = time.perf_counter() - t0
+                else:
+                    off, t = handles["tn"], bufs["tn"]
+                    (fname,) = os.listdir(d)
+                    _drop(os.path.join(d, fname))
+                    t0 = time.perf_counter()
+                    off.async_read(t)
+                    off.synchronize()
+                    dt = time.perf_counter() - t0
+                    del handles["tn"], bufs["tn"], off
+            else:
+                raise ValueError(f"unknown peer {kind}")
+            print("@@JSON " + json.dumps({"gbps": size / dt / 1e9}), flush=True)
+        except Exception as e:  # noqa: BLE001
+            print("@@JSON " + json.dumps({"error": f"{type(e).__name__}: {e}"[:300]}), flush=True)
+
+
+class Peers:
+    def __init__(self) -> None:
+        self.proc = None
+        self.status = {"deepspeed": "benchmarks/.venv-peers is absent (see docs/nvme.md)",
+                       "tensornvme": "benchmarks/.venv-peers is absent (see docs/nvme.md)"}
+        if os.path.exists(PEERS_PY):
+            self.proc = subprocess.Popen([PEERS_PY, os.path.abspath(__file__), "--peer-worker"],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=subprocess.DEVNULL, text=True)
+            self.status = self.ask({"peer": "probe"})
+
+    def ask(self, cmd: dict) -> dict:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        while True:   # the peers print their own chatter on stdout; answers are marked
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError("peers worker died")
+            if line.startswith("@@JSON "):
+                return json.loads(line[7:])
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+
+
+# ============================================================================ our contestants
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="64M,256M,1G,2G")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--dir", default=None, help="directory on the disk to measure (default: a "
+                    "temporary directory under benchmarks/)")
+    ap.add_argument("--sweep", action="store_true", help="also sweep queue depth, block size and "
+                    "buffer kind at --sweep-size")
+    ap.add_argument("--sweep-size", default="256M")
+    ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--peer-worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.peer_worker:
+        peer_worker()
+        return
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    sys.path.insert(0, os.path.dirname(HERE))
+    import statestore as ss
+    from statestore.io import IOFile, alloc_buffer, available_engines, make_engine
+
+    sizes = [_parse_size(s) for s in args.sizes.split(",")]
+    peers = Peers() if not args.no_peers else None
+    root = tempfile.mkdtemp(prefix="nvme-io-bench-", dir=args.dir or HERE)
+    engines = [e for e in available_engines() if e in ("io_uring", "libaio", "threads")]
+    fio = shutil.which("fio")
+    notes = []
+    eng_cache = {}
+
+    def engine(name, qd, bs):
+        key = (name, qd, bs)
+        if key not in eng_cache:
+            eng_cache[key] = make_engine(name, queue_depth=qd, block_size=bs, threads=min(qd, 16))
+        return eng_cache[key]
+
+    buf_cache = {}
+
+    def buffer(size, pinned):
+        key = (size, pinned)
+        if key not in buf_cache:
+            buf_cache.clear()
+            b = alloc_buffer(size, pinned=pinned)
+            b.tensor.random_(0, 255)
+            buf_cache[key] = b
+        return buf_cache[key]
+
+    def ours(name, size, qd=32, bs=1 << 20, pinned=True):
+        path = os.path.join(root, f"ss-{name}.bin")
+        eng, buf = engine(name, qd, bs), buffer(size, pinned)
+        with IOFile(path, create=True) as f:
+            t0 = time.perf_counter()
+            eng.write(f, buf, 0).result()
+            os.fdatasync(f.fd)
+            w = size / (time.perf_counter() - t0) / 1e9
+        _drop(path)
+        with IOFile(path) as f:
+            t0 = time.perf_counter()
+            eng.read(f, buf, 0).result()
+            r = size / (time.perf_counter() - t0) / 1e9
+        _rm(path)
+        return w, r
+
+    def store(size):
+        d = os.path.join(root, "store")
+        n = max(1, size // (64 << 20))
+        per = size // n // 4
+        src = torch.rand(per)
+        with ss.NVMeStore(d) as st:
+            st.create_many([(f"p{i}/exp_avg", (per,), torch.float32, None) for i in range(n)])
+            t0 = time.perf_counter()
+            for i in range(n):
+                st.put(f"p{i}/exp_avg", src)
+            st.sync()
+            w = size / (time.perf_counter() - t0) / 1e9
+            for f in st.files():
+                _drop(f)
+            keys = [ss.StateKey(f"p{i}", "exp_avg") for i in range(n)]
+            step = st.unit_bytes // 4
+            units = [[ss.Slice(k, a, min(a + step, per))] for k in keys for a in range(0, per, step)]
+            t0 = time.perf_counter()
+            with st.pipeline(units, mode="r") as pipe:
+                for _ in pipe:
+                    pass
+            r = size / (time.perf_counter() - t0) / 1e9
+        return w, r
+
+    def probe(size):
+        path = os.path.join(root, "probe.bin")
+        buf = buffer(size, False)
+        mv = buf.tensor.numpy()
+        chunk = 1 << 30
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o644)
+        try:
+            t0 = time.perf_counter()
+            done = 0
+            while done < size:
+                done += os.pwrite(fd, mv[done:done + min(chunk, size - done)], done)
+            os.fdatasync(fd)
+            w = size / (time.perf_counter() - t0) / 1e9
+        finally:
+            os.close(fd)
+        _drop(path)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        try:
+            t0 = time.perf_counter()
+            done = 0
+            while done < size:
+                n = os.preadv(fd, [mv[done:done + min(chunk, size - done)]], done)
+                if n <= 0:
+                    raise OSError("short read in probe")
+                done += n
+            r = size / (time.perf_counter() - t0) / 1e9
+        finally:
+            os.close(fd)
+        _rm(path)
+        return w, r
+
+    def fio_run(size, depth):
+        path = os.path.join(root, "fio.bin")
+        out = {}
+        for rw in ("write", "read"):
+            cmd = [fio, "--name=ss", f"--filename={path}", f"--rw={rw}", "--bs=1M", "--direct=1",
+                   "--ioengine=io_uring", f"--iodepth={depth}", f"--size={size}",
+                   "--end_fsync=1", "--output-format=json", "--invalidate=1"]
+            res = subprocess.run(cmd, capture_output=True, text=True)
+            if res.returncode != 0:
+                raise RuntimeError(res.stderr.strip()[:200])
+            job = json.loads(res.stdout)["jobs"][0]
+            out[rw] = job[rw]["bw_bytes"] / 1e9
+            if rw == "write":
+                _drop(path)
+        _rm(path)
+        return out["write"], out["read"]
+
+    def torch_io(size):
+        path = os.path.join(root, "t.pt")
+        t = torch.rand(size // 4)
+        t0 = time.perf_counter()
+        torch.save({"t": t}, path)
+        _fsync(path)
+        w = size / (time.perf_counter() - t0) / 1e9
+        _drop(path)
+        t0 = time.perf_counter()
+        torch.load(path)
+        r = size / (time.perf_counter() - t0) / 1e9
+        _rm(path)
+        return w, r
+
+    def st_io(size):
+        path = os.path.join(root, "t.safetensors")
+        t = torch.rand(size // 4)
+        t0 = time.perf_counter()
+        save_file({"t": t}, path)
+        _fsync(path)
+        w = size / (time.perf_counter() - t0) / 1e9
+        _drop(path)
+        t0 = time.perf_counter()
+        x = load_file(path)["t"]
+        x.sum()  # touch (load_file copies into RAM; the sum is cheap next to the read)
+        r = size / (time.perf_counter() - t0) / 1e9
+        _rm(path)
+        return w, r
+
+    def peer(kind, size, **kw):
+        path = os.path.join(root, "ds.bin" if kind == "deepspeed" else "tn")
+        a = peers.ask(dict(peer=kind, op="write", size=size, path=path, **kw))
+        b = peers.ask(dict(peer=kind, op="read", size=size, path=path, **kw))
+        _rm(path)
+        if "error" in a or "error" in b:
+            raise RuntimeError(a.get("error") or b.get("error"))
+        return a["gbps"], b["gbps"]
+
+    contestants = []
+    for e in engines:
+        contestants.append((f"ss:{e} (qd32, 1 MiB, locked)", lambda s, e=e: ours(e, s)))
+    contestants.append(("NVMeStore (budget 256 MiB)", store))
+    contestants.append(("probe: O_DIRECT pwrite/pread, 1 thread", probe))
+    if fio:
+        for depth in (8, 32):
+            contestants.append((f"fio io_uring direct 1 MiB iodepth {depth}",
+                                lambda s, d=depth: fio_run(s, d)))
+    else:
+        notes.append("fio: not installed (apt-get install fio), skipped")
+    contestants.append(("torch.save / torch.load", torch_io))
+    contestants.append(("safetensors save_file / load_file", st_io))
+    if peers is not None and peers.status.get("deepspeed") is None:
+        for qd in (32, 128):
+            contestants.append((f"deepspeed aio (qd{qd}, 1 MiB, locked)",
+                                lambda s, q=qd: peer("deepspeed", s, bs=1 << 20, qd=q, pinned=True)))
+        contestants.append(("deepspeed aio (qd32, 1 MiB, plain)",
+                            lambda s: peer("deepspeed", s, bs=1 << 20, qd=32, pinned=False)))
+    elif peers is not None:
+        notes.append(f"deepspeed aio: skipped ({peers.status.get('deepspeed')})")
+    if peers is not None and peers.status.get("tensornvme") is None:
+        contestants.append(("tensornvme DiskOffloader (uring)", lambda s: peer("tensornvme", s, qd=32)))
+    elif peers is not None:
+        notes.append(f"tensornvme: skipped ({peers.status.get('tensornvme')})")
+
+    results = {}   # (name, size) -> ([w], [r])
+    try:
+        for size in sizes:
+            for rep in range(args.reps):
+                for name, fn in contestants:
+                    try:
+                        w, r = fn(size)
+                    except Exception as e:  # noqa: BLE001 - one contestant failing is reported
+                        notes.append(f"{name} at {_fmt_size(size)}: {type(e).__name__}: {e}")
+                        continue
+                    ws, rs = results.setdefault((name, size), ([], []))
+                    ws.append(w)
+                    rs.append(r)
+                print(f"# {_fmt_size(size)} rep {rep + 1}/{args.reps} done", file=sys.stderr, flush=True)
+
+        print(f"\n## Disk write / read GB/s (median of {args.reps}, interleaved), dir {root}")
+        print("| contestant | " + " | ".join(f"{_fmt_size(s)} write | {_fmt_size(s)} read" for s in sizes) + " |")
+        print("|---|" + "---|---|" * len(sizes))
+        for name, _ in contestants:
+            cells = []
+            for s in sizes:
+                ws, rs = results.get((name, s), ([], []))
+                cells += [f"{statistics.median(ws):.2f}" if ws else "-",
+                          f"{statistics.median(rs):.2f}" if rs else "-"]
+            print(f"| {name} | " + " | ".join(cells) + " |")
+
+        if args.sweep:
+            size = _parse_size(args.sweep_size)
+            sweep = []
+            for e in engines:
+                for qd in (8, 32, 128):
+                    for bs in (256 << 10, 1 << 20, 4 << 20):
+                        for pinned in (True, False):
+                            sweep.append((e, qd, bs, pinned))
+            res = {}
+            for rep in range(args.reps):
+                for cfg in sweep:
+                    e, qd, bs, pinned = cfg
+                    try:
+                        w, r = ours(e, size, qd, bs, pinned)
+                    except Exception as ex:  # noqa: BLE001
+                        notes.append(f"sweep {cfg}: {ex}")
+                        continue
+                    res.setdefault(cfg, ([], []))[0].append(w)
+                    res[cfg][1].append(r)
+                    if peers is not None and peers.status.get("deepspeed") is None and e == engines[0]:
+                        try:
+                            w, r = peer("deepspeed", size, bs=bs, qd=qd, pinned=pinned)
+                            res.setdefault(("deepspeed", qd, bs, pinned), ([], []))[0].append(w)
+                            res[("deepspeed", qd, bs, pinned)][1].append(r)
+                        except Exception as ex:  # noqa: BLE001
+                            notes.append(f"sweep deepspeed {cfg}: {ex}")
+            print(f"\n## Sweep at {_fmt_size(size)}: queue depth x block size x buffer kind "
+                  f"(median of {args.reps}; GB/s write / read)")
+            print("| engine | qd | block | buffer | write | read |")
+            print("|---|---|---|---|---|---|")
+            for cfg, (ws, rs) in sorted(res.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2], not kv[0][3])):
+                e, qd, bs, pinned = cfg
+                print(f"| {e} | {qd} | {bs >> 10} KiB | {'locked' if pinned else 'plain'} | "
+                      f"{statistics.median(ws):.2f} | {statistics.median(rs):.2f} |")
+        b = alloc_buffer(4096)
+        print(f"\nbuffers: page-locked kind here = {b.kind!r} {b.note}; engines available: "
+              f"{available_engines()}; fio: {fio or 'absent'}")
+        for n in notes:
+            print(f"note: {n}")
+    finally:
+        for e in eng_cache.values():
+            e.close()
+        if peers is not None:
+            peers.close()
+        _rm(root)
+
+
+if __name__ == "__main__":
+    main()

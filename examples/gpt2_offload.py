@@ -1,0 +1,172 @@
+"""GPT-2 small on CPU with optimizer states in RAM vs on disk: ColossalAI's NVMe-offload
+tutorial experiment, with statestore's HybridAdam.
+
+``GPT2LMHeadModel(GPT2Config())``, random init, batch 4, sequence 128, 3 training steps on CPU,
+``HybridAdam(model.parameters(), nvme_offload_fraction=f, nvme_offload_dir=...)`` for f = 0.0
+and 1.0. Each fraction runs in its own process (so RSS is its own) and prints the tutorial's
+lines; a summary table follows. Needs ``transformers`` (installed in the benchmark venv only:
+``benchmarks/.venv-peers``); without it, a GPT-2-small-shaped stack of linear layers stands in
+and the output says so.
+
+    benchmarks/.venv-peers/bin/python examples/gpt2_offload.py
+    benchmarks/.venv-peers/bin/python examples/gpt2_offload.py --steps 5 --dir /nvme/tmp
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _cached() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("Cached:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _model():
+    import torch
+    from torch import nn
+
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel
+    except ImportError:
+        GPT2Config = None
+    if GPT2Config is not None:
+        config = GPT2Config()
+        return GPT2LMHeadModel(config), config.vocab_size, "GPT2LMHeadModel(GPT2Config())"
+
+    class Stack(nn.Module):
+        """GPT-2-small-shaped parameters, without attention: embeddings, 12 blocks of the
+        same linear layers and norms, a tied head."""
+
+        def __init__(self, vocab=50257, d=768, layers=12, ctx=1024):
+            super().__init__()
+            self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(ctx, d)
+            self.blocks = nn.ModuleList(nn.ModuleDict(dict(
+                ln_1=nn.LayerNorm(d), c_attn=nn.Linear(d, 3 * d), c_proj=nn.Linear(d, d),
+                ln_2=nn.LayerNorm(d), c_fc=nn.Linear(d, 4 * d), mlp_proj=nn.Linear(4 * d, d)))
+                for _ in range(layers))
+            self.ln_f = nn.LayerNorm(d)
+
+        def forward(self, input_ids, attention_mask=None):
+            pos = torch.arange(input_ids.shape[1])
+            x = self.wte(input_ids) + self.wpe(pos)
+            for b in self.blocks:
+                h = b["c_attn"](b["ln_1"](x))[..., :x.shape[-1]]
+                x = x + b["c_proj"](h)
+                x = x + b["mlp_proj"](torch.nn.functional.gelu(b["c_fc"](b["ln_2"](x))))
+
+            class Out:
+                pass
+            o = Out()
+            o.logits = self.ln_f(x) @ self.wte.weight.t()
+            return o
+
+    return Stack(), 50257, "GPT-2-small-shaped stack (transformers not installed)"
+
+
+def train(fraction: float, steps: int, directory: str) -> dict:
+    import torch
+    from torch import nn
+
+    from statestore.optim import HybridAdam
+
+    torch.manual_seed(0)
+    model, vocab, what = _model()
+    loss_fn = nn.CrossEntropyLoss()
+    opt = HybridAdam(model.parameters(), nvme_offload_fraction=fraction,
+                     nvme_offload_dir=directory if fraction > 0 else None)
+    numel = sum(p.numel() for p in model.parameters())
+    print(f"{what}")
+    print(f"Model numel: {numel / 1024 ** 3:.3f} B")
+    cached0 = _cached()
+    step_times = []
+    start = time.time()
+    for step in range(steps):
+        t0 = time.perf_counter()
+        ids = torch.randint(vocab, (4, 128))
+        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+        loss = loss_fn(logits[..., :-1, :].reshape(-1, logits.shape[-1]), ids[..., 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        step_times.append(time.perf_counter() - t0)
+        print(f"[{step}] loss: {loss.item():.3f}")
+    for st in getattr(opt, "_owned_stores", []):   # the last write-behind counts
+        st.sync()
+    total = time.time() - start
+    rss = _rss()
+    print(f"Time: {total:.3f} s")
+    print(f"Mem usage: {rss / 1024 ** 2:.3f} MB")
+    return {"time": total, "rss": rss, "numel": numel, "steps": step_times,
+            "cache_growth": _cached() - cached0}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--dir", default=None, help="nvme_offload_dir (default: a temporary directory)")
+    ap.add_argument("--fractions", default="0.0,1.0")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker is not None:
+        cfg = json.loads(args.worker)
+        out = train(cfg["fraction"], cfg["steps"], cfg["dir"])
+        print("@@JSON " + json.dumps(out), flush=True)
+        return
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="gpt2-offload-", dir=args.dir) as d:
+        for f in [float(x) for x in args.fractions.split(",")]:
+            print(f"\n### nvme_offload_fraction={f}")
+            p = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker",
+                                json.dumps(dict(fraction=f, steps=args.steps, dir=d))],
+                               capture_output=True, text=True)
+            for line in p.stdout.splitlines():
+                if line.startswith("@@JSON "):
+                    results[f] = json.loads(line[7:])
+                else:
+                    print(line)
+            if p.returncode != 0:
+                print(p.stderr[-2000:])
+        left = os.listdir(d)
+    if not results:
+        return
+    n = next(iter(results.values()))["numel"]
+    print(f"\n| nvme_offload_fraction | time, {args.steps} steps (s) | median step after the first (s) "
+          f"| RSS (MB) | page cache grown (MB) |")
+    print("|---|---|---|---|---|")
+    for f, r in results.items():
+        later = r["steps"][1:] or r["steps"]
+        print(f"| {f} | {r['time']:.3f} | {statistics.median(later):.3f} | {r['rss'] / 2**20:.1f} | "
+              f"{r['cache_growth'] / 2**20:.1f} |")
+    if 0.0 in results and 1.0 in results:
+        a, b = results[0.0], results[1.0]
+        sa = statistics.median(a["steps"][1:] or a["steps"])
+        sb = statistics.median(b["steps"][1:] or b["steps"])
+        saved = a["rss"] - b["rss"]
+        print(f"\nfull offload: step x{sb / sa:.2f} of no offload; RSS saved {saved / 2**20:.0f} MB "
+              f"= {saved / (8 * n) * 100:.0f}% of the states' 8N = {8 * n / 2**20:.0f} MB; "
+              f"files left in the offload dir: {len(left)}")
+
+
+if __name__ == "__main__":
+    main()
