@@ -56,7 +56,7 @@ def _model_params(seed=0):
     g = torch.Generator().manual_seed(seed)
     shapes = [(1,), (7,), (17,), (1023,), (1025,), (3, 5), (4096,), (4097,)]
     shapes += [(i * 13 + 1,) for i in range(40)]
-    shapes += [(384, 1000), (250_003,), (512, 777)]
+    shapes += [(192, 1000), (100_003,), (256, 777)]
     return [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
 
 

@@ -76,7 +76,7 @@ class TensorNVMeEngine(IOEngine):
     def _submit(self, op, file, ptr, nbytes, offset, keep, sync) -> IOFuture:
         fut = IOFuture()
         fut.set_running_or_notify_cancel()
-        self._q.put((op, file.path, ptr, nbytes, offset, keep, fut))
+        self._q.put((op, file, ptr, nbytes, offset, keep, fut))
         return fut
 
     def _run(self) -> None:
@@ -95,18 +95,25 @@ class TensorNVMeEngine(IOEngine):
                     break
                 batch.append(nxt)
             ok = []
-            for op, path, ptr, nbytes, offset, keep, fut in batch:
+            for op, file, ptr, nbytes, offset, keep, fut in batch:
+                path = file.path
                 key = f"{path}@{offset}"
                 t = torch.from_numpy(_as_bytes(keep, ptr, nbytes))
                 try:
                     if op == 1:
                         self._off.async_write(t, key, None)
                         self._sizes[key] = nbytes
+                    elif key not in self._sizes:
+                        # Never written through this engine: the bytes are the named file's.
+                        self._read_file(file, t, offset)
+                        fut.set_result(nbytes)
+                        continue
                     else:
-                        if self._sizes.get(key) != nbytes:
+                        if self._sizes[key] != nbytes:
                             raise StateStoreIOError(
-                                errno.ENODATA, f"read of {nbytes} bytes at offset {offset} in "
-                                f"'{path}': tensornvme holds no such block", path)
+                                errno.EINVAL, f"read of {nbytes} bytes at offset {offset} in "
+                                f"'{path}': tensornvme holds {self._sizes[key]} bytes there "
+                                "(a keyed engine reads back exactly what was written)", path)
                         self._off.async_read(t, key, None)
                     ok.append((op, nbytes, fut, t))
                 except StateStoreIOError as e:
@@ -125,6 +132,23 @@ class TensorNVMeEngine(IOEngine):
                 self._stats["requests"] += 1
                 self._stats["bytes_read" if op == 0 else "bytes_written"] += nbytes
                 fut.set_result(nbytes)
+
+    @staticmethod
+    def _read_file(file, t: torch.Tensor, offset: int) -> None:
+        mv = t.numpy()
+        done = 0
+        try:
+            while done < len(mv):
+                n = os.preadv(file.fd, [mv[done:]], offset + done)
+                if n == 0:
+                    raise StateStoreIOError(errno.ENODATA, f"short read of '{file.path}' at offset "
+                                            f"{offset + done} (end of file)", file.path)
+                done += n
+        except OSError as e:
+            if isinstance(e, StateStoreIOError):
+                raise
+            raise StateStoreIOError(e.errno, f"read of '{file.path}' at offset {offset} failed: "
+                                    f"{e.strerror}", file.path) from e
 
     def _close(self) -> None:
         self._q.put(None)
