@@ -93,6 +93,23 @@ class Ours(Contestant):
                    lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, adamw_mode=True)
 
 
+def _upcast_into(bufs, grads):
+    """The grads as fp32, as a peer that takes fp32 grads only needs them: low-precision grads
+    are copied into preallocated fp32 buffers (timed; no allocation in the loop)."""
+    import torch
+    if bufs is None:
+        bufs = [None if g.dtype == torch.float32 else torch.empty(g.shape, dtype=torch.float32)
+                for g in grads]
+    out = []
+    for b, g in zip(bufs, grads):
+        if b is None:
+            out.append(g)
+        else:
+            b.copy_(g)
+            out.append(b)
+    return bufs, out
+
+
 class TorchAdamW(Contestant):
     kind = "fused"
 
@@ -105,9 +122,10 @@ class TorchAdamW(Contestant):
 
     def step(self):
         import torch
-        for p, g in zip(self.tp, self.grads):
-            # fp32 params need fp32 grads: a low-precision grad is upcast first (timed)
-            p.grad = g if g.dtype == torch.float32 else g.float()
+        # fp32 params need fp32 grads: a low-precision grad is upcast first (timed)
+        self.bufs, gs = _upcast_into(getattr(self, "bufs", None), self.grads)
+        for p, g in zip(self.tp, gs):
+            p.grad = g
         self.opt.step()
 
 
@@ -133,8 +151,9 @@ class DeepSpeed(Contestant):
 
     def step(self):
         import torch
-        for p, g in zip(self.tp, self.grads):
-            p.grad = g if g.dtype == torch.float32 else g.float()
+        self.bufs, gs = _upcast_into(getattr(self, "bufs", None), self.grads)
+        for p, g in zip(self.tp, gs):
+            p.grad = g
         self.opt.step()
 
 
@@ -150,8 +169,9 @@ class Colossal(Contestant):
 
     def step(self):
         import torch
-        for p, g in zip(self.tp, self.grads):
-            p.grad = g if g.dtype == torch.float32 else g.float()
+        self.bufs, gs = _upcast_into(getattr(self, "bufs", None), self.grads)
+        for p, g in zip(self.tp, gs):
+            p.grad = g
         self.opt.step()
 
 
@@ -172,17 +192,19 @@ def available_peers():
     return usable, skipped
 
 
-def roofline(ext, n, reps):
-    """Median seconds of the 28 B/param probe over n fp32 elements."""
-    import torch
-    p, g, m, v = (torch.rand(n) for _ in range(4))
-    ext.bandwidth_probe(p, g, m, v)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        ext.bandwidth_probe(p, g, m, v)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+class Roofline(Contestant):
+    """The memory roofline, timed in the same rotation as the contestants: read p, g, m, v
+    and write p, m, v (28 B/param) with no arithmetic, same threads (_C_adam.bandwidth_probe)."""
+    name = "roofline"
+    peer = False
+
+    def __init__(self, n, ext):
+        import torch
+        self.bufs = [torch.rand(n) for _ in range(4)]
+        self.ext = ext
+
+    def step(self):
+        self.ext.bandwidth_probe(*self.bufs)
 
 
 def run_config(classes, n, ntensors, gdtype, reps, ext):
@@ -191,22 +213,20 @@ def run_config(classes, n, ntensors, gdtype, reps, ext):
     sizes[-1] += n - sum(sizes)
     params = [torch.randn(s) for s in sizes]
     grads = [(torch.randn(s) * 1e-2).to(gdtype) for s in sizes]
-    contestants = [cls(params, grads, gdtype) for cls in classes]
-    for c in contestants:  # warm-up: state allocation, first-touch
+    contestants = [cls(params, grads, gdtype) for cls in classes] + [Roofline(n, ext)]
+    for c in contestants:  # warm-up: state allocation, first touch
         c.step()
     times = {c.name: [] for c in contestants}
-    roof = []
     for r in range(reps):
-        order = contestants[r % len(contestants):] + contestants[:r % len(contestants)]
-        for c in order:
+        k = r % len(contestants)
+        for c in contestants[k:] + contestants[:k]:
             t0 = time.perf_counter()
             c.step()
             times[c.name].append(time.perf_counter() - t0)
-        roof.append(roofline(ext, n, 1) if r % 2 == 0 else None)
     del contestants, params, grads
     gc.collect()
     med = {k: statistics.median(v) for k, v in times.items()}
-    return med, statistics.median([x for x in roof if x is not None])
+    return med, med.pop(Roofline.name)
 
 
 def main():
@@ -274,7 +294,8 @@ def main():
     for r in rows:
         print("| " + " | ".join(r) + " |")
     print("\nparams/s, medians of %d interleaved steps; roofline = 28 B/param probe, same run; "
-          "peers with bf16 grads include the upcast they need." % args.reps)
+          "peers with bf16 grads include the upcast they need (into preallocated fp32 "
+          "buffers)." % args.reps)
 
 
 def _cpu_name():
