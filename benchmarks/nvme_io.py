@@ -14,7 +14,10 @@ once, in turn; tables report medians):
   import in ``benchmarks/.venv-peers`` (see ``docs/nvme.md``); run in a worker process there.
 
 Every write ends with fsync/fdatasync; every read is cold: the file's pages are dropped with
-``posix_fadvise(DONTNEED)`` first. GB/s = 1e9 bytes per second.
+``posix_fadvise(DONTNEED)`` first. A first, unrecorded repetition lays out each contestant's
+file, so writes are measured overwriting an existing file, as a store does every step (and as
+fio does after laying out its file); torch.save, safetensors and TensorNVMe create their file
+anew each time, as their APIs do. GB/s = 1e9 bytes per second.
 
     .venv/bin/python benchmarks/nvme_io.py                       # 64 MiB .. 2 GiB, 3 reps
     .venv/bin/python benchmarks/nvme_io.py --sizes 256M --reps 5 --sweep
@@ -246,16 +249,22 @@ def main() -> None:
             t0 = time.perf_counter()
             eng.read(f, buf, 0).result()
             r = size / (time.perf_counter() - t0) / 1e9
-        _rm(path)
         return w, r
 
+    stores = {}
+
     def store(size):
-        d = os.path.join(root, "store")
         n = max(1, size // (64 << 20))
         per = size // n // 4
         src = torch.rand(per)
-        with ss.NVMeStore(d) as st:
-            st.create_many([(f"p{i}/exp_avg", (per,), torch.float32, None) for i in range(n)])
+        if size not in stores:
+            for s_ in stores.values():
+                s_.close()
+            stores.clear()
+            stores[size] = ss.NVMeStore(os.path.join(root, "store"))
+            stores[size].create_many([(f"p{i}/exp_avg", (per,), torch.float32, None) for i in range(n)])
+        st = stores[size]
+        if True:
             t0 = time.perf_counter()
             for i in range(n):
                 st.put(f"p{i}/exp_avg", src)
@@ -301,7 +310,6 @@ def main() -> None:
             r = size / (time.perf_counter() - t0) / 1e9
         finally:
             os.close(fd)
-        _rm(path)
         return w, r
 
     def fio_run(size, depth):
@@ -318,7 +326,6 @@ def main() -> None:
             out[rw] = job[rw]["bw_bytes"] / 1e9
             if rw == "write":
                 _drop(path)
-        _rm(path)
         return out["write"], out["read"]
 
     def torch_io(size):
@@ -354,7 +361,6 @@ def main() -> None:
         path = os.path.join(root, "ds.bin" if kind == "deepspeed" else "tn")
         a = peers.ask(dict(peer=kind, op="write", size=size, path=path, **kw))
         b = peers.ask(dict(peer=kind, op="read", size=size, path=path, **kw))
-        _rm(path)
         if "error" in a or "error" in b:
             raise RuntimeError(a.get("error") or b.get("error"))
         return a["gbps"], b["gbps"]
@@ -388,17 +394,22 @@ def main() -> None:
     results = {}   # (name, size) -> ([w], [r])
     try:
         for size in sizes:
-            for rep in range(args.reps):
+            for rep in range(-1, args.reps):      # rep -1: warm-up, not recorded
                 for name, fn in contestants:
                     try:
                         w, r = fn(size)
                     except Exception as e:  # noqa: BLE001 - one contestant failing is reported
                         notes.append(f"{name} at {_fmt_size(size)}: {type(e).__name__}: {e}")
                         continue
+                    if rep < 0:
+                        continue
                     ws, rs = results.setdefault((name, size), ([], []))
                     ws.append(w)
                     rs.append(r)
                 print(f"# {_fmt_size(size)} rep {rep + 1}/{args.reps} done", file=sys.stderr, flush=True)
+            for f in os.listdir(root):      # files of this size: the next size starts fresh
+                if f != "store":
+                    _rm(os.path.join(root, f))
 
         print(f"\n## Disk write / read GB/s (median of {args.reps}, interleaved), dir {root}")
         print("| contestant | " + " | ".join(f"{_fmt_size(s)} write | {_fmt_size(s)} read" for s in sizes) + " |")
@@ -451,6 +462,8 @@ def main() -> None:
         for n in notes:
             print(f"note: {n}")
     finally:
+        for s_ in stores.values():
+            s_.close()
         for e in eng_cache.values():
             e.close()
         if peers is not None:
