@@ -111,6 +111,9 @@ def peer_worker() -> None:
                 h = handles[key]
                 bkey = ("ds", size, cmd["pinned"])
                 if bkey not in bufs:
+                    for (k0, _s0, pin0), old in list(bufs.items()):
+                        if k0 == "ds" and pin0:
+                            h.free_cpu_locked_tensor(old)   # locked memory is not freed by GC
                     bufs.clear()
                     if cmd["pinned"]:
                         bufs[bkey] = h.new_cpu_locked_tensor(size, torch.empty(0, dtype=torch.uint8))
@@ -172,6 +175,8 @@ class Peers:
             self.status = self.ask({"peer": "probe"})
 
     def ask(self, cmd: dict) -> dict:
+        if self.proc.poll() is not None:       # the worker died (e.g. out of memory): restart
+            self.__init__()
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
         while True:   # the peers print their own chatter on stdout; answers are marked
@@ -183,8 +188,11 @@ class Peers:
 
     def close(self) -> None:
         if self.proc is not None:
-            self.proc.stdin.close()
-            self.proc.wait(timeout=60)
+            try:
+                self.proc.stdin.close()
+                self.proc.wait(timeout=60)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                self.proc.kill()
 
 
 # ============================================================================ our contestants
