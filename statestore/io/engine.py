@@ -387,6 +387,8 @@ def _round_trip(name: str) -> str | None:
             eng = NativeEngine(name, queue_depth=2, block_size=4096, threads=1)
             try:
                 with IOFile(os.path.join(d, "probe"), create=True) as f:
+                    # Unlinked at once: a process killed mid-probe leaves nothing behind.
+                    os.unlink(f.path)
                     src = alloc_buffer(8192, pinned=False)
                     dst = alloc_buffer(8192, pinned=False)
                     src.tensor.copy_(torch.arange(8192, dtype=torch.int64).to(torch.uint8))
