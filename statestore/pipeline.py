@@ -200,8 +200,12 @@ class Pipeline:
         else:
             while self._next_submit < self._next_yield:
                 self._submit_blocking()
-            for s, fut in unit.reads:
-                self._store._result(fut, s.key, "read")
+            try:
+                for s, fut in unit.reads:
+                    self._store._result(fut, s.key, "read")
+            except BaseException:
+                self._release_unit(unit)
+                raise
             unit.reads = []
             self._fill()
         self._current = unit
@@ -233,9 +237,11 @@ class Pipeline:
     def _abort(self) -> None:
         # The caller failed mid-unit: its unit is not written back (its data may be half
         # updated, and the store keeps the previous values); reads in flight are drained.
-        self._current = None
+        unit, self._current = self._current, None
         self._closed = True
         if not self._resident:
+            if unit is not None:
+                self._release_unit(unit)
             self._drop_unconsumed(swallow=True)
 
     # -- internals ---------------------------------------------------------------------------
@@ -244,7 +250,14 @@ class Pipeline:
         if unit is None or self._resident:
             return
         if self._mode in ("rw", "w"):
-            futs = [(s, self._store._submit_write(s, t)) for s, t in zip(unit.slices, unit.tensors)]
+            futs = []
+            try:
+                for s, t in zip(unit.slices, unit.tensors):
+                    futs.append((s, self._store._submit_write(s, t)))
+            except BaseException:
+                unit.reads = futs          # drained by _release_unit before the buffer is reused
+                self._release_unit(unit)
+                raise
             self._store._add_pending(unit.region, futs)
         else:
             self._arena.release(unit.region)
@@ -261,6 +274,19 @@ class Pipeline:
             unit.reads = []
             self._arena.release(unit.region)
         self._next_submit = self._next_yield
+
+    def _release_unit(self, unit: _Unit) -> None:
+        """After an error on ``unit``: drain its other reads and give its buffer back."""
+        for _, fut in unit.reads:
+            try:
+                fut.result()
+            except BaseException:
+                pass
+        unit.reads = []
+        unit.tensors = []
+        if unit.region is not None:
+            self._arena.release(unit.region)
+            unit.region = None
 
     def _unit_bytes(self, unit: _Unit) -> List[int]:
         align = self._store.alignment
@@ -280,8 +306,12 @@ class Pipeline:
             t = raw[: s.numel * spec.itemsize].view(spec.dtype)
             unit.tensors.append(t)
             if self._mode in ("r", "rw"):
-                self._store._wait_pending_key(s.key)
-                unit.reads.append((s, self._store._submit_read(s, t)))
+                try:
+                    self._store._wait_pending_key(s.key)
+                    unit.reads.append((s, self._store._submit_read(s, t)))
+                except BaseException:
+                    self._release_unit(unit)
+                    raise
             offset += nb
         self._next_submit += 1
         return True
