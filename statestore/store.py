@@ -24,7 +24,7 @@ from __future__ import annotations
 import weakref
 from abc import ABC
 from collections import deque
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -239,14 +239,7 @@ class StateStore(ABC):
 
     def put(self, key, value: torch.Tensor) -> None:
         """Overwrite a state's value (shape must match; dtype is converted)."""
-        self._check_open()
-        k = _as_key(key)
-        spec = self.spec(k)
-        if not isinstance(value, torch.Tensor):
-            raise StateStoreValueError(f"state {k}: value must be a tensor, got {type(value).__name__}")
-        if tuple(value.shape) != spec.shape:
-            raise StateStoreValueError(f"state {k}: value has shape {tuple(value.shape)}, "
-                                       f"expected {spec.shape}")
+        k, spec = self._check_put(key, value)
         if self.resident:
             self._raise_pending_error()
             self._view(k).copy_(value)
@@ -256,6 +249,18 @@ class StateStore(ABC):
         with self.pipeline([[Slice(k, a, b)] for a, b in chunks], mode="w") as pipe:
             for (a, b), (t,) in zip(chunks, pipe):
                 t.copy_(src[a:b])
+
+    def _check_put(self, key, value) -> Tuple[StateKey, StateSpec]:
+        """Validate :meth:`put`'s arguments; returns the key and its spec."""
+        self._check_open()
+        k = _as_key(key)
+        spec = self.spec(k)
+        if not isinstance(value, torch.Tensor):
+            raise StateStoreValueError(f"state {k}: value must be a tensor, got {type(value).__name__}")
+        if tuple(value.shape) != spec.shape:
+            raise StateStoreValueError(f"state {k}: value has shape {tuple(value.shape)}, "
+                                       f"expected {spec.shape}")
+        return k, spec
 
     def _chunks(self, spec: StateSpec) -> List[Tuple[int, int]]:
         align = max(1, self.alignment // max(spec.itemsize, 1))

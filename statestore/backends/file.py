@@ -1,26 +1,19 @@
 """``FileStore``: states in mmap'd safetensors files; the OS page cache does the I/O."""
 from __future__ import annotations
 
-import atexit
 import os
-import shutil
-import tempfile
 import uuid
-import weakref
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 
 from .._safetensors_layout import layout
 from .._types import StateKey, StateSpec
-from ..errors import StateStoreIOError, StateStoreValueError
+from ..errors import StateStoreIOError
+from ._dirs import prepare_dir
 from ._slab import SlabStore
 
 __all__ = ["FileStore"]
-
-
-def _remove_tree(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)
 
 
 class FileStore(SlabStore):
@@ -36,25 +29,8 @@ class FileStore(SlabStore):
 
     def __init__(self, dir: Optional[str] = None, *, keep_files: bool = False, **kwargs):
         super().__init__(**kwargs)
-        if dir is None:
-            self._tmp = tempfile.mkdtemp(prefix="statestore-file-")
-            self._finalizer = weakref.finalize(self, _remove_tree, self._tmp)
-            atexit.register(self._finalizer)
-            dir = self._tmp
-        else:
-            if not isinstance(dir, (str, os.PathLike)):
-                raise StateStoreValueError(f"FileStore: dir must be a path, got {dir!r}")
-            dir = os.fspath(dir)
-            if os.path.exists(dir) and not os.path.isdir(dir):
-                raise StateStoreValueError(f"FileStore: {dir!r} exists and is not a directory")
-            try:
-                os.makedirs(dir, exist_ok=True)
-            except OSError as e:
-                raise StateStoreIOError(e.errno, f"FileStore: cannot create {dir!r}: {e.strerror}") from e
-            if not os.access(dir, os.W_OK | os.X_OK):
-                raise StateStoreIOError(f"FileStore: directory {dir!r} is not writable")
-            self._tmp = None
-            self._finalizer = None
+        dir, self._tmp, self._finalizer = prepare_dir(self, dir, "FileStore", "statestore-file-",
+                                                      check_writable=True)
         self.dir = dir
         self.keep_files = keep_files
         self._id = uuid.uuid4().hex[:8]

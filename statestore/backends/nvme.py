@@ -22,8 +22,6 @@ from __future__ import annotations
 import atexit
 import errno
 import os
-import shutil
-import tempfile
 import uuid
 import weakref
 from concurrent.futures import Future
@@ -36,6 +34,7 @@ from .._types import Slice, StateKey, StateSpec
 from ..errors import StateStoreIOError, StateStoreValueError
 from ..io import IOEngine, IOFile, alloc_buffer, make_engine
 from ..store import StateStore
+from ._dirs import prepare_dir
 
 __all__ = ["NVMeStore"]
 
@@ -44,10 +43,6 @@ _ALIGN = 4096
 
 def _round_up(n: int, a: int = _ALIGN) -> int:
     return (n + a - 1) // a * a
-
-
-def _remove_tree(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _unlink_all(paths: set) -> None:
@@ -107,24 +102,7 @@ class NVMeStore(StateStore):
                                        f"got {self.budget_bytes}")
         if direct not in (None, True, False):
             raise StateStoreValueError(f"NVMeStore: direct must be None, True or False, got {direct!r}")
-        self._finalizer = None
-        if dir is None:
-            self._tmp: Optional[str] = tempfile.mkdtemp(prefix="statestore-nvme-")
-            self._finalizer = weakref.finalize(self, _remove_tree, self._tmp)
-            atexit.register(self._finalizer)
-            dir = self._tmp
-        else:
-            if not isinstance(dir, (str, os.PathLike)):
-                raise StateStoreValueError(f"NVMeStore: dir must be a path or None, got {dir!r}")
-            dir = os.fspath(dir)
-            if os.path.exists(dir) and not os.path.isdir(dir):
-                raise StateStoreValueError(f"NVMeStore: dir {dir!r} exists and is not a directory")
-            try:
-                os.makedirs(dir, exist_ok=True)
-            except OSError as e:
-                raise StateStoreIOError(e.errno, f"NVMeStore: cannot create directory {dir!r}: "
-                                        f"{e.strerror}", dir) from e
-            self._tmp = None
+        dir, self._tmp, self._finalizer = prepare_dir(self, dir, "NVMeStore", "statestore-nvme-")
         self.dir = dir
         self.keep_files = bool(keep_files) and self._tmp is None
         self._paths: set = set()     # files to remove at close or interpreter exit

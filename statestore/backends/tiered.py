@@ -178,14 +178,7 @@ class TieredStore(StateStore):
         return t if self.resident else t.clone()
 
     def put(self, key, value: torch.Tensor) -> None:
-        self._check_open()
-        k = _as_key(key)
-        spec = self.spec(k)
-        if not isinstance(value, torch.Tensor):
-            raise StateStoreValueError(f"state {k}: value must be a tensor, got {type(value).__name__}")
-        if tuple(value.shape) != spec.shape:
-            raise StateStoreValueError(f"state {k}: value has shape {tuple(value.shape)}, "
-                                       f"expected {spec.shape}")
+        k, _ = self._check_put(key, value)
         self.tiers[self._tier_index(k)].put(k, value)
 
     def _view(self, key: StateKey) -> torch.Tensor:
