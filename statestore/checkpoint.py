@@ -239,17 +239,7 @@ def _open_for_write(fs, path: str):
 
 
 # ---------------------------------------------------------------------------------- save
-def save_checkpoint(store, path: str, *, shard_bytes: int = DEFAULT_SHARD_BYTES,
-                    progress: Optional[bool] = None, metadata: Optional[dict] = None) -> None:
-    """Write every state of ``store`` and its optimizer metadata to ``path`` atomically.
-
-    ``path`` is a local directory or any fsspec URL. Shards hold at most ``shard_bytes``
-    (a larger single tensor gets a shard of its own). RAM use is bounded by the store's
-    pipeline budget. ``metadata`` overrides the store's attached metadata.
-    """
-    if isinstance(shard_bytes, bool) or not isinstance(shard_bytes, int) or shard_bytes <= 0:
-        raise StateStoreValueError(f"shard_bytes must be a positive int, got {shard_bytes!r}")
-    store._check_open()
+def _prepare_root(path: str):
     fs, root = _fs(path)
     if fs.exists(root) and not fs.isdir(root):
         raise StateStoreValueError(f"checkpoint path {path!r} exists and is not a directory")
@@ -257,14 +247,21 @@ def save_checkpoint(store, path: str, *, shard_bytes: int = DEFAULT_SHARD_BYTES,
         fs.makedirs(root, exist_ok=True)
     except OSError as e:
         raise StateStoreIOError(e.errno, f"cannot create checkpoint directory {path!r}: {e}") from e
-    store.sync()
+    return fs, root
+
+
+def _metadata_json(store, metadata: Optional[dict]) -> str:
     meta = metadata if metadata is not None else store.metadata()
     try:
-        meta_json = json.dumps(meta if meta is not None else {})
+        return json.dumps(meta if meta is not None else {})
     except (TypeError, ValueError) as e:
         raise StateStoreValueError(f"checkpoint metadata is not JSON-serializable: {e}") from e
 
-    keys = store.keys()
+
+def _write_shards(store, fs, root: str, keys: List[StateKey], stem: str, shard_bytes: int,
+                  bar, written: List[str]) -> Dict[str, list]:
+    """Write ``keys`` into shards ``<stem>-<n>.safetensors`` (temporary name, fsync, rename);
+    returns the manifest rows. Every file created is listed in ``written`` (for clean-up)."""
     shards: List[List[StateKey]] = []
     size = 0
     for k in keys:
@@ -274,87 +271,217 @@ def save_checkpoint(store, path: str, *, shard_bytes: int = DEFAULT_SHARD_BYTES,
             size = 0
         shards[-1].append(k)
         size += nb
-    save_id = uuid.uuid4().hex[:12]
     rows: Dict[str, list] = {n: [] for n in _SCHEMA.names}
-    total = sum(store.spec(k).nbytes for k in keys)
-    written_files: List[str] = []
-    bar = _progress(total, f"save {os.path.basename(root)}", progress)
-    try:
-        for n, shard_keys in enumerate(shards):
-            name = f"shard-{save_id}-{n:05d}.safetensors"
-            final, tmp = _join(root, name), _join(root, f".{name}.tmp")
-            lay = layout([(str(k), store.spec(k).dtype, store.spec(k).shape) for k in shard_keys],
-                         align=64, metadata={"format": FORMAT_NAME})
-            written_files.append(tmp)
-            f = _open_for_write(fs, tmp)
-            try:
-                f.write(lay.header)
-                hashes = {k: xxhash.xxh3_64() for k in shard_keys}
-                for k, chunk in _read_states(store, shard_keys):
-                    entry = lay.entries[str(k)]
-                    if f.tell() < entry.offset:
-                        f.write(b"\0" * (entry.offset - f.tell()))
-                    hashes[k].update(chunk)
-                    f.write(chunk)
-                    bar.update(len(chunk))
-                for k in shard_keys:
-                    spec = store.spec(k)
-                    entry = lay.entries[str(k)]
-                    h = hashes[k]
-                    rows["key"].append(str(k))
-                    rows["param"].append(k.param)
-                    rows["state"].append(k.state)
-                    rows["file"].append(name)
-                    rows["offset"].append(entry.offset)
-                    rows["nbytes"].append(spec.nbytes)
-                    rows["shape"].append(list(spec.shape))
-                    rows["dtype"].append(dtype_name(spec.dtype))
-                    rows["checksum"].append(h.hexdigest())
-                _commit(fs, f, tmp, final)
-            except BaseException:
-                f.close()
-                raise
-            written_files[-1] = final
-        table = pa.Table.from_pydict(rows, schema=_SCHEMA).replace_schema_metadata({
-            "statestore.format": FORMAT_NAME,
-            "statestore.format_version": str(FORMAT_VERSION),
-            "statestore.version": _version(),
-            "statestore.checksum": CHECKSUM,
-            "statestore.save_id": save_id,
-            "statestore.saved_at": str(time.time()),
-            "statestore.metadata": meta_json,
-        })
-        mtmp = _join(root, f".{MANIFEST}.{save_id}.tmp")
-        written_files.append(mtmp)
-        f = fs.open(mtmp, "wb")
+    for n, shard_keys in enumerate(shards):
+        name = f"{stem}-{n:05d}.safetensors"
+        final, tmp = _join(root, name), _join(root, f".{name}.tmp")
+        lay = layout([(str(k), store.spec(k).dtype, store.spec(k).shape) for k in shard_keys],
+                     align=64, metadata={"format": FORMAT_NAME})
+        written.append(tmp)
+        f = _open_for_write(fs, tmp)
         try:
-            pq.write_table(table, f)
-            _commit(fs, f, mtmp, _join(root, MANIFEST))
+            f.write(lay.header)
+            hashes = {k: xxhash.xxh3_64() for k in shard_keys}
+            for k, chunk in _read_states(store, shard_keys):
+                entry = lay.entries[str(k)]
+                if f.tell() < entry.offset:
+                    f.write(b"\0" * (entry.offset - f.tell()))
+                hashes[k].update(chunk)
+                f.write(chunk)
+                bar.update(len(chunk))
+            for k in shard_keys:
+                spec = store.spec(k)
+                entry = lay.entries[str(k)]
+                rows["key"].append(str(k))
+                rows["param"].append(k.param)
+                rows["state"].append(k.state)
+                rows["file"].append(name)
+                rows["offset"].append(entry.offset)
+                rows["nbytes"].append(spec.nbytes)
+                rows["shape"].append(list(spec.shape))
+                rows["dtype"].append(dtype_name(spec.dtype))
+                rows["checksum"].append(hashes[k].hexdigest())
+            _commit(fs, f, tmp, final)
         except BaseException:
             f.close()
             raise
-        written_files.pop()
-        _fsync_dir(fs, root) if _is_local(fs) else None
-    except BaseException as e:
-        for p in written_files:     # leave the previous checkpoint (if any) untouched
-            try:
-                fs.rm(p)
-            except Exception:
-                pass
-        bar.close()
-        if isinstance(e, OSError) and not isinstance(e, StateStoreError):
-            raise StateStoreIOError(e.errno, f"saving checkpoint {path!r} failed: {e}") from e
+        written[-1] = final
+    return rows
+
+
+def _write_manifest(fs, root: str, rows: Dict[str, list], meta_json: str, save_id: str,
+                    written: List[str], world_size: int = 1) -> None:
+    table = pa.Table.from_pydict(rows, schema=_SCHEMA).replace_schema_metadata({
+        "statestore.format": FORMAT_NAME,
+        "statestore.format_version": str(FORMAT_VERSION),
+        "statestore.version": _version(),
+        "statestore.checksum": CHECKSUM,
+        "statestore.save_id": save_id,
+        "statestore.saved_at": str(time.time()),
+        "statestore.world_size": str(world_size),
+        "statestore.metadata": meta_json,
+    })
+    mtmp = _join(root, f".{MANIFEST}.{save_id}.tmp")
+    written.append(mtmp)
+    f = fs.open(mtmp, "wb")
+    try:
+        pq.write_table(table, f)
+        _commit(fs, f, mtmp, _join(root, MANIFEST))
+    except BaseException:
+        f.close()
         raise
-    bar.close()
-    keep = {f"shard-{save_id}-{n:05d}.safetensors" for n in range(len(shards))} | {MANIFEST}
+    written.pop()
+    if _is_local(fs):
+        _fsync_dir(fs, root)
+
+
+def _remove(fs, paths: List[str]) -> None:
+    for p in paths:
+        try:
+            fs.rm(p)
+        except Exception:
+            pass
+
+
+def _remove_stale(fs, root: str, save_id: str) -> None:
+    """Remove shards and temporaries of earlier (or failed) saves once the manifest of
+    ``save_id`` is in place."""
+    stale = []
     for p in fs.ls(root, detail=False):
         base = p.rstrip("/").rsplit("/", 1)[-1]
-        if base not in keep and (base.startswith("shard-") or base.startswith(".shard-")
-                                 or base.startswith(f".{MANIFEST}.")):
-            try:
-                fs.rm(p)
-            except Exception:
-                pass
+        if base.startswith(f"shard-{save_id}-"):
+            continue
+        if base.startswith("shard-") or base.startswith(".shard-") \
+                or base.startswith(f".{MANIFEST}."):
+            stale.append(p)
+    _remove(fs, stale)
+
+
+def _as_io_error(e: BaseException, path: str) -> BaseException:
+    if isinstance(e, OSError) and not isinstance(e, StateStoreError):
+        err = StateStoreIOError(e.errno, f"saving checkpoint {path!r} failed: {e}")
+        err.__cause__ = e
+        return err
+    return e
+
+
+def save_checkpoint(store, path: str, *, shard_bytes: int = DEFAULT_SHARD_BYTES,
+                    progress: Optional[bool] = None, metadata: Optional[dict] = None,
+                    process_group: Any = "auto") -> None:
+    """Write every state of ``store`` and its optimizer metadata to ``path`` atomically.
+
+    ``path`` is a local directory or any fsspec URL. Shards hold at most ``shard_bytes``
+    (a larger single tensor gets a shard of its own). RAM use is bounded by the store's
+    pipeline budget. ``metadata`` overrides the store's attached metadata.
+
+    ``process_group``: ``"auto"`` (default) saves collectively over the group the store's
+    states are sharded on (the ``process_group`` of the optimizer attached to it, or the
+    group a checkpoint was loaded over), else alone. When collective, every rank of the
+    group must call it: each writes the states it holds into its own shards, then rank 0
+    writes the one manifest after all have finished; see ``docs/distributed.md``.
+    """
+    if isinstance(shard_bytes, bool) or not isinstance(shard_bytes, int) or shard_bytes <= 0:
+        raise StateStoreValueError(f"shard_bytes must be a positive int, got {shard_bytes!r}")
+    store._check_open()
+    group = store._process_group if isinstance(process_group, str) and process_group == "auto" \
+        else process_group
+    if group is not None:
+        return _save_collective(store, path, group, shard_bytes, progress, metadata)
+    if store._deferred is not None and store._deferred.rows:
+        raise CheckpointError(
+            f"this store holds only rank {store._deferred.rank}'s shard of checkpoint "
+            f"{store._deferred.path!r}; save it collectively (every rank calls "
+            f"save_checkpoint) or build an optimizer on it first")
+    fs, root = _prepare_root(path)
+    store.sync()
+    meta_json = _metadata_json(store, metadata)
+    keys = store.keys()
+    save_id = uuid.uuid4().hex[:12]
+    written: List[str] = []
+    bar = _progress(sum(store.spec(k).nbytes for k in keys), f"save {os.path.basename(root)}",
+                    progress)
+    try:
+        rows = _write_shards(store, fs, root, keys, f"shard-{save_id}", shard_bytes, bar, written)
+        _write_manifest(fs, root, rows, meta_json, save_id, written)
+    except BaseException as e:
+        _remove(fs, written)        # leave the previous checkpoint (if any) untouched
+        raise _as_io_error(e, path)
+    finally:
+        bar.close()
+    _remove_stale(fs, root, save_id)
+
+
+def _merge_metadata(metas: List[str], rows: List[Dict[str, list]]) -> str:
+    """One optimizer metadata from every rank's: rank 0's, with each parameter's step count
+    taken from the rank that saved its states."""
+    parsed = [json.loads(m) for m in metas]
+    merged = next((m for m in parsed if m), {})
+    if not isinstance(merged, dict):
+        return json.dumps(merged)
+    steps: Dict[str, Any] = {}
+    for m in parsed:                       # parameters without states: any rank's count
+        if isinstance(m, dict) and isinstance(m.get("steps"), dict):
+            for k, v in m["steps"].items():
+                steps.setdefault(k, v)
+    for m, r in zip(parsed, rows):         # parameters with states: their owner's count
+        own = m.get("steps") if isinstance(m, dict) else None
+        if isinstance(own, dict):
+            for name in set(r["param"]):
+                if name in own:
+                    steps[name] = own[name]
+    if steps or "steps" in merged:
+        merged = dict(merged, steps=steps)
+    return json.dumps(merged)
+
+
+def _save_collective(store, path: str, group, shard_bytes: int, progress, metadata) -> None:
+    from .distributed import Collective
+    comm = Collective(group)
+    fs, root = _prepare_root(path)
+    store.sync()
+    meta_json = _metadata_json(store, metadata)
+    save_id = comm.broadcast(uuid.uuid4().hex[:12] if comm.rank == 0 else None)
+    # A state held by several ranks (replicated, not sharded) is written once, by the lowest.
+    held = comm.all_gather([str(k) for k in store.keys()])
+    first: Dict[str, int] = {}
+    for r, ks in enumerate(held):
+        for k in ks:
+            first.setdefault(k, r)
+    keys = [k for k in store.keys() if first[str(k)] == comm.rank]
+    written: List[str] = []
+    bar = _progress(sum(store.spec(k).nbytes for k in keys), f"save {os.path.basename(root)}",
+                    progress)
+    rows: Dict[str, list] = {n: [] for n in _SCHEMA.names}
+    error: Optional[BaseException] = None
+    try:
+        rows = _write_shards(store, fs, root, keys, f"shard-{save_id}-r{comm.rank:05d}",
+                             shard_bytes, bar, written)
+    except Exception as e:
+        error = e
+    finally:
+        bar.close()
+    gathered = comm.all_gather((rows, meta_json, None if error is None else repr(error)))
+    failed = [(r, msg) for r, (_, _, msg) in enumerate(gathered) if msg is not None]
+    status = None
+    if not failed and comm.rank == 0:
+        try:
+            all_rows = {n: [v for g in gathered for v in g[0][n]] for n in _SCHEMA.names}
+            merged = _merge_metadata([g[1] for g in gathered], [g[0] for g in gathered])
+            _write_manifest(fs, root, all_rows, merged, save_id, written,
+                            world_size=comm.world)
+        except Exception as e:
+            error = e
+            status = repr(e)
+    status = comm.broadcast(status) if not failed else None
+    if failed or status is not None:
+        _remove(fs, written)
+        if error is not None:
+            raise _as_io_error(error, path)
+        who = failed[0] if failed else (0, status)
+        raise CheckpointError(f"collective save of checkpoint {path!r} failed on rank "
+                              f"{who[0]}: {who[1]}; the previous checkpoint (if any) is intact")
+    if comm.rank == 0:
+        _remove_stale(fs, root, save_id)
 
 
 def _read_states(store, keys: List[StateKey]):
@@ -537,39 +664,109 @@ def _read_exact(f, view: memoryview, fpath: str, key: str) -> None:
 
 
 # ---------------------------------------------------------------------------------- load
-def load_checkpoint(store, path: str, *, progress: Optional[bool] = None) -> None:
+class Deferred:
+    """States of a checkpoint that a sharded load left on disk (other ranks' shards): the
+    optimizer built on the store fetches those it turns out to need (another partition, or
+    no sharding at all) with :meth:`StateStore.load_deferred`."""
+
+    def __init__(self, path: str, save_id: Optional[str], rows: List[Dict[str, Any]],
+                 rank: int, world: int):
+        self.path, self.save_id, self.rows, self.rank, self.world = path, save_id, rows, rank, world
+
+
+def load_checkpoint(store, path: str, *, progress: Optional[bool] = None,
+                    process_group: Any = "auto") -> None:
     """Replace the states of ``store`` with the checkpoint at ``path``, verifying every
     checksum while streaming. On any error the store is left empty (never half-loaded) and
-    the exception names the file and tensor."""
+    the exception names the file and tensor.
+
+    ``process_group``: ``"auto"`` (default) is the default group when torch.distributed is
+    initialized with more than one rank, else None. With a group, each rank loads only the
+    states of the parameters it owns at the group's size (the optimizer's partition,
+    computed from the checkpoint's manifest; any world size the checkpoint was saved at),
+    reading only their byte ranges; the others stay on disk until an optimizer asks for them.
+    """
+    from .distributed import group_info, owners_from_metadata, resolve_load_group
     store._check_open()
+    group = resolve_load_group(process_group)
     try:
         m = read_manifest(path)
-        groups = _by_file(m)
-        for name, rows in groups.items():
-            _check_shard_header(m, name, rows)
     except BaseException:
         store.clear()
         raise
+    rows, later = m.rows, []
+    rank = world = 1
+    if group is not None:
+        rank, world = group_info(group)
+        if world > 1:
+            numels: Dict[str, int] = {}
+            for r in m.rows:
+                numels.setdefault(r["param"], r["spec"].numel)
+            owners = owners_from_metadata(list(numels), m.metadata, numels, world)
+            rows = [r for r in m.rows if owners[r["param"]] == rank]
+            later = [r for r in m.rows if owners[r["param"]] != rank]
     store.clear()
+    _load_rows(store, m, rows, progress, on_error=store.clear)
+    store._loaded_metadata = m.metadata
+    store._deferred = Deferred(path, m.info.get("save_id"), later, rank, world) if later else None
+    store._process_group = group if later else None
+
+
+def load_deferred(store, params) -> None:
+    """Load the states of ``params`` (names) that a sharded load left on disk."""
+    d = store._deferred
+    if d is None:
+        return
+    want = set(params)
+    rows = [r for r in d.rows if r["param"] in want]
+    if not rows:
+        return
+    m = read_manifest(d.path)
+    if m.info.get("save_id") != d.save_id:
+        raise CheckpointError(f"checkpoint {d.path!r} was replaced since it was loaded (save "
+                              f"{d.save_id}, now {m.info.get('save_id')}); load it again")
+    created = [r["state_key"] for r in rows]
+
+    def undo():
+        store.delete([k for k in created if k in store])
+    _load_rows(store, m, rows, None, on_error=undo)
+    d.rows = [r for r in d.rows if r["param"] not in want]
+    if not d.rows:
+        store._deferred = None
+        store._process_group = None
+
+
+def _load_rows(store, m: Manifest, rows: List[Dict[str, Any]], progress, on_error) -> None:
+    """Create ``rows``' states in ``store`` and stream them in; ``on_error()`` on failure."""
     try:
-        store.create_many([(r["state_key"], r["spec"].shape, r["spec"].dtype, None) for r in m.rows])
-        bar = _progress(m.nbytes, f"load {os.path.basename(m.root)}", progress)
+        groups: Dict[str, List[Dict[str, Any]]] = {}
+        for r in rows:
+            groups.setdefault(r["file"], []).append(r)
+        for name, rs in groups.items():
+            rs.sort(key=lambda r: r["offset"])
+            _check_shard_header(m, name, rs)
+    except BaseException:
+        on_error()
+        raise
+    try:
+        store.create_many([(r["state_key"], r["spec"].shape, r["spec"].dtype, None) for r in rows])
+        bar = _progress(sum(r["nbytes"] for r in rows), f"load {os.path.basename(m.root)}",
+                        progress)
         try:
-            for name, rows in groups.items():
+            for name, rs in groups.items():
                 fpath = _join(m.root, name)
                 with m.fs.open(fpath, "rb") as f:
-                    for r in rows:
+                    for r in rs:
                         _load_tensor(store, f, fpath, r, bar)
         finally:
             bar.close()
         store.sync()
     except BaseException:
         try:
-            store.clear()
+            on_error()
         except Exception:
             pass
         raise
-    store._loaded_metadata = m.metadata
 
 
 def _load_tensor(store, f, fpath: str, r: Dict[str, Any], bar) -> None:

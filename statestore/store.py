@@ -83,6 +83,8 @@ class StateStore(ABC):
         self._pending_error: Optional[BaseException] = None
         self._metadata_provider: Optional[Callable[[], Optional[dict]]] = None
         self._loaded_metadata: Optional[dict] = None
+        self._process_group = None      # the group this store's states are sharded over
+        self._deferred = None           # checkpoint states a sharded load left on disk
         self._bytes_read = 0
         self._bytes_written = 0
 
@@ -218,6 +220,7 @@ class StateStore(ABC):
         if self._specs:
             self.delete(list(self._specs))
         self._loaded_metadata = None
+        self._deferred = None
 
     # ------------------------------------------------------------------ whole-tensor access
     def get(self, key) -> torch.Tensor:
@@ -378,14 +381,19 @@ class StateStore(ABC):
         self._flush()
 
     # ------------------------------------------------------------------ metadata
-    def attach_metadata(self, provider: Callable[[], Optional[dict]]) -> None:
+    def attach_metadata(self, provider: Callable[[], Optional[dict]], *,
+                        process_group: Any = "keep") -> None:
         """Attach the optimizer metadata saved with checkpoints: ``provider()`` returns a
-        JSON-serializable dict (bound methods are held weakly)."""
+        JSON-serializable dict (bound methods are held weakly). ``process_group``: the
+        ``torch.distributed`` group the optimizer shards this store's states over (None:
+        not sharded); :meth:`save_checkpoint` is then a collective over it."""
         if hasattr(provider, "__self__") and hasattr(provider, "__func__"):
             ref = weakref.WeakMethod(provider)
             self._metadata_provider = lambda: (ref() or (lambda: None))()
         else:
             self._metadata_provider = provider
+        if not (isinstance(process_group, str) and process_group == "keep"):
+            self._process_group = process_group
 
     def metadata(self) -> Optional[dict]:
         """The attached optimizer's metadata now, else the metadata of the last loaded
@@ -404,15 +412,29 @@ class StateStore(ABC):
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, path: str, **kwargs) -> None:
         """Write every state and the attached optimizer metadata to ``path`` (a local path or
-        an fsspec URL), atomically; see :func:`statestore.checkpoint.save_checkpoint`."""
+        an fsspec URL), atomically. When the store holds one rank's shard (an optimizer with a
+        ``process_group`` is attached, or the store was loaded over a group), this is a
+        collective: every rank calls it and one checkpoint results. See
+        :func:`statestore.checkpoint.save_checkpoint`."""
         from .checkpoint import save_checkpoint
         save_checkpoint(self, path, **kwargs)
 
     def load_checkpoint(self, path: str, **kwargs) -> None:
         """Replace this store's states with those of the checkpoint at ``path`` (written by
-        any store); see :func:`statestore.checkpoint.load_checkpoint`."""
+        any store, at any world size). Under an initialized ``torch.distributed`` group of
+        several ranks, each rank loads only the shard it owns at that size. See
+        :func:`statestore.checkpoint.load_checkpoint`."""
         from .checkpoint import load_checkpoint
         load_checkpoint(self, path, **kwargs)
+
+    def load_deferred(self, params: Iterable[str]) -> None:
+        """Load the states of parameters ``params`` (names) that a sharded
+        :meth:`load_checkpoint` left on disk because another rank owned them; a no-op for
+        those already here. Optimizers call it when their partition differs from the
+        load's (or they are not sharded)."""
+        self._check_open()
+        from .checkpoint import load_deferred
+        load_deferred(self, params)
 
     # ------------------------------------------------------------------ stats and lifetime
     def stats(self) -> Dict[str, Any]:

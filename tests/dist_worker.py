@@ -29,11 +29,13 @@ def batch(step: int, n: int = 12):
     return x, torch.cos(x[:, :FEATURES[-1]])
 
 
-def train(model, opt, first, last, rank=0, world=1):
+def train(model, opt, first, last, rank=0, world=1, full=False):
+    """Steps ``first..last-1``; each rank takes its slice of the batch, or (``full``) the whole
+    batch, which makes the averaged gradient of 1 or 2 ranks bit-identical to one process's."""
     for step in range(first, last):
         x, y = batch(step)
         per = x.shape[0] // world
-        xs, ys = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+        xs, ys = (x, y) if full else (x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per])
         loss = torch.nn.functional.mse_loss(model(xs), ys)
         opt.zero_grad()
         loss.backward()
@@ -74,3 +76,100 @@ def sharded_train(rank: int, world: int, port: int, out: str, kind: str, steps: 
         store.close()
     finally:
         dist.destroy_process_group()
+
+
+def _save_params(model, path: str) -> None:
+    save_file({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}, path)
+
+
+def _load_params(model, path: str) -> None:
+    model.load_state_dict(load_file(path))
+
+
+def save_sharded(rank: int, world: int, port: int, out: str, kind: str, k: int, n: int) -> None:
+    """Train ``k`` steps sharded over ``world`` ranks, save one checkpoint collectively, train
+    on to ``n``; rank 0 keeps the parameters at ``k`` and at ``n``."""
+    _init(rank, world, port)
+    try:
+        model = make_model()
+        store = make_store(kind, os.path.join(out, f"a{world}-rank{rank}"))
+        opt = CPUAdam(model.named_parameters(), lr=1e-2, weight_decay=0.05, state_store=store,
+                      process_group=dist.group.WORLD)
+        train(model, opt, 0, k, rank, world, full=True)
+        store.save_checkpoint(os.path.join(out, "ckpt"))
+        if rank == 0:
+            _save_params(model, os.path.join(out, f"params{k}.safetensors"))
+        train(model, opt, k, n, rank, world, full=True)
+        if rank == 0:
+            _save_params(model, os.path.join(out, f"a{world}-final.safetensors"))
+        store.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def resume_sharded(rank: int, world: int, port: int, out: str, kind: str, k: int, n: int) -> None:
+    """Every rank loads ``out/ckpt`` (saved at any world size) into its own store before
+    building its sharded optimizer, trains from ``k`` to ``n`` and saves collectively."""
+    _init(rank, world, port)
+    try:
+        model = make_model()
+        _load_params(model, os.path.join(out, f"params{k}.safetensors"))
+        store = make_store(kind, os.path.join(out, f"b{world}-rank{rank}"))
+        store.load_checkpoint(os.path.join(out, "ckpt"))
+        with open(os.path.join(out, f"b{world}-loaded{rank}.txt"), "w") as f:
+            f.write(f"{store.stats()['nbytes']}\n" + "\n".join(str(k_) for k_ in store.keys()))
+        try:                             # a lone rank cannot save a shard as a checkpoint
+            store.save_checkpoint(os.path.join(out, f"lone{rank}"), process_group=None)
+            lone = "saved"
+        except ss.CheckpointError as e:
+            lone = str(e)
+        with open(os.path.join(out, f"b{world}-lone{rank}.txt"), "w") as f:
+            f.write(lone)
+        # An optimizer that is not sharded (replicated data parallel) fetches the rest.
+        with ss.DeviceStore("cpu") as full:
+            full.load_checkpoint(os.path.join(out, "ckpt"))
+            part = len(full)
+            CPUAdam(make_model().named_parameters(), state_store=full)
+            with open(os.path.join(out, f"b{world}-replicated{rank}.txt"), "w") as f:
+                f.write(f"{part} {len(full)}")
+        opt = CPUAdam(model.named_parameters(), lr=1e-2, weight_decay=0.05, state_store=store,
+                      process_group=dist.group.WORLD)
+        train(model, opt, k, n, rank, world, full=True)
+        store.save_checkpoint(os.path.join(out, f"b{world}-end"))
+        if rank == 0:
+            _save_params(model, os.path.join(out, f"b{world}-final.safetensors"))
+        store.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def killed_mid_save(rank: int, world: int, port: int, out: str, kind: str) -> None:
+    """Save a good checkpoint, step once more, then start a second save into the same path
+    during which rank 1 is SIGKILLed after writing its first shard."""
+    import signal
+    from statestore import checkpoint as ckpt
+    _init(rank, world, port)
+    try:
+        model = make_model()
+        store = make_store(kind, os.path.join(out, f"k-rank{rank}"))
+        opt = CPUAdam(model.named_parameters(), lr=1e-2, state_store=store,
+                      process_group=dist.group.WORLD)
+        train(model, opt, 0, 2, rank, world)
+        store.save_checkpoint(os.path.join(out, "ckpt"), shard_bytes=512)
+        dist.barrier()
+        with open(os.path.join(out, f"saved{rank}"), "w") as f:
+            f.write("ok")
+        train(model, opt, 2, 3, rank, world)
+        if rank == 1:
+            real_commit = ckpt._commit
+
+            def commit_then_die(fs, f, tmp, final):
+                real_commit(fs, f, tmp, final)
+                os.kill(os.getpid(), signal.SIGKILL)
+            ckpt._commit = commit_then_die
+        store.save_checkpoint(os.path.join(out, "ckpt"), shard_bytes=512)
+        with open(os.path.join(out, f"second-save-returned{rank}"), "w") as f:
+            f.write("unexpected")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

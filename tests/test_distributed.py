@@ -9,7 +9,9 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
-from statestore.distributed import partition
+import statestore as ss
+from statestore.checkpoint import read_manifest, verify_checkpoint
+from statestore.distributed import owners_from_metadata, partition
 from statestore.errors import StateStoreError, StateStoreValueError
 from statestore.optim import CPUAdam
 
@@ -30,6 +32,19 @@ def test_partition_balanced_and_deterministic():
     assert max(loads) - min(loads) <= max(numels)
     assert partition(numels, 1) == [0] * len(numels)
     assert set(partition(numels, 20)) <= set(range(20))
+
+
+def test_owners_from_metadata_follow_the_optimizer_partition():
+    names = ["a", "b", "c", "d"]
+    shapes = {"a": [10, 10], "b": [10], "c": [300], "d": [7, 3]}
+    meta = {"params": {n: {"shape": shapes[n], "dtype": "float32"} for n in names}}
+    numels = [100, 10, 300, 21]
+    for world in (1, 2, 3):
+        want = dict(zip(names, partition(numels, world)))
+        assert owners_from_metadata(names, meta, {}, world) == want
+    # no optimizer metadata: manifest order and the states' sizes
+    sizes = dict(zip(names, numels))
+    assert owners_from_metadata(names, {}, sizes, 2) == dict(zip(names, partition(numels, 2)))
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True])
@@ -63,3 +78,96 @@ def test_sharded_training_equals_single_process(tmp_path, world, kind):
         # Gradients are averaged over ranks' micro-batches instead of one full batch: equal
         # to float32 rounding of the mean, amplified a little by 6 Adam steps.
         torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------ distributed checkpoints
+K, N = 3, 6
+
+
+def _reference(steps_to: int):
+    """One process, no sharding: parameters at K and at ``steps_to``, states at the end."""
+    model = W.make_model()
+    store = ss.DeviceStore("cpu")
+    opt = CPUAdam(model.named_parameters(), lr=1e-2, weight_decay=0.05, state_store=store)
+    W.train(model, opt, 0, K)
+    at_k = {k: v.clone() for k, v in model.state_dict().items()}
+    W.train(model, opt, K, steps_to)
+    states = {str(k): store.get(k).clone() for k in store.keys()}
+    return at_k, {k: v.clone() for k, v in model.state_dict().items()}, states
+
+
+def _assert_same(got, want, exact):
+    assert set(got) == set(want)
+    for k in want:
+        if exact:
+            assert torch.equal(got[k], want[k]), k
+        else:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+
+
+def test_save_at_2_resume_at_1_and_3(tmp_path):
+    """One checkpoint written collectively by 2 ranks (NVMe store per rank) resumes at 1 and
+    at 3 ranks. Each rank trains on the whole batch, so the group-averaged gradient of 1 or 2
+    ranks is bit-identical to one process's: resuming at 1 must equal the uninterrupted run
+    bit for bit; at 3 ranks the average of 3 equal gradients rounds, so float32 rounding."""
+    mp.spawn(W.save_sharded, args=(2, _port(), str(tmp_path), "nvme", K, N), nprocs=2, join=True)
+    ckpt = tmp_path / "ckpt"
+    assert verify_checkpoint(str(ckpt)) == []
+    m = read_manifest(str(ckpt))
+    assert m.info["save_id"] and len({r["key"] for r in m.rows}) == len(m.rows)
+    files = {r["file"] for r in m.rows}
+    assert any("-r00000-" in f for f in files) and any("-r00001-" in f for f in files)
+    ref_k, ref_final, ref_states = _reference(N)
+    assert set(ref_states) == {r["key"] for r in m.rows}
+    _assert_same(load_file(str(tmp_path / f"params{K}.safetensors")), ref_k, exact=True)
+    _assert_same(load_file(str(tmp_path / "a2-final.safetensors")), ref_final, exact=True)
+
+    # resume at 1: a plain single process loads the 2-rank checkpoint
+    model = W.make_model()
+    model.load_state_dict(load_file(str(tmp_path / f"params{K}.safetensors")))
+    with ss.NVMeStore(str(tmp_path / "b1")) as store:
+        store.load_checkpoint(str(ckpt))
+        opt = CPUAdam(model.named_parameters(), lr=1e-2, weight_decay=0.05, state_store=store)
+        assert set(opt._steps.values()) == {K}
+        W.train(model, opt, K, N)
+        _assert_same({k: v for k, v in model.state_dict().items()}, ref_final, exact=True)
+        _assert_same({str(k): store.get(k) for k in store.keys()}, ref_states, exact=True)
+
+    # resume at 3: each rank loads only its shard of the 2-rank checkpoint
+    mp.spawn(W.resume_sharded, args=(3, _port(), str(tmp_path), "nvme", K, N), nprocs=3,
+             join=True)
+    loaded = [(tmp_path / f"b3-loaded{r}.txt").read_text().split("\n") for r in range(3)]
+    loaded_keys = [set(filter(None, lines[1:])) for lines in loaded]
+    assert sum(len(s) for s in loaded_keys) == len(m.rows)          # each state read once ...
+    assert set().union(*loaded_keys) == {r["key"] for r in m.rows}  # ... by exactly one rank
+    assert sum(int(lines[0]) for lines in loaded) == m.nbytes
+    assert all(loaded_keys)                                          # every rank got a share
+    for r in range(3):
+        assert "shard" in (tmp_path / f"b3-lone{r}.txt").read_text()
+        part, after = map(int, (tmp_path / f"b3-replicated{r}.txt").read_text().split())
+        assert part == len(loaded_keys[r]) and after == len(m.rows)
+    assert not list(tmp_path.glob("lone*"))
+    _assert_same(load_file(str(tmp_path / "b3-final.safetensors")), ref_final, exact=False)
+    end = tmp_path / "b3-end"
+    assert verify_checkpoint(str(end)) == []
+    assert len({r["file"].split("-r")[1][:5] for r in read_manifest(str(end)).rows}) == 3
+    with ss.DeviceStore("cpu") as whole:
+        whole.load_checkpoint(str(end))
+        _assert_same({str(k): whole.get(k) for k in whole.keys()}, ref_states, exact=False)
+        assert set(whole.loaded_metadata["steps"].values()) == {N}
+
+
+def test_rank_killed_mid_save_leaves_previous_checkpoint(tmp_path):
+    with pytest.raises(Exception):
+        mp.spawn(W.killed_mid_save, args=(2, _port(), str(tmp_path), "nvme"), nprocs=2,
+                 join=True)
+    assert (tmp_path / "saved0").exists() and (tmp_path / "saved1").exists()
+    assert not list(tmp_path.glob("second-save-returned*"))
+    ckpt = str(tmp_path / "ckpt")
+    assert verify_checkpoint(ckpt) == []
+    m = read_manifest(ckpt)
+    steps = m.metadata["steps"]
+    assert steps and set(steps.values()) == {2}                      # the first save's
+    with ss.DeviceStore("cpu") as store:
+        store.load_checkpoint(ckpt)
+        assert len(store) == len(m.rows)

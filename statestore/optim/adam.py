@@ -127,9 +127,12 @@ class _StoreAdam(torch.optim.Optimizer):
                 self._owned_stores.append(state_store)
         self.state_store = state_store
         self._assign_stores()
-        for store in set(self._stores.values()):
+        attached = list(dict.fromkeys(self._stores.values()))
+        if state_store is not None and state_store not in attached:
+            attached.append(state_store)     # a rank owning no parameter still saves with the group
+        for store in attached:
             self._resume_from(store)
-            store.attach_metadata(self._metadata_source())
+            store.attach_metadata(self._metadata_source(), process_group=self.process_group)
 
     # ------------------------------------------------------------------ set-up
     def _make_offload_store(self, fraction: float, directory: Optional[str]) -> StateStore:
@@ -211,10 +214,16 @@ class _StoreAdam(torch.optim.Optimizer):
     def _resume_from(self, store: StateStore) -> None:
         """Pick up steps of states already in the store (a loaded checkpoint, or an earlier
         optimizer on it); raise CheckpointMismatchError listing every difference."""
+        ours = {self._keys[p]: p for p, s in self._stores.items() if s is store}
+        store.load_deferred(list(ours))          # states a sharded load left to other ranks
+        if self._owner is not None:              # drop states other ranks own
+            every_name = set(self._keys.values())
+            theirs = [k for k in store.keys() if k.param in every_name and k.param not in ours]
+            if theirs:
+                store.delete(theirs)
         meta = store.metadata() or {}
         if len(store) == 0 and not meta.get("params"):
             return
-        ours = {self._keys[p]: p for p, s in self._stores.items() if s is store}
         stored_params: Dict[str, Dict[str, Any]] = {}
         for k in store.keys():
             stored_params.setdefault(k.param, {})[k.state] = store.spec(k)
