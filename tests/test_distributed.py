@@ -1,8 +1,10 @@
 """Sharded optimizer states over real gloo process groups on localhost."""
 from __future__ import annotations
 
+import copy
 import os
 import socket
+import warnings
 
 import pytest
 import torch
@@ -91,6 +93,7 @@ def _reference(steps_to: int):
     opt = CPUAdam(model.named_parameters(), lr=1e-2, weight_decay=0.05, state_store=store)
     W.train(model, opt, 0, K)
     at_k = {k: v.clone() for k, v in model.state_dict().items()}
+    _reference.optim_at_k = copy.deepcopy(opt.state_dict())
     W.train(model, opt, K, steps_to)
     states = {str(k): store.get(k).clone() for k in store.keys()}
     return at_k, {k: v.clone() for k, v in model.state_dict().items()}, states
@@ -121,6 +124,24 @@ def test_save_at_2_resume_at_1_and_3(tmp_path):
     assert set(ref_states) == {r["key"] for r in m.rows}
     _assert_same(load_file(str(tmp_path / f"params{K}.safetensors")), ref_k, exact=True)
     _assert_same(load_file(str(tmp_path / "a2-final.safetensors")), ref_final, exact=True)
+
+    # torch.distributed.checkpoint holds the 2 ranks' torch-format shards: a single process
+    # loads them into the full optimizer state_dict
+    import torch.distributed.checkpoint as dcp
+    want = _reference.optim_at_k
+    template = {"optim": copy.deepcopy(want)}
+    for st in template["optim"]["state"].values():
+        for name, v in st.items():
+            if torch.is_tensor(v):
+                v.zero_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")       # "assuming the intent is to load in a single process"
+        dcp.load(template, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    got = template["optim"]
+    assert set(got["state"]) == set(want["state"])
+    for i, st in want["state"].items():
+        for name, v in st.items():
+            assert torch.equal(torch.as_tensor(got["state"][i][name]), torch.as_tensor(v)), (i, name)
 
     # resume at 1: a plain single process loads the 2-rank checkpoint
     model = W.make_model()
