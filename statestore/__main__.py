@@ -159,14 +159,22 @@ def to_torch_state_dict(path: str, verify: bool = True) -> Dict[str, Any]:
 
 def _cmd_convert(args) -> int:
     import torch
-    from .errors import StateStoreValueError
+    from .errors import StateStoreIOError, StateStoreValueError
     if args.to != "torch":
         raise StateStoreValueError(f"--to: unknown target {args.to!r} (supported: torch)")
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    if os.path.isdir(args.out):
+        raise StateStoreValueError(f"output {args.out!r} is a directory; name a file")
+    if not os.path.isdir(out_dir):
+        raise StateStoreValueError(f"output {args.out!r}: directory {out_dir!r} does not exist")
     sd = to_torch_state_dict(args.ckpt, verify=not args.no_verify)
     tmp = f"{args.out}.tmp-{os.getpid()}"
     try:
         torch.save(sd, tmp)
         os.replace(tmp, args.out)
+    except (OSError, RuntimeError) as e:
+        raise StateStoreIOError(getattr(e, "errno", None) or 0,
+                                f"writing {args.out!r} failed: {e}") from e
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -39,6 +39,7 @@ import torch
 import xxhash
 from tqdm.auto import tqdm
 
+from ._parquet_guard import MAX_NDIM, ParquetBoundsError, check_parquet_bounds
 from ._safetensors_layout import layout
 from ._types import Slice, StateKey, StateSpec, dtype_from_name, dtype_name
 from .errors import (CheckpointCorruptError, CheckpointError, CheckpointNotFoundError,
@@ -253,9 +254,13 @@ def _prepare_root(path: str):
 
 def _metadata_json(store, metadata: Optional[dict]) -> str:
     meta = metadata if metadata is not None else store.metadata()
+    meta = {} if meta is None else meta
+    problem = optimizer_metadata_problem(meta)
+    if problem:
+        raise StateStoreValueError(f"checkpoint metadata: {problem}")
     try:
-        return json.dumps(meta if meta is not None else {})
-    except (TypeError, ValueError) as e:
+        return json.dumps(meta)
+    except (TypeError, ValueError, RecursionError) as e:
         raise StateStoreValueError(f"checkpoint metadata is not JSON-serializable: {e}") from e
 
 
@@ -381,8 +386,12 @@ def save_checkpoint(store, path: str, *, shard_bytes: int = DEFAULT_SHARD_BYTES,
     group must call it: each writes the states it holds into its own shards, then rank 0
     writes the one manifest after all have finished; see ``docs/distributed.md``.
     """
+    _check_store(store)
     if isinstance(shard_bytes, bool) or not isinstance(shard_bytes, int) or shard_bytes <= 0:
         raise StateStoreValueError(f"shard_bytes must be a positive int, got {shard_bytes!r}")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise StateStoreValueError(f"metadata must be a dict or None, got "
+                                   f"{type(metadata).__name__}")
     store._check_open()
     group = store._process_group if isinstance(process_group, str) and process_group == "auto" \
         else process_group
@@ -533,25 +542,155 @@ class Manifest:
         return sum(r["nbytes"] for r in self.rows)
 
 
+def _check_store(store) -> None:
+    from .store import StateStore
+    if not isinstance(store, StateStore):
+        raise StateStoreValueError(f"store must be a statestore.StateStore, got "
+                                   f"{type(store).__name__}")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def optimizer_metadata_problem(meta) -> Optional[str]:
+    """What is wrong with the optimizer metadata ``meta`` (None when nothing is).
+
+    Any JSON object is accepted; the keys the optimizers, ``inspect`` and ``convert`` read must
+    have the documented shape (``docs/checkpoint-format.md``): ``steps`` maps parameter keys to
+    non-negative ints, ``params`` maps them to ``{"shape": [ints], "dtype": str}``,
+    ``param_groups`` is a list of objects whose ``params`` lists parameter keys (each in one
+    group only) and whose hyperparameters have their types."""
+    if not isinstance(meta, dict):
+        return f"must be a JSON object, got {type(meta).__name__}"
+    steps = meta.get("steps")
+    if steps is not None:
+        if not isinstance(steps, dict):
+            return "'steps' must map parameter keys to step counts"
+        for k, v in steps.items():
+            if not _is_int(v) or v < 0:
+                return f"'steps'[{k!r}] must be a non-negative int, got {v!r}"
+    params = meta.get("params")
+    if params is not None:
+        if not isinstance(params, dict):
+            return "'params' must map parameter keys to {shape, dtype}"
+        for k, v in params.items():
+            if not isinstance(v, dict):
+                return f"'params'[{k!r}] must be an object, got {v!r}"
+            shape = v.get("shape", [])
+            if not isinstance(shape, list) or len(shape) > MAX_NDIM \
+                    or not all(_is_int(d) and d >= 0 for d in shape):
+                return f"'params'[{k!r}]['shape'] must be a list of non-negative ints"
+            if not isinstance(v.get("dtype", ""), str):
+                return f"'params'[{k!r}]['dtype'] must be a string"
+    groups = meta.get("param_groups")
+    if groups is not None:
+        if not isinstance(groups, list):
+            return "'param_groups' must be a list"
+        seen = set()
+        for i, g in enumerate(groups):
+            if not isinstance(g, dict):
+                return f"'param_groups'[{i}] must be an object, got {g!r}"
+            names = g.get("params", [])
+            if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+                return f"'param_groups'[{i}]['params'] must be a list of parameter keys"
+            for n in names:
+                if n in seen:
+                    return f"parameter {n!r} is listed in more than one param group"
+                seen.add(n)
+            for k in ("lr", "eps", "weight_decay"):
+                if k in g and not _is_num(g[k]):
+                    return f"'param_groups'[{i}][{k!r}] must be a number, got {g[k]!r}"
+            if "betas" in g and (not isinstance(g["betas"], list) or len(g["betas"]) != 2
+                                 or not all(_is_num(b) for b in g["betas"])):
+                return f"'param_groups'[{i}]['betas'] must be a pair of numbers"
+            for k in ("amsgrad", "maximize", "adamw_mode"):
+                if k in g and not isinstance(g[k], bool):
+                    return f"'param_groups'[{i}][{k!r}] must be true or false, got {g[k]!r}"
+    for k, kind in (("optimizer", str), ("version", int)):
+        if k in meta and not isinstance(meta[k], kind):
+            return f"{k!r} must be a {kind.__name__}, got {meta[k]!r}"
+    return None
+
+
+#: Manifest columns read dictionary-encoded: a string repeated on every row is then held
+#: once, whatever the number of rows.
+_STRING_COLUMNS = ("key", "param", "state", "file", "dtype", "checksum")
+
+
+def _column_values(col: "pa.ChunkedArray") -> list:
+    """A column as a Python list, dictionary arrays expanded by reference (one str object per
+    distinct value, not per row)."""
+    out: list = []
+    for chunk in col.chunks:
+        if pa.types.is_dictionary(chunk.type):
+            values = chunk.dictionary.to_pylist()
+            out.extend(None if i is None else values[i] for i in chunk.indices.to_pylist())
+        else:
+            out.extend(chunk.to_pylist())
+    return out
+
+
+def _read_table(fs, mpath: str) -> "pa.Table":
+    """Read the manifest's bytes and decode them within the bounds of ``_parquet_guard``."""
+    try:
+        with fs.open(mpath, "rb") as f:
+            raw = f.read()
+        if not isinstance(raw, bytes):
+            raw = bytes(raw)
+    except Exception as e:
+        raise CheckpointCorruptError(f"{mpath}: unreadable manifest: {e}") from e
+    limits = dict(thrift_string_size_limit=max(len(raw), 1),
+                  thrift_container_size_limit=max(len(raw), 1))
+    try:
+        pf = pq.ParquetFile(pa.BufferReader(raw), **limits)
+        check_parquet_bounds(raw, pf.metadata)
+        names = pf.schema_arrow.names
+        strings = [n for n in _STRING_COLUMNS
+                   if n in names and pf.schema_arrow.field(n).type == pa.string()]
+        pf = pq.ParquetFile(pa.BufferReader(raw), read_dictionary=strings, **limits)
+        return pf.read(use_threads=False)
+    except ParquetBoundsError as e:
+        raise CheckpointCorruptError(f"{mpath}: unreadable manifest: {e}") from None
+    except Exception as e:
+        raise CheckpointCorruptError(f"{mpath}: unreadable manifest: {e}") from e
+
+
+def _column_type_ok(table: "pa.Table", name: str) -> bool:
+    t, want = table.schema.field(name).type, _SCHEMA.field(name).type
+    if pa.types.is_dictionary(t):
+        return want == pa.string() and t.value_type == pa.string()
+    return t == want
+
+
 def read_manifest(path: str) -> Manifest:
     """Read and validate the manifest of the checkpoint at ``path``.
 
     Raises :class:`CheckpointNotFoundError` when there is no complete checkpoint, and
     :class:`CheckpointCorruptError` naming the problem when the manifest is unreadable, of
-    another format or version, or inconsistent.
+    another format or version, or inconsistent. Decoding is bounded: see
+    :mod:`statestore._parquet_guard`.
     """
     fs, root = _fs(path)
     mpath = _join(root, MANIFEST)
-    if not fs.exists(mpath):
-        if fs.exists(root):
+    try:
+        found = fs.exists(mpath)
+        if not found and fs.exists(root) and not fs.isdir(root):
+            raise CheckpointNotFoundError(f"{path!r} is a file, not a checkpoint directory")
+        if not found and fs.exists(root):
             raise CheckpointNotFoundError(f"{path!r} holds no complete checkpoint "
                                           f"({MANIFEST} is missing: a save that never finished?)")
+    except CheckpointError:
+        raise
+    except (OSError, ValueError) as e:
+        raise CheckpointNotFoundError(f"cannot look for a checkpoint at {path!r}: {e}") from e
+    if not found:
         raise CheckpointNotFoundError(f"no checkpoint at {path!r}")
-    try:
-        with fs.open(mpath, "rb") as f:
-            table = pq.read_table(f)
-    except Exception as e:
-        raise CheckpointCorruptError(f"{mpath}: unreadable manifest: {e}") from e
+    table = _read_table(fs, mpath)
     smeta = {k.decode(errors="replace"): v.decode(errors="replace")
              for k, v in (table.schema.metadata or {}).items()}
     if smeta.get("statestore.format") != FORMAT_NAME:
@@ -566,15 +705,31 @@ def read_manifest(path: str) -> Manifest:
     missing = [n for n in _SCHEMA.names if n not in table.column_names]
     if missing:
         raise CheckpointCorruptError(f"{mpath}: manifest lacks columns {missing}")
+    for n in _SCHEMA.names:
+        if table.column_names.count(n) != 1:
+            raise CheckpointCorruptError(f"{mpath}: manifest has column {n!r} "
+                                         f"{table.column_names.count(n)} times")
+        if not _column_type_ok(table, n):
+            raise CheckpointCorruptError(f"{mpath}: manifest column {n!r} has type "
+                                         f"{table.schema.field(n).type}, expected "
+                                         f"{_SCHEMA.field(n).type}")
     try:
         metadata = json.loads(smeta.get("statestore.metadata", "{}"))
-    except ValueError as e:
-        raise CheckpointCorruptError(f"{mpath}: optimizer metadata is not valid JSON: {e}") from e
-    rows = table.select(_SCHEMA.names).to_pylist()
+    except (ValueError, RecursionError) as e:
+        raise CheckpointCorruptError(f"{mpath}: optimizer metadata is not valid JSON: "
+                                     f"{type(e).__name__}: {str(e)[:200]}") from None
+    problem = optimizer_metadata_problem(metadata)
+    if problem:
+        raise CheckpointCorruptError(f"{mpath}: optimizer metadata: {problem}")
+    try:
+        columns = {n: _column_values(table.column(n)) for n in _SCHEMA.names}
+    except Exception as e:
+        raise CheckpointCorruptError(f"{mpath}: unreadable manifest: {e}") from e
+    rows = [dict(zip(_SCHEMA.names, vals)) for vals in zip(*columns.values())]
     seen = set()
     for r in rows:
         where = f"{mpath}: tensor {r.get('key')!r}"
-        if any(r[c] is None for c in _SCHEMA.names):
+        if any(r[c] is None for c in _SCHEMA.names) or any(d is None for d in r["shape"]):
             raise CheckpointCorruptError(f"{where}: null field")
         if r["key"] in seen:
             raise CheckpointCorruptError(f"{where}: listed twice")
@@ -586,59 +741,85 @@ def read_manifest(path: str) -> Manifest:
             raise CheckpointCorruptError(f"{where}: {e}") from None
         if (k.param, k.state) != (r["param"], r["state"]):
             raise CheckpointCorruptError(f"{where}: key disagrees with param/state columns")
+        if len(r["shape"]) > MAX_NDIM:
+            raise CheckpointCorruptError(f"{where}: {len(r['shape'])} dimensions (at most "
+                                         f"{MAX_NDIM})")
         if any(d < 0 for d in r["shape"]) or r["offset"] < 0:
             raise CheckpointCorruptError(f"{where}: negative shape or offset")
         spec = StateSpec(tuple(r["shape"]), dtype)
         if spec.nbytes != r["nbytes"]:
             raise CheckpointCorruptError(f"{where}: {r['nbytes']} bytes listed, shape and dtype "
                                          f"give {spec.nbytes}")
-        if "/" in r["file"] or r["file"] in ("", ".", ".."):
-            raise CheckpointCorruptError(f"{where}: bad file name {r['file']!r}")
+        name = r["file"]
+        if "/" in name or "\\" in name or "\0" in name or name in ("", ".", "..") \
+                or len(name.encode("utf-8", "surrogatepass")) > 255:
+            raise CheckpointCorruptError(f"{where}: bad file name {name!r} (a plain name in "
+                                         f"the checkpoint directory is expected)")
         r["spec"] = spec
         r["state_key"] = k
     info = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION,
             "statestore_version": smeta.get("statestore.version"),
             "save_id": smeta.get("statestore.save_id"), "checksum": CHECKSUM}
-    return Manifest(fs, root, rows, metadata if isinstance(metadata, dict) else {}, info)
+    return Manifest(fs, root, rows, metadata, info)
 
 
 def _check_shard_header(m: Manifest, name: str, rows: List[Dict[str, Any]]) -> int:
-    """Check a shard's safetensors header against the manifest; returns the file size."""
+    """Check a shard's safetensors header against the manifest; returns the file size.
+
+    After it, every listed tensor lies in the shard's data section, inside the file, and no
+    two overlap: loading allocates at most the shard's size for them, and reads nothing
+    outside it."""
     fpath = _join(m.root, name)
+    keys = [r["key"] for r in rows]
     try:
         size = m.fs.size(fpath)
     except FileNotFoundError:
-        raise CheckpointCorruptError(f"{fpath}: shard missing (tensors "
-                                     f"{[r['key'] for r in rows][:3]}...)") from None
+        raise CheckpointCorruptError(f"{fpath}: shard missing (tensors {keys[:3]}...)") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointCorruptError(f"{fpath}: cannot read the shard: {e}") from None
+    if not _is_int(size) or size < 8:
+        raise CheckpointCorruptError(f"{fpath}: truncated (no safetensors header)")
     try:
         with m.fs.open(fpath, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise CheckpointCorruptError(f"{fpath}: truncated (no safetensors header)")
-            (n,) = struct.unpack("<Q", head)
+            (n,) = struct.unpack("<Q", f.read(8))
             if n > min(size - 8, _MAX_HEADER):
-                raise CheckpointCorruptError(f"{fpath}: header length {n} exceeds the file")
+                raise CheckpointCorruptError(f"{fpath}: header length {n} exceeds the file "
+                                             f"({size} bytes)")
             header = json.loads(f.read(n))
     except CheckpointError:
         raise
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointCorruptError(f"{fpath}: bad safetensors header: {e}") from None
+    except (ValueError, UnicodeDecodeError, RecursionError, struct.error) as e:
+        raise CheckpointCorruptError(f"{fpath}: bad safetensors header: "
+                                     f"{type(e).__name__}: {str(e)[:200]}") from None
+    except OSError as e:
+        raise CheckpointCorruptError(f"{fpath}: cannot read the shard: {e}") from None
+    if not isinstance(header, dict):
+        raise CheckpointCorruptError(f"{fpath}: bad safetensors header: not a JSON object")
     data_start = 8 + n
-    for r in rows:
-        h = header.get(r["key"]) if isinstance(header, dict) else None
+    prev_end, prev_key = data_start, None
+    for r in sorted(rows, key=lambda r: (r["offset"], r["nbytes"])):
+        h = header.get(r["key"])
         if not isinstance(h, dict) or "data_offsets" not in h:
             raise CheckpointCorruptError(f"{fpath}: tensor {r['key']!r} missing from the shard header")
-        try:
-            a, b = (int(x) for x in h["data_offsets"])
-        except (TypeError, ValueError):
-            raise CheckpointCorruptError(f"{fpath}: tensor {r['key']!r}: bad data_offsets") from None
+        offs = h["data_offsets"]
+        if not isinstance(offs, list) or len(offs) != 2 or not all(_is_int(x) for x in offs) \
+                or not 0 <= offs[0] <= offs[1]:
+            raise CheckpointCorruptError(f"{fpath}: tensor {r['key']!r}: bad data_offsets "
+                                         f"{str(offs)[:100]}")
+        a, b = offs
+        shape = h.get("shape")
         if data_start + a != r["offset"] or b - a != r["nbytes"] or h.get("dtype") != r["dtype"] \
-                or list(h.get("shape", [])) != list(r["shape"]):
+                or not isinstance(shape, list) or shape != list(r["shape"]):
             raise CheckpointCorruptError(f"{fpath}: tensor {r['key']!r}: shard header disagrees "
                                          f"with the manifest")
         if r["offset"] + r["nbytes"] > size:
             raise CheckpointCorruptError(f"{fpath}: truncated: tensor {r['key']!r} ends at byte "
                                          f"{r['offset'] + r['nbytes']}, file has {size}")
+        if r["nbytes"] and r["offset"] < prev_end:
+            raise CheckpointCorruptError(f"{fpath}: tensor {r['key']!r} overlaps tensor "
+                                         f"{prev_key!r}")
+        if r["nbytes"]:
+            prev_end, prev_key = r["offset"] + r["nbytes"], r["key"]
     return size
 
 
@@ -654,11 +835,17 @@ def _by_file(m: Manifest) -> Dict[str, List[Dict[str, Any]]]:
 def _read_exact(f, view: memoryview, fpath: str, key: str) -> None:
     got = 0
     while got < len(view):
-        n = f.readinto(view[got:]) if hasattr(f, "readinto") else None
-        if n is None:
-            data = f.read(len(view) - got)
-            n = len(data)
-            view[got:got + n] = data
+        try:
+            n = f.readinto(view[got:]) if hasattr(f, "readinto") else None
+            if n is None:
+                data = f.read(len(view) - got)
+                n = len(data)
+                view[got:got + n] = data
+        except OSError as e:
+            if isinstance(e, StateStoreError):
+                raise
+            raise StateStoreIOError(e.errno, f"{fpath}: reading tensor {key!r} failed: "
+                                    f"{e}") from e
         if not n:
             raise CheckpointCorruptError(f"{fpath}: truncated while reading tensor {key!r}")
         got += n
@@ -687,6 +874,7 @@ def load_checkpoint(store, path: str, *, progress: Optional[bool] = None,
     computed from the checkpoint's manifest; any world size the checkpoint was saved at),
     reading only their byte ranges; the others stay on disk until an optimizer asks for them.
     """
+    _check_store(store)
     from .distributed import group_info, owners_from_metadata, resolve_load_group
     store._check_open()
     group = resolve_load_group(process_group)
@@ -783,10 +971,13 @@ class _ShardReader:
 
     def __init__(self, fs, fpath: str, pool: Optional[ThreadPoolExecutor]):
         self.fpath, self.pool, self.fd, self.f = fpath, pool, None, None
-        if pool is not None and _is_local(fs):
-            self.fd = os.open(fpath, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        else:
-            self.f = fs.open(fpath, "rb")
+        try:
+            if pool is not None and _is_local(fs):
+                self.fd = os.open(fpath, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            else:
+                self.f = fs.open(fpath, "rb")
+        except OSError as e:
+            raise CheckpointCorruptError(f"{fpath}: cannot read the shard: {e}") from e
 
     def read(self, view: memoryview, offset: int, key: str, on_piece=None) -> None:
         """Fill ``view`` from byte ``offset``; ``on_piece(piece)`` sees the bytes in order."""
@@ -880,17 +1071,18 @@ def verify_checkpoint(path: str, *, progress: Optional[bool] = None) -> List[str
         return [str(e)]
     problems: List[str] = []
     bar = _progress(m.nbytes, "verify", progress)
-    buf = bytearray(4 * READ_PIECE)
+    buf = bytearray(min(4 * READ_PIECE, max((r["nbytes"] for r in m.rows), default=0)))
     mv = memoryview(buf)
     with _reader_pool() as pool:
         for name, rows in _by_file(m).items():
             fpath = _join(m.root, name)
             try:
                 _check_shard_header(m, name, rows)
+                f = _ShardReader(m.fs, fpath, pool)
             except CheckpointError as e:
                 problems.append(str(e))
                 continue
-            with _ShardReader(m.fs, fpath, pool) as f:
+            with f:
                 for r in rows:
                     h = xxhash.xxh3_64()
                     offset, left = r["offset"], r["nbytes"]

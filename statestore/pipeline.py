@@ -35,13 +35,34 @@ import torch
 from ._types import Slice, StateKey
 from .errors import BudgetError, StateStoreClosedError, StateStoreValueError
 
-__all__ = ["Pipeline", "RingArena", "plan_units"]
+__all__ = ["Pipeline", "RingArena", "plan_units", "unit_lists"]
 
 _MODES = ("r", "rw", "w")
 
 
 def _round_up(n: int, align: int) -> int:
     return (n + align - 1) // align * align
+
+
+def unit_lists(units) -> List[List[Slice]]:
+    """``units`` as a list of lists of Slice (each slice is checked by the store later);
+    :class:`StateStoreValueError` when it is not a sequence of sequences."""
+    problem = f"pipeline units must be a sequence of lists of Slice, got {units!r}"[:300]
+    if isinstance(units, (str, bytes, Slice)):
+        raise StateStoreValueError(problem)
+    try:
+        out = [u for u in units]
+    except TypeError:
+        raise StateStoreValueError(problem) from None
+    for i, u in enumerate(out):
+        if isinstance(u, (str, bytes, Slice)):
+            raise StateStoreValueError(f"pipeline unit {i} must be a list of Slice, got {u!r}")
+        try:
+            out[i] = list(u)
+        except TypeError:
+            raise StateStoreValueError(f"pipeline unit {i} must be a list of Slice, "
+                                       f"got {u!r}") from None
+    return out
 
 
 class RingArena:
@@ -167,8 +188,7 @@ class Pipeline:
         self._mode = mode
         self._wait = wait
         self._units: List[_Unit] = []
-        for u in units:
-            sl = list(u)
+        for sl in unit_lists(units):
             for s in sl:
                 store._check_slice(s)
             self._units.append(_Unit(sl))

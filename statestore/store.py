@@ -28,6 +28,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import torch
 
+from ._parquet_guard import MAX_NDIM
 from ._types import Slice, StateKey, StateSpec
 from .errors import (StateKeyError, StateStoreClosedError, StateStoreError, StateStoreIOError,
                      StateStoreValueError)
@@ -41,6 +42,7 @@ DEFAULT_BUDGET_BYTES = 256 * 1024 * 1024
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16,
                      torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
+_MAX_NBYTES = 2 ** 63 - 1           # a state's bytes must fit an int64 (checkpoint manifests)
 
 
 def _as_key(key) -> StateKey:
@@ -55,6 +57,15 @@ def _as_key(key) -> StateKey:
             raise StateStoreValueError(str(e)) from None
     raise StateStoreValueError(f"a state key must be a StateKey, a (param, state) tuple of str "
                                f"or a 'param/state' string, got {key!r}")
+
+
+def _data_problem(value: torch.Tensor) -> Optional[str]:
+    """Why ``value`` cannot be copied into a state (None when it can)."""
+    if value.layout != torch.strided:
+        return f"is a {value.layout} tensor; a dense (strided) tensor is needed"
+    if value.is_meta:
+        return "is on the meta device, which holds no data"
+    return None
 
 
 class StateStore(ABC):
@@ -168,6 +179,9 @@ class StateStore(ABC):
         new: List[Tuple[StateKey, StateSpec]] = []
         inits: List[Tuple[StateKey, torch.Tensor]] = []
         seen = set()
+        if isinstance(entries, (str, bytes, torch.Tensor)) or not isinstance(entries, Iterable):
+            raise StateStoreValueError(f"create_many: entries must be an iterable of (key, shape, "
+                                       f"dtype, init), got {type(entries).__name__}")
         for entry in entries:
             try:
                 key, shape, dtype, init = entry
@@ -186,15 +200,25 @@ class StateStore(ABC):
                                            f"got {shape!r}") from None
             if any(d < 0 for d in shape_t):
                 raise StateStoreValueError(f"state {k}: negative dimension in shape {shape_t}")
+            if len(shape_t) > MAX_NDIM:
+                raise StateStoreValueError(f"state {k}: shape has {len(shape_t)} dimensions, at "
+                                           f"most {MAX_NDIM} are supported")
+            spec = StateSpec(shape_t, dtype)
+            if spec.nbytes > _MAX_NBYTES:
+                raise StateStoreValueError(f"state {k}: shape {shape_t} of {dtype} is too large "
+                                           f"({spec.nbytes} bytes)")
             if init is not None:
                 if not isinstance(init, torch.Tensor):
                     raise StateStoreValueError(f"state {k}: init must be a tensor or None")
+                problem = _data_problem(init)
+                if problem:
+                    raise StateStoreValueError(f"state {k}: init {problem}")
                 if tuple(init.shape) != shape_t:
                     raise StateStoreValueError(f"state {k}: init has shape {tuple(init.shape)}, "
                                                f"expected {shape_t}")
                 inits.append((k, init))
             seen.add(k)
-            new.append((k, StateSpec(shape_t, dtype)))
+            new.append((k, spec))
         if not new:
             return
         self._allocate(new)
@@ -206,7 +230,12 @@ class StateStore(ABC):
     def delete(self, keys) -> None:
         """Remove states and release their storage."""
         self._check_open()
-        ks = [_as_key(k) for k in ([keys] if isinstance(keys, (str, StateKey)) else keys)]
+        if isinstance(keys, (str, StateKey)):
+            keys = [keys]
+        if not isinstance(keys, Iterable):
+            raise StateStoreValueError(f"delete: keys must be a state key or an iterable of "
+                                       f"them, got {keys!r}")
+        ks = [_as_key(k) for k in keys]
         for k in ks:
             self.spec(k)
         self.sync()
@@ -260,6 +289,9 @@ class StateStore(ABC):
         spec = self.spec(k)
         if not isinstance(value, torch.Tensor):
             raise StateStoreValueError(f"state {k}: value must be a tensor, got {type(value).__name__}")
+        problem = _data_problem(value)
+        if problem:
+            raise StateStoreValueError(f"state {k}: value {problem}")
         if tuple(value.shape) != spec.shape:
             raise StateStoreValueError(f"state {k}: value has shape {tuple(value.shape)}, "
                                        f"expected {spec.shape}")
@@ -294,6 +326,9 @@ class StateStore(ABC):
     def _check_slice(self, s: Slice) -> None:
         if not isinstance(s, Slice):
             raise StateStoreValueError(f"pipeline units hold Slice objects, got {s!r}")
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in (s.start, s.stop)):
+            raise StateStoreValueError(f"slice of {s.key}: start and stop must be ints, got "
+                                       f"{s.start!r}, {s.stop!r}")
         spec = self.spec(s.key)
         if not (0 <= s.start <= s.stop <= spec.numel):
             raise StateStoreValueError(f"slice [{s.start}, {s.stop}) out of range for state "
@@ -387,6 +422,9 @@ class StateStore(ABC):
         JSON-serializable dict (bound methods are held weakly). ``process_group``: the
         ``torch.distributed`` group the optimizer shards this store's states over (None:
         not sharded); :meth:`save_checkpoint` is then a collective over it."""
+        if not callable(provider):
+            raise StateStoreValueError(f"attach_metadata: provider must be callable, got "
+                                       f"{type(provider).__name__}")
         if hasattr(provider, "__self__") and hasattr(provider, "__func__"):
             ref = weakref.WeakMethod(provider)
             self._metadata_provider = lambda: (ref() or (lambda: None))()

@@ -22,7 +22,8 @@ class DeviceStore(SlabStore):
         try:
             dev = torch.device(device)
         except (RuntimeError, TypeError) as e:
-            raise StateStoreValueError(f"DeviceStore: invalid device {device!r}: {e}") from None
+            raise StateStoreValueError(f"DeviceStore: invalid device {device!r}: "
+                                       f"{str(e).splitlines()[0]}") from None
         if dev.type == "cuda":
             if not torch.cuda.is_available():
                 raise StateStoreValueError(
@@ -33,6 +34,9 @@ class DeviceStore(SlabStore):
             elif dev.index >= torch.cuda.device_count():
                 raise StateStoreValueError(f"DeviceStore: no CUDA device {dev.index} "
                                            f"({torch.cuda.device_count()} present)")
+        elif dev.type == "meta":
+            raise StateStoreValueError(f"DeviceStore: device {device!r} holds no data (meta "
+                                       f"tensors have shapes only)")
         elif dev.type != "cpu":
             try:
                 torch.empty(1, device=dev)

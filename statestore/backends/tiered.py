@@ -25,7 +25,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .._types import Slice, StateKey, StateSpec
-from ..errors import StateStoreError, StateStoreValueError
+from ..errors import StateStoreClosedError, StateStoreError, StateStoreValueError
+from ..pipeline import unit_lists
 from ..store import StateStore, _as_key
 
 __all__ = ["TieredStore"]
@@ -61,6 +62,8 @@ class TieredStore(StateStore):
                 raise StateStoreValueError(f"tiers[{i}]: a TieredStore cannot be a tier")
             if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0:
                 raise StateStoreValueError(f"tiers[{i}]: fraction must be in [0, 1], got {f!r}")
+            if s.closed:
+                raise StateStoreClosedError(f"tiers[{i}]: the {type(s).__name__} is closed")
             if len(s):
                 raise StateStoreValueError(f"tiers[{i}]: the store must be empty")
         if len({id(s) for s, _ in tiers}) != len(tiers):
@@ -70,7 +73,14 @@ class TieredStore(StateStore):
             raise StateStoreValueError(f"tiers: fractions must sum to 1, got {total}")
         self.tiers: List[StateStore] = [s for s, _ in tiers]
         self.fractions: List[float] = [float(f) for _, f in tiers]
-        self._device = torch.device(device) if device is not None else self.tiers[0].device
+        if device is None:
+            self._device = self.tiers[0].device
+        else:
+            try:
+                self._device = torch.device(device)
+            except (RuntimeError, TypeError) as e:
+                raise StateStoreValueError(f"TieredStore: invalid device {device!r}: "
+                                           f"{str(e).splitlines()[0]}") from None
         self.resident = all(s.resident and s.device == self._device for s in self.tiers)
         self.alignment = max(s.alignment for s in self.tiers)
         self._tier_of_param: Dict[str, int] = {}
@@ -93,6 +103,9 @@ class TieredStore(StateStore):
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) \
                 or not 0.0 <= fraction <= 1.0:
             raise StateStoreValueError(f"nvme_offload_fraction must be in [0, 1], got {fraction!r}")
+        if ram_store is not None and not isinstance(ram_store, StateStore):
+            raise StateStoreValueError(f"ram_store must be a StateStore or None, got "
+                                       f"{type(ram_store).__name__}")
         tiers: List[Tuple[StateStore, float]] = []
         if fraction < 1.0:
             tiers.append((ram_store if ram_store is not None else DeviceStore("cpu"), 1.0 - fraction))
@@ -247,7 +260,7 @@ class _TieredPipeline:
         ntiers = len(store.tiers)
         self._layout: List[List[Tuple[int, int]]] = []   # per unit: (tier, index in tier's unit)
         per_tier: List[List[List[Slice]]] = [[] for _ in range(ntiers)]
-        for u in units:
+        for u in unit_lists(units):
             buckets: List[List[Slice]] = [[] for _ in range(ntiers)]
             place = []
             for s in u:

@@ -23,7 +23,8 @@ import torch
 from torch import Tensor
 
 from .._types import Slice, StateKey
-from ..errors import CheckpointMismatchError, StateStoreError, StateStoreValueError
+from ..errors import (CheckpointMismatchError, StateStoreClosedError, StateStoreError,
+                      StateStoreValueError)
 from ..kernels import adam_step, grads_finite
 from ..distributed import group_info, partition
 from ..pipeline import plan_units
@@ -34,15 +35,26 @@ __all__ = ["CPUAdam", "HybridAdam", "OPTIMIZER_METADATA_VERSION"]
 OPTIMIZER_METADATA_VERSION = 1
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_STATE_NAMES = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
 # Hyperparameters saved in metadata and state_dict (torch's AdamW keys plus ours).
 _HYPER = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "adamw_mode")
 
 
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 def _validate_hyper(lr, betas, eps, weight_decay) -> None:
+    """torch's checks and messages (``ValueError("Invalid learning rate: -1")``), plus a
+    ``TypeError`` naming the argument where torch would fail comparing a non-number."""
     if isinstance(lr, Tensor):
         if lr.numel() != 1:
             raise ValueError("Tensor lr must be 1-element")
         lr = lr.item()
+    for name, v in (("learning rate", lr), ("epsilon value", eps),
+                    ("weight_decay value", weight_decay)):
+        if not _is_real(v):
+            raise TypeError(f"Invalid {name}: {v!r} (expected a float)")
     if not 0.0 <= lr:
         raise ValueError(f"Invalid learning rate: {lr}")
     if not 0.0 <= eps:
@@ -51,6 +63,11 @@ def _validate_hyper(lr, betas, eps, weight_decay) -> None:
         b0, b1 = betas
     except (TypeError, ValueError):
         raise ValueError(f"Invalid betas: {betas!r} (expected a pair of floats)") from None
+    for i, b in enumerate((b0, b1)):
+        if isinstance(b, Tensor) and b.numel() == 1:
+            b = b.item()
+        if not _is_real(b):
+            raise TypeError(f"Invalid beta parameter at index {i}: {b!r} (expected a float)")
     if not 0.0 <= b0 < 1.0:
         raise ValueError(f"Invalid beta parameter at index 0: {b0}")
     if not 0.0 <= b1 < 1.0:
@@ -103,6 +120,8 @@ class _StoreAdam(torch.optim.Optimizer):
                             f"{type(state_store).__name__}")
         if state_store is not None and nvme_offload_fraction > 0:
             raise ValueError("pass either state_store or nvme_offload_fraction, not both")
+        if state_store is not None and state_store.closed:
+            raise StateStoreClosedError(f"state_store: the {type(state_store).__name__} is closed")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         amsgrad=bool(amsgrad), maximize=bool(maximize),
                         adamw_mode=bool(adamw_mode))
@@ -171,6 +190,9 @@ class _StoreAdam(torch.optim.Optimizer):
                                 f"expected float32, float16 or bfloat16")
             if p.is_sparse:
                 raise TypeError(f"parameter {self._keys[p]!r} is sparse; not supported")
+            if p.is_meta:
+                raise StateStoreValueError(f"parameter {self._keys[p]!r} is on the meta device, "
+                                           f"which holds no data; materialize it first")
 
     def _assign_stores(self) -> None:
         default: Dict[torch.device, StateStore] = {}
@@ -187,7 +209,25 @@ class _StoreAdam(torch.optim.Optimizer):
             self._stores[p] = default[p.device]
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """torch's, plus checks of the group's hyperparameters and parameters; a group that
+        fails them is not added (the optimizer stays as it was)."""
+        n_groups = len(self.param_groups)
         super().add_param_group(param_group)
+        keys, params = getattr(self, "_keys", None), getattr(self, "_params", None)
+        stores = dict(self._stores) if hasattr(self, "_stores") else None
+        try:
+            g = self.param_groups[-1]
+            _validate_hyper(g["lr"], g["betas"], g["eps"], g["weight_decay"])
+            self._add_param_group_after_init()
+        except BaseException:
+            del self.param_groups[n_groups:]
+            if keys is not None:
+                self._keys, self._params = keys, params
+            if stores is not None:
+                self._stores = stores
+            raise
+
+    def _add_param_group_after_init(self) -> None:
         if hasattr(self, "_stores"):        # after __init__: a group added later
             if self._owner is not None:
                 raise StateStoreError("add_param_group is not supported with a process_group "
@@ -242,14 +282,26 @@ class _StoreAdam(torch.optim.Optimizer):
                 if shape != tuple(every[name].shape):
                     problems.append(f"parameter {name!r}: shape {tuple(every[name].shape)} in the "
                                     f"optimizer, {shape} in the checkpoint")
+                dtype = saved[name].get("dtype") if isinstance(saved[name], dict) else None
+                ours_dtype = str(every[name].dtype).replace("torch.", "")
+                if isinstance(dtype, str) and dtype != ours_dtype:
+                    problems.append(f"parameter {name!r}: dtype {ours_dtype} in the optimizer, "
+                                    f"{dtype} in the checkpoint")
         groups = self._group_of()
         for name, p in ours.items():
             if name not in stored_params:
                 continue        # new parameter: its states start fresh
             for state, spec in stored_params[name].items():
+                if state not in _STATE_NAMES:
+                    problems.append(f"parameter {name!r}: unexpected state {state!r} in the store "
+                                    f"(an Adam optimizer keeps {list(_STATE_NAMES)})")
+                    continue
                 if spec.shape != tuple(p.shape):
                     problems.append(f"parameter {name!r}: state {state!r} has shape "
                                     f"{spec.shape}, parameter has {tuple(p.shape)}")
+                if spec.dtype != torch.float32:
+                    problems.append(f"parameter {name!r}: state {state!r} has dtype "
+                                    f"{spec.dtype}, the optimizer keeps torch.float32")
                 if state == "master" and p.dtype not in _LOW_PRECISION:
                     problems.append(f"parameter {name!r}: the store holds an fp32 master but "
                                     f"the parameter is {p.dtype}")
@@ -336,6 +388,11 @@ class _StoreAdam(torch.optim.Optimizer):
         On return, resident stores are updated; disk stores may still be writing the last
         states back (any later read, ``sync()``, ``state_dict()`` or checkpoint waits).
         """
+        if closure is not None and not callable(closure):
+            raise TypeError(f"closure must be callable or None, got {type(closure).__name__}")
+        if div_scale is not None and not _is_real(div_scale) \
+                and not (isinstance(div_scale, Tensor) and div_scale.numel() == 1):
+            raise TypeError(f"div_scale must be a float, got {div_scale!r}")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -512,15 +569,27 @@ class _StoreAdam(torch.optim.Optimizer):
         """Load torch's format (from ``torch.optim.AdamW``/``Adam`` or from this class).
 
         Hyperparameters are restored from the saved groups, as torch does; states are
-        written into the store one tensor at a time.
+        written into the store one tensor at a time. Everything is checked first: a state dict
+        that fails a check changes nothing (ValueError/TypeError naming the group, parameter
+        or state at fault).
         """
         if not isinstance(state_dict, dict) or "state" not in state_dict \
                 or "param_groups" not in state_dict:
             raise ValueError("state_dict must be a dict with 'state' and 'param_groups'")
         saved_groups = state_dict["param_groups"]
+        states = state_dict["state"]
+        if not isinstance(saved_groups, (list, tuple)):
+            raise TypeError(f"state_dict['param_groups'] must be a list, got "
+                            f"{type(saved_groups).__name__}")
+        if not isinstance(states, dict):
+            raise TypeError(f"state_dict['state'] must be a dict, got {type(states).__name__}")
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(f"loaded state dict has {len(saved_groups)} parameter groups, "
                              f"optimizer has {len(self.param_groups)}")
+        for i, sg in enumerate(saved_groups):
+            if not isinstance(sg, dict) or not isinstance(sg.get("params"), (list, tuple)):
+                raise ValueError(f"loaded state dict: parameter group {i} must be a dict with "
+                                 f"a 'params' list")
         for i, (g, sg) in enumerate(zip(self.param_groups, saved_groups)):
             if len(g["params"]) != len(sg["params"]):
                 raise ValueError(f"loaded state dict contains a parameter group {i} with "
@@ -530,49 +599,82 @@ class _StoreAdam(torch.optim.Optimizer):
         for g, sg in zip(self.param_groups, saved_groups):
             for p, sid in zip(g["params"], sg["params"]):
                 id_map[sid] = p
-        states = state_dict["state"]
         for sid in states:
             if sid not in id_map:
                 raise ValueError(f"loaded state dict has state for unknown parameter {sid!r}")
-        for g, sg in zip(self.param_groups, saved_groups):
+        # 1. the new hyperparameters of each group, checked as the constructor checks them
+        new_hyper: List[Dict[str, Any]] = []
+        for i, (g, sg) in enumerate(zip(self.param_groups, saved_groups)):
+            h = {}
             for k in ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize"):
                 if k in sg:
-                    g[k] = tuple(sg[k]) if k == "betas" else sg[k]
+                    if k == "betas":
+                        try:
+                            h[k] = tuple(sg[k])
+                        except TypeError:
+                            raise ValueError(f"loaded state dict: parameter group {i}: "
+                                             f"Invalid betas: {sg[k]!r}") from None
+                    else:
+                        h[k] = sg[k]
             if "adamw_mode" in sg:
-                g["adamw_mode"] = bool(sg["adamw_mode"])
+                h["adamw_mode"] = bool(sg["adamw_mode"])
             elif "decoupled_weight_decay" in sg:
-                g["adamw_mode"] = bool(sg["decoupled_weight_decay"])
-        groups = self._group_of()
+                h["adamw_mode"] = bool(sg["decoupled_weight_decay"])
+            merged = {**g, **h}
+            _validate_hyper(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])
+            new_hyper.append(h)
+        # 2. every state, checked before anything changes
+        new_groups = {p: {**g, **h} for g, h in zip(self.param_groups, new_hyper)
+                      for p in g["params"]}
+        plan = []
         for sid, st in states.items():
             p = id_map[sid]
             if not self._owns(p):
                 continue                    # another rank's shard
             key = self._keys[p]
+            if not isinstance(st, dict):
+                raise TypeError(f"state of parameter {key!r} must be a dict, got "
+                                f"{type(st).__name__}")
             store = self._stores[p]
-            names = self._state_names(p, groups[p])
+            names = self._state_names(p, new_groups[p])
             for n in names:
                 if n != "master" and n not in st:
                     raise ValueError(f"state of parameter {key!r} lacks {n!r}")
-            existing = [StateKey(key, n) for n in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
-                        if StateKey(key, n) in store]
-            if existing:
-                store.delete(existing)
             entries = []
             for n in names:
-                if n == "master":
-                    src = st.get("master")
-                    init = (src if src is not None else p.detach()).float()
-                else:
-                    init = st[n]
-                    if tuple(init.shape) != tuple(p.shape):
-                        raise ValueError(f"state {n!r} of parameter {key!r} has shape "
-                                         f"{tuple(init.shape)}, parameter has {tuple(p.shape)}")
-                    init = init.detach().float()
-                entries.append((StateKey(key, n), tuple(p.shape), torch.float32, init.cpu()
-                                if store.device.type == "cpu" else init.to(store.device)))
-            store.create_many(entries)
+                src = st.get(n)
+                if n == "master" and src is None:
+                    src = p.detach()
+                if not isinstance(src, Tensor):
+                    raise TypeError(f"state {n!r} of parameter {key!r} must be a tensor, got "
+                                    f"{type(src).__name__}")
+                if src.layout != torch.strided or src.is_meta or not src.is_floating_point():
+                    raise TypeError(f"state {n!r} of parameter {key!r} must be a dense "
+                                    f"floating-point tensor with data, got {src.layout} "
+                                    f"{src.dtype} on {src.device}")
+                if tuple(src.shape) != tuple(p.shape):
+                    raise ValueError(f"state {n!r} of parameter {key!r} has shape "
+                                     f"{tuple(src.shape)}, parameter has {tuple(p.shape)}")
+                entries.append((n, src))
             step = st.get("step", 0)
-            self._steps[key] = int(step.item() if isinstance(step, Tensor) else step)
+            if isinstance(step, Tensor) and step.numel() == 1:
+                step = step.item()
+            if not _is_real(step) or step < 0 or step != int(step):
+                raise ValueError(f"state of parameter {key!r}: step must be a non-negative "
+                                 f"whole number, got {step!r}")
+            plan.append((p, key, store, entries, int(step)))
+        # 3. apply
+        for g, h in zip(self.param_groups, new_hyper):
+            g.update(h)
+        for p, key, store, entries, step in plan:
+            existing = [StateKey(key, n) for n in _STATE_NAMES if StateKey(key, n) in store]
+            if existing:
+                store.delete(existing)
+            store.create_many([(StateKey(key, n), tuple(p.shape), torch.float32,
+                                src.detach().float().cpu() if store.device.type == "cpu"
+                                else src.detach().float().to(store.device))
+                               for n, src in entries])
+            self._steps[key] = step
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
