@@ -487,14 +487,15 @@ class _StoreAdam(torch.optim.Optimizer):
         for p, a, b, names in entries:
             st = dict(zip(names, tensors[pos:pos + len(names)]))
             pos += len(names)
-            pflat = p.detach().view(-1) if p.is_contiguous() else None
+            whole = a == 0 and b == p.numel()        # the common case: no slicing
+            pflat = p.view(-1) if p.is_contiguous() else None
             if pflat is None or p.device != dev:
                 src = p.detach().reshape(-1)[a:b]
                 w = src.to(dev, copy=True)
                 writeback.append((p, a, b, w))
             else:
-                w = pflat[a:b]
-            g = grads[p].view(-1)[a:b]
+                w = pflat if whole else pflat[a:b]
+            g = grads[p].view(-1) if whole else grads[p].view(-1)[a:b]
             if g.device != dev:
                 g = g.to(dev)
             params.append(w)
