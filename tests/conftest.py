@@ -47,6 +47,9 @@ if hasattr(ss, "NVMeStore"):
 if hasattr(ss, "TieredStore"):
     BACKENDS.append(("tiered", lambda tmp: ss.TieredStore(
         [(ss.DeviceStore("cpu"), 0.5), (SimDiskStore(budget_bytes=SIM_BUDGET), 0.5)])))
+    # ColossalAI's two-tier case over a real NVMeStore (direct I/O on the test's disk)
+    BACKENDS.append(("tiered-nvme", lambda tmp: ss.TieredStore.from_fraction(
+        0.5, str(tmp / "tiered"), budget_bytes=1 << 20)))
 
 BACKEND_NAMES = [name for name, _ in BACKENDS]
 _FACTORIES = dict(BACKENDS)
