@@ -106,6 +106,7 @@ def _progress(total: int, desc: str, enabled: Optional[bool]):
 
 # ---------------------------------------------------------------------------------- writer
 _DIRECT_ALIGN = 4096
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
 WRITE_BUFFERS = 4
 WRITE_BUFFER_BYTES = 8 * 1024 * 1024
 
@@ -125,12 +126,14 @@ class _DirectWriter:
 
     def __init__(self, path: str):
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+        self._direct = bool(_O_DIRECT)
         try:
-            self._fd = os.open(path, flags | getattr(os, "O_DIRECT", 0), 0o644)
+            self._fd = os.open(path, flags | _O_DIRECT, 0o644)
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise
             self._fd = os.open(path, flags, 0o644)
+            self._direct = False
         self.path = path
         self._bufs = [mmap.mmap(-1, WRITE_BUFFER_BYTES) for _ in range(WRITE_BUFFERS)]
         self._free: "queue.Queue[int]" = queue.Queue()
@@ -156,17 +159,38 @@ class _DirectWriter:
             i, n, off = item
             try:
                 if self._error is None:
-                    view = memoryview(self._bufs[i])
-                    done = 0
-                    while done < n:
-                        w = os.pwrite(self._fd, view[done:n], off + done)
-                        if w <= 0:
-                            raise OSError(errno.EIO, f"short write to {self.path}")
-                        done += w
+                    self._write_buffer(i, n, off)
             except BaseException as e:      # reported to the caller at its next call
-                self._error = e
+                # Without its traceback: the frames would keep views of the buffer exported,
+                # and closing the buffers would then fail, masking this error.
+                self._error = e.with_traceback(None)
             finally:
                 self._free.put(i)
+
+    def _write_buffer(self, i: int, n: int, off: int) -> None:
+        with memoryview(self._bufs[i]) as view:
+            done = 0
+            while done < n:
+                with view[done:n] as chunk:
+                    try:
+                        w = os.pwrite(self._fd, chunk, off + done)
+                    except OSError as e:
+                        if e.errno != errno.EINVAL or not self._direct:
+                            raise
+                        # O_DIRECT refused the transfer: a limit (RLIMIT_FSIZE, a quota) cut it
+                        # to an unaligned size, or the filesystem changed its mind. Go on through
+                        # the page cache, where the real cause (EFBIG, ENOSPC) is reported.
+                        self._go_buffered()
+                        continue
+                if w <= 0:
+                    raise OSError(errno.EIO, f"short write to {self.path}")
+                done += w
+
+    def _go_buffered(self) -> None:
+        import fcntl
+        fl = fcntl.fcntl(self._fd, fcntl.F_GETFL)
+        fcntl.fcntl(self._fd, fcntl.F_SETFL, fl & ~_O_DIRECT)
+        self._direct = False
 
     def _check(self) -> None:
         if self._error is not None:
@@ -230,6 +254,14 @@ class _DirectWriter:
         os.close(self._fd)
         for b in self._bufs:
             b.close()
+
+
+def _close_quietly(f) -> None:
+    """Close ``f`` after a failure without masking the exception being raised."""
+    try:
+        f.close()
+    except Exception:
+        pass
 
 
 def _open_for_write(fs, path: str):
@@ -312,7 +344,7 @@ def save_checkpoint(store, path: str, *, shard_bytes: int = DEFAULT_SHARD_BYTES,
                     rows["checksum"].append(h.hexdigest())
                 _commit(fs, f, tmp, final)
             except BaseException:
-                f.close()
+                _close_quietly(f)
                 raise
             written_files[-1] = final
         table = pa.Table.from_pydict(rows, schema=_SCHEMA).replace_schema_metadata({
@@ -331,9 +363,11 @@ def save_checkpoint(store, path: str, *, shard_bytes: int = DEFAULT_SHARD_BYTES,
             pq.write_table(table, f)
             _commit(fs, f, mtmp, _join(root, MANIFEST))
         except BaseException:
-            f.close()
+            _close_quietly(f)
             raise
-        written_files.pop()
+        # Committed: the new manifest names these shards, so from here on a failure must not
+        # remove them (that would leave neither the new nor the previous checkpoint).
+        written_files = []
         _fsync_dir(fs, root) if _is_local(fs) else None
     except BaseException as e:
         for p in written_files:     # leave the previous checkpoint (if any) untouched
