@@ -120,6 +120,11 @@ class StateStore(ABC):
     def _flush(self) -> None:
         """Make every completed write durable (e.g. fsync)."""
 
+    def _check_files(self) -> None:
+        """File-backed stores: raise :class:`StateStoreIOError` when a state file was truncated
+        (every time) or removed (once) under the open store. Called before every pipeline and
+        resident ``get``/``put``, so such damage is reported before any state is touched."""
+
     def _close(self) -> None:
         """Release memory, file descriptors and temporary files."""
 
@@ -228,6 +233,7 @@ class StateStore(ABC):
         spec = self.spec(k)
         if self.resident:
             self._raise_pending_error()
+            self._check_files()
             return self._view(k)
         out = torch.empty(spec.shape, dtype=spec.dtype)
         flat = out.view(-1)
@@ -242,6 +248,7 @@ class StateStore(ABC):
         k, spec = self._check_put(key, value)
         if self.resident:
             self._raise_pending_error()
+            self._check_files()
             self._view(k).copy_(value)
             return
         src = value.detach().reshape(-1)
@@ -280,6 +287,7 @@ class StateStore(ABC):
         read of the same state, :meth:`sync`, checkpoints and :meth:`close` wait for them).
         """
         self._check_open()
+        self._check_files()
         return Pipeline(self, units, mode=mode, wait=wait)
 
     @property
