@@ -576,6 +576,10 @@ def load_checkpoint(store, path: str, *, progress: Optional[bool] = None) -> Non
     checksum while streaming. On any error the store is left empty (never half-loaded) and
     the exception names the file and tensor."""
     store._check_open()
+    # The store's states are replaced (or, on failure, removed): the metadata of the optimizer
+    # that used them no longer describes them. Detached, an optimizer built next takes its
+    # step counts from this checkpoint, not from the optimizer the store had before.
+    store._metadata_provider = None
     try:
         m = read_manifest(path)
         groups = _by_file(m)
