@@ -108,6 +108,7 @@ def _progress(total: int, desc: str, enabled: Optional[bool]):
 
 # ---------------------------------------------------------------------------------- writer
 _DIRECT_ALIGN = 4096
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
 WRITE_BUFFERS = 4
 WRITE_BUFFER_BYTES = 8 * 1024 * 1024
 
@@ -127,12 +128,14 @@ class _DirectWriter:
 
     def __init__(self, path: str):
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+        self._direct = bool(_O_DIRECT)
         try:
-            self._fd = os.open(path, flags | getattr(os, "O_DIRECT", 0), 0o644)
+            self._fd = os.open(path, flags | _O_DIRECT, 0o644)
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise
             self._fd = os.open(path, flags, 0o644)
+            self._direct = False
         self.path = path
         self._bufs = [mmap.mmap(-1, WRITE_BUFFER_BYTES) for _ in range(WRITE_BUFFERS)]
         self._free: "queue.Queue[int]" = queue.Queue()
@@ -158,17 +161,38 @@ class _DirectWriter:
             i, n, off = item
             try:
                 if self._error is None:
-                    view = memoryview(self._bufs[i])
-                    done = 0
-                    while done < n:
-                        w = os.pwrite(self._fd, view[done:n], off + done)
-                        if w <= 0:
-                            raise OSError(errno.EIO, f"short write to {self.path}")
-                        done += w
+                    self._write_buffer(i, n, off)
             except BaseException as e:      # reported to the caller at its next call
-                self._error = e
+                # Without its traceback: the frames would keep views of the buffer exported,
+                # and closing the buffers would then fail, masking this error.
+                self._error = e.with_traceback(None)
             finally:
                 self._free.put(i)
+
+    def _write_buffer(self, i: int, n: int, off: int) -> None:
+        with memoryview(self._bufs[i]) as view:
+            done = 0
+            while done < n:
+                with view[done:n] as chunk:
+                    try:
+                        w = os.pwrite(self._fd, chunk, off + done)
+                    except OSError as e:
+                        if e.errno != errno.EINVAL or not self._direct:
+                            raise
+                        # O_DIRECT refused the transfer: a limit (RLIMIT_FSIZE, a quota) cut it
+                        # to an unaligned size, or the filesystem changed its mind. Go on through
+                        # the page cache, where the real cause (EFBIG, ENOSPC) is reported.
+                        self._go_buffered()
+                        continue
+                if w <= 0:
+                    raise OSError(errno.EIO, f"short write to {self.path}")
+                done += w
+
+    def _go_buffered(self) -> None:
+        import fcntl
+        fl = fcntl.fcntl(self._fd, fcntl.F_GETFL)
+        fcntl.fcntl(self._fd, fcntl.F_SETFL, fl & ~_O_DIRECT)
+        self._direct = False
 
     def _check(self) -> None:
         if self._error is not None:
@@ -232,6 +256,14 @@ class _DirectWriter:
         os.close(self._fd)
         for b in self._bufs:
             b.close()
+
+
+def _close_quietly(f) -> None:
+    """Close ``f`` after a failure without masking the exception being raised."""
+    try:
+        f.close()
+    except Exception:
+        pass
 
 
 def _open_for_write(fs, path: str):
@@ -309,7 +341,7 @@ def _write_shards(store, fs, root: str, keys: List[StateKey], stem: str, shard_b
                 rows["checksum"].append(hashes[k].hexdigest())
             _commit(fs, f, tmp, final)
         except BaseException:
-            f.close()
+            _close_quietly(f)
             raise
         written[-1] = final
     return rows
@@ -334,9 +366,11 @@ def _write_manifest(fs, root: str, rows: Dict[str, list], meta_json: str, save_i
         pq.write_table(table, f)
         _commit(fs, f, mtmp, _join(root, MANIFEST))
     except BaseException:
-        f.close()
+        _close_quietly(f)
         raise
-    written.pop()
+    # Committed: the new manifest names the shards, so from here on a failure must not
+    # remove them (that would leave neither the new nor the previous checkpoint).
+    written.clear()
     if _is_local(fs):
         _fsync_dir(fs, root)
 
@@ -447,14 +481,26 @@ def _merge_metadata(metas: List[str], rows: List[Dict[str, list]]) -> str:
 def _save_collective(store, path: str, group, shard_bytes: int, progress, metadata) -> None:
     from .distributed import Collective
     comm = Collective(group)
-    fs, root = _prepare_root(path)
-    store.sync()
-    meta_json = _metadata_json(store, metadata)
-    save_id = comm.broadcast(uuid.uuid4().hex[:12] if comm.rank == 0 else None)
+    error: Optional[BaseException] = None
+    try:                    # a rank failing here must still take part in the collectives
+        fs, root = _prepare_root(path)
+        store.sync()
+        meta_json = _metadata_json(store, metadata)
+    except Exception as e:
+        error = e
+    # Rank 0's save id; every rank's keys; any rank's early failure.
+    first_round = comm.all_gather((uuid.uuid4().hex[:12], [str(k) for k in store.keys()],
+                                   None if error is None else repr(error)))
+    early = [(r, msg) for r, (_, _, msg) in enumerate(first_round) if msg is not None]
+    if early:
+        if error is not None:
+            raise error
+        raise CheckpointError(f"collective save of checkpoint {path!r} failed on rank "
+                              f"{early[0][0]}: {early[0][1]}; nothing was written")
+    save_id = first_round[0][0]
     # A state held by several ranks (replicated, not sharded) is written once, by the lowest.
-    held = comm.all_gather([str(k) for k in store.keys()])
     first: Dict[str, int] = {}
-    for r, ks in enumerate(held):
+    for r, (_, ks, _) in enumerate(first_round):
         for k in ks:
             first.setdefault(k, r)
     keys = [k for k in store.keys() if first[str(k)] == comm.rank]
@@ -462,7 +508,6 @@ def _save_collective(store, path: str, group, shard_bytes: int, progress, metada
     bar = _progress(sum(store.spec(k).nbytes for k in keys), f"save {os.path.basename(root)}",
                     progress)
     rows: Dict[str, list] = {n: [] for n in _SCHEMA.names}
-    error: Optional[BaseException] = None
     try:
         rows = _write_shards(store, fs, root, keys, f"shard-{save_id}-r{comm.rank:05d}",
                              shard_bytes, bar, written)
@@ -472,7 +517,7 @@ def _save_collective(store, path: str, group, shard_bytes: int, progress, metada
         bar.close()
     gathered = comm.all_gather((rows, meta_json, None if error is None else repr(error)))
     failed = [(r, msg) for r, (_, _, msg) in enumerate(gathered) if msg is not None]
-    status = None
+    status, committed = None, False
     if not failed and comm.rank == 0:
         try:
             all_rows = {n: [v for g in gathered for v in g[0][n]] for n in _SCHEMA.names}
@@ -482,9 +527,12 @@ def _save_collective(store, path: str, group, shard_bytes: int, progress, metada
         except Exception as e:
             error = e
             status = repr(e)
-    status = comm.broadcast(status) if not failed else None
+        committed = not written      # the manifest is in place (cleared on its rename)
+    if not failed:
+        status, committed = comm.broadcast((status, committed))
     if failed or status is not None:
-        _remove(fs, written)
+        if not committed:            # shards the new manifest names must stay
+            _remove(fs, written)
         if error is not None:
             raise _as_io_error(error, path)
         who = failed[0] if failed else (0, status)
@@ -877,6 +925,10 @@ def load_checkpoint(store, path: str, *, progress: Optional[bool] = None,
     _check_store(store)
     from .distributed import group_info, owners_from_metadata, resolve_load_group
     store._check_open()
+    # The store's states are replaced (or, on failure, removed): the metadata of the optimizer
+    # that used them no longer describes them. Detached, an optimizer built next takes its
+    # step counts from this checkpoint, not from the optimizer the store had before.
+    store._metadata_provider = None
     group = resolve_load_group(process_group)
     try:
         m = read_manifest(path)

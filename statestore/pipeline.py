@@ -274,7 +274,10 @@ class Pipeline:
             try:
                 for s, t in zip(unit.slices, unit.tensors):
                     futs.append((s, self._store._submit_write(s, t)))
-            except BaseException:
+            except BaseException as e:
+                # The unit's new values are not (all) written: they are lost, so its states
+                # are stale until rewritten; reading them raises (StateStore._check_damaged).
+                self._store._mark_damaged([s.key for s in unit.slices], e)
                 unit.reads = futs          # drained by _release_unit before the buffer is reused
                 self._release_unit(unit)
                 raise
@@ -328,6 +331,7 @@ class Pipeline:
             if self._mode in ("r", "rw"):
                 try:
                     self._store._wait_pending_key(s.key)
+                    self._store._check_damaged(s.key)
                     unit.reads.append((s, self._store._submit_read(s, t)))
                 except BaseException:
                     self._release_unit(unit)

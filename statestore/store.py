@@ -21,6 +21,7 @@ Stores are not thread-safe: one thread drives a store (its own background I/O as
 """
 from __future__ import annotations
 
+import errno
 import weakref
 from abc import ABC
 from collections import deque
@@ -98,6 +99,9 @@ class StateStore(ABC):
         self._deferred = None           # checkpoint states a sharded load left on disk
         self._bytes_read = 0
         self._bytes_written = 0
+        #: states whose last write failed, with its error: their stored bytes are stale, so
+        #: reading them raises until put(), delete() or load_checkpoint() replaces them.
+        self._damaged: Dict[StateKey, BaseException] = {}
 
     # ------------------------------------------------------------------ backend primitives
     def _allocate(self, entries: Sequence[Tuple[StateKey, StateSpec]]) -> None:
@@ -132,6 +136,11 @@ class StateStore(ABC):
 
     def _flush(self) -> None:
         """Make every completed write durable (e.g. fsync)."""
+
+    def _check_files(self) -> None:
+        """File-backed stores: raise :class:`StateStoreIOError` when a state file was truncated
+        (every time) or removed (once) under the open store. Called before every pipeline and
+        resident ``get``/``put``, so such damage is reported before any state is touched."""
 
     def _close(self) -> None:
         """Release memory, file descriptors and temporary files."""
@@ -241,6 +250,7 @@ class StateStore(ABC):
         self.sync()
         for k in ks:
             del self._specs[k]
+            self._damaged.pop(k, None)
         self._free(ks)
 
     def clear(self) -> None:
@@ -260,6 +270,7 @@ class StateStore(ABC):
         spec = self.spec(k)
         if self.resident:
             self._raise_pending_error()
+            self._check_files()
             return self._view(k)
         out = torch.empty(spec.shape, dtype=spec.dtype)
         flat = out.view(-1)
@@ -274,8 +285,10 @@ class StateStore(ABC):
         k, spec = self._check_put(key, value)
         if self.resident:
             self._raise_pending_error()
+            self._check_files()
             self._view(k).copy_(value)
             return
+        self._damaged.pop(k, None)         # a whole new value: no longer stale once written
         src = value.detach().reshape(-1)
         chunks = self._chunks(spec)
         with self.pipeline([[Slice(k, a, b)] for a, b in chunks], mode="w") as pipe:
@@ -315,6 +328,7 @@ class StateStore(ABC):
         read of the same state, :meth:`sync`, checkpoints and :meth:`close` wait for them).
         """
         self._check_open()
+        self._check_files()
         return Pipeline(self, units, mode=mode, wait=wait)
 
     @property
@@ -376,6 +390,7 @@ class StateStore(ABC):
                 try:
                     self._result(fut, s.key, "write")
                 except StateStoreError as e:
+                    self._damaged.setdefault(s.key, e)
                     if self._pending_error is None:
                         self._pending_error = e
         finally:
@@ -399,6 +414,22 @@ class StateStore(ABC):
         for _ in range(last + 1):
             self._wait_oldest_pending()
         self._raise_pending_error()
+
+    def _mark_damaged(self, keys, err: BaseException) -> None:
+        """Record that the last write of ``keys`` failed with ``err`` (see :meth:`_check_damaged`)."""
+        for k in keys:
+            self._damaged.setdefault(k, err)
+
+    def _check_damaged(self, key: StateKey) -> None:
+        """Raise when ``key``'s last write failed: its stored value is stale, and handing it
+        out would let training or a checkpoint go on silently with lost updates."""
+        err = self._damaged.get(key)
+        if err is not None:
+            raise StateStoreIOError(
+                getattr(err, "errno", None) or errno.EIO,
+                f"state {key} lost an update: its last write failed ({err}); its stored value "
+                "is stale until put(), delete() or load_checkpoint() replaces it",
+                getattr(err, "filename", None))
 
     def _raise_pending_error(self) -> None:
         self._poll_pending()

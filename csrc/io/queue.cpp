@@ -158,11 +158,13 @@ int64_t Queue::apply_fault_locked(const Piece& p, Op op, int64_t res) {
     return res;
   }
   if (fault_.count <= 0) return res;
+  // Short transfer: half the block, rounded down to 512 bytes, as a direct transfer can be
+  // short (the retry of the rest must stay valid for O_DIRECT). A block of 512 bytes or
+  // less cannot be cut that way: it completes whole and does not count.
+  int64_t s = (p.nbytes / 2) & ~int64_t(511);
+  if (fault_.kind == 1 && s == 0) return res;
   if (--fault_.count == 0) fault_.armed = false;
   if (fault_.kind == 0) return -static_cast<int64_t>(fault_.err);
-  // Short transfer: half the block, kept 512-aligned when possible (valid for O_DIRECT).
-  int64_t s = (p.nbytes / 2) & ~int64_t(511);
-  if (s == 0) s = p.nbytes / 2;
   return std::min(res, s);
 }
 

@@ -1,6 +1,7 @@
 """``FileStore``: states in mmap'd safetensors files; the OS page cache does the I/O."""
 from __future__ import annotations
 
+import errno
 import os
 import uuid
 from typing import Any, Dict, Optional, Sequence, Tuple
@@ -14,6 +15,14 @@ from ._dirs import prepare_dir
 from ._slab import SlabStore
 
 __all__ = ["FileStore"]
+
+
+class _SlabFile:
+    __slots__ = ("fd", "size", "removed_reported")
+
+    def __init__(self, fd: int, size: int):
+        self.fd, self.size = fd, size       # an open descriptor: fsync, fstat (size, links)
+        self.removed_reported = False
 
 
 class FileStore(SlabStore):
@@ -35,44 +44,92 @@ class FileStore(SlabStore):
         self.keep_files = keep_files
         self._id = uuid.uuid4().hex[:8]
         self._nfiles = 0
-        self._files: Dict[str, int] = {}       # path -> size
+        self._files: Dict[str, _SlabFile] = {}
 
     def _new_slab(self, entries: Sequence[Tuple[StateKey, StateSpec]]):
         lay = layout([(str(k), spec.dtype, spec.shape) for k, spec in entries], align=64,
                      pad_tensors=True, metadata={"format": "statestore-filestore"})
         path = os.path.join(self.dir, f"states-{self._id}-{self._nfiles:05d}.safetensors")
         self._nfiles += 1
+        size = max(lay.file_size, 1)
+        fd = -1
         try:
-            with open(path, "wb") as f:
-                f.write(lay.header)
-                f.truncate(lay.file_size)        # sparse zeros for the data
-            buf = torch.from_file(path, shared=True, size=max(lay.file_size, 1), dtype=torch.uint8)
-        except OSError as e:
-            raise StateStoreIOError(e.errno, f"FileStore: cannot create {path}: {e.strerror}") from e
-        except RuntimeError as e:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0),
+                         0o644)
+            # Reserve every byte now: a sparse file on a full disk would raise SIGBUS at the
+            # first store into a page of the mapping, in the middle of a step.
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                    raise
+                os.ftruncate(fd, size)      # no fallocate here: sparse zeros
+            n = os.pwrite(fd, lay.header, 0)
+            if n != len(lay.header):
+                raise OSError(errno.EIO, f"short write of the header ({n} of {len(lay.header)} bytes)")
+            buf = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+        except (OSError, RuntimeError) as e:
+            if fd >= 0:
+                os.close(fd)
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+            if isinstance(e, OSError):
+                raise StateStoreIOError(e.errno, f"FileStore: cannot create {path} ({size} bytes): "
+                                        f"{e.strerror}", path) from e
             raise StateStoreIOError(f"FileStore: cannot map {path}: {e}") from e
-        self._files[path] = lay.file_size
+        self._files[path] = _SlabFile(fd, lay.file_size)
         offsets = {k: lay.entries[str(k)].offset for k, _ in entries}
         return buf, path, offsets
 
     def _release_slab(self, buffer: torch.Tensor, handle: Any) -> None:
-        self._files.pop(handle, None)
+        sf = self._files.pop(handle, None)
+        if sf is not None:
+            os.close(sf.fd)
         if not self.keep_files:
             try:
                 os.unlink(handle)
             except FileNotFoundError:
                 pass
 
+    def _check_files(self) -> None:
+        # A file truncated under the mapping would raise SIGBUS at the first access past its
+        # end: refuse instead, every time (those states are gone). A removed file is reported
+        # once: its states live on in the mapping until close(), so a checkpoint keeps them.
+        for path, sf in list(self._files.items()):
+            size = self._fstat(path, sf).st_size
+            if size < sf.size:
+                raise StateStoreIOError(
+                    errno.EIO, f"FileStore: state file {path} was truncated to {size} bytes "
+                    f"while the store was open (it had {sf.size}); the states past that point are "
+                    "lost: load a checkpoint", path)
+            self._check_present(path, sf)
+
+    @staticmethod
+    def _fstat(path: str, sf: _SlabFile) -> os.stat_result:
+        try:
+            return os.fstat(sf.fd)
+        except OSError as e:
+            raise StateStoreIOError(e.errno, f"FileStore: fstat of {path} failed: {e.strerror}",
+                                    path) from e
+
+    def _check_present(self, path: str, sf: _SlabFile) -> None:
+        if not sf.removed_reported and self._fstat(path, sf).st_nlink == 0:
+            sf.removed_reported = True
+            raise StateStoreIOError(
+                errno.ENOENT, f"FileStore: state file {path} was removed while the store was "
+                "open; its states live on in the mapping until close(), save a checkpoint to "
+                "keep them", path)
+
     def _flush(self) -> None:
-        for path in list(self._files):
+        for path, sf in list(self._files.items()):
+            self._check_present(path, sf)
             try:
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+                os.fsync(sf.fd)
             except OSError as e:
-                raise StateStoreIOError(e.errno, f"FileStore: fsync of {path} failed: {e.strerror}") from e
+                raise StateStoreIOError(e.errno, f"FileStore: fsync of {path} failed: {e.strerror}",
+                                        path) from e
 
     def _close(self) -> None:
         super()._close()
@@ -85,4 +142,4 @@ class FileStore(SlabStore):
 
     def _backend_stats(self) -> Dict[str, Any]:
         return {"dir": self.dir, "files": len(self._files),
-                "disk_bytes": sum(self._files.values())}
+                "disk_bytes": sum(sf.size for sf in self._files.values())}

@@ -264,6 +264,23 @@ class NVMeStore(StateStore):
                                     "while the store was open; its states live on in the open "
                                     "file until close(), save a checkpoint to keep them", sf.path)
 
+    def _check_files(self) -> None:
+        # Before any pipeline: a removed file is reported once (its states live on in the open
+        # file until close()); a truncated one every time (the states past its end are gone,
+        # and a later write would silently refill the gap with zeros).
+        for sf in list(self._files.values()):
+            self._check_present(sf)
+            try:
+                size = os.fstat(sf.file.fd).st_size
+            except OSError as e:
+                raise StateStoreIOError(e.errno, f"NVMeStore: fstat of {sf.path} failed: "
+                                        f"{e.strerror}", sf.path) from e
+            if size < sf.size:
+                raise StateStoreIOError(
+                    errno.EIO, f"NVMeStore: state file {sf.path} was truncated to {size} bytes "
+                    f"while the store was open (it had {sf.size}); the states past that point "
+                    "are lost: load a checkpoint", sf.path)
+
     def _flush(self) -> None:
         for sf in list(self._files.values()):
             self._check_present(sf)

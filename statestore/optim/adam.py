@@ -140,6 +140,9 @@ class _StoreAdam(torch.optim.Optimizer):
         self._owned_stores: List[StateStore] = []
         self._stores: Dict[Tensor, StateStore] = {}
         self._steps: Dict[str, int] = {}
+        #: why a step() failed part-way (empty: none did); shared with the metadata source
+        self._failed: List[str] = []
+        self._touched = False
         if state_store is None:
             if nvme_offload_fraction > 0:
                 state_store = self._make_offload_store(float(nvme_offload_fraction), nvme_offload_dir)
@@ -327,10 +330,13 @@ class _StoreAdam(torch.optim.Optimizer):
         """A callable producing this optimizer's metadata that holds the containers it reads
         (groups, keys, step counts), not the optimizer: the store keeps it after the
         optimizer is gone, so a later optimizer on the store picks up the step counts."""
-        name, param_groups, keys, steps, params = (type(self).__name__, self.param_groups,
-                                                   self._keys, self._steps, self._params)
+        name, param_groups, keys, steps, params, failed = (
+            type(self).__name__, self.param_groups, self._keys, self._steps, self._params,
+            self._failed)
 
         def metadata() -> dict:
+            if failed:   # a checkpoint now would mix states of two steps and look valid
+                raise StateStoreError(_failed_message(name, failed[0]))
             groups = []
             for g in param_groups:
                 hyper = {k: (list(g[k]) if k == "betas" else g[k]) for k in _HYPER}
@@ -393,6 +399,8 @@ class _StoreAdam(torch.optim.Optimizer):
         if div_scale is not None and not _is_real(div_scale) \
                 and not (isinstance(div_scale, Tensor) and div_scale.numel() == 1):
             raise TypeError(f"div_scale must be a float, got {div_scale!r}")
+        if self._failed:
+            raise StateStoreError(_failed_message(type(self).__name__, self._failed[0]))
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -420,12 +428,24 @@ class _StoreAdam(torch.optim.Optimizer):
         grad_scale = float(div_scale) if div_scale is not None and div_scale > 0 else 1.0
         for store, items in work.items():
             self._ensure_states(store, [p for _, ps in items for p in ps])
+        before = dict(self._steps)
         for p in grads:
             if self._owns(p):
                 k = self._keys[p]
                 self._steps[k] = self._steps.get(k, 0) + 1
-        for store, items in work.items():
-            self._step_store(store, items, grads, grad_scale)
+        self._touched = False
+        try:
+            for store, items in work.items():
+                self._step_store(store, items, grads, grad_scale)
+        except BaseException as e:
+            if self._touched:
+                # Some parameters and states hold this step, others the previous one: refuse
+                # to go on (or to checkpoint) rather than diverge silently.
+                self._failed.append(f"{type(e).__name__}: {e}")
+            else:           # failed before anything changed (e.g. an I/O error reported by
+                self._steps.clear()         # the store): nothing to undo but the counts
+                self._steps.update(before)
+            raise
         if self._owner is not None:
             for store in work:
                 store.sync()
@@ -509,6 +529,7 @@ class _StoreAdam(torch.optim.Optimizer):
         lr = group["lr"]
         if isinstance(lr, Tensor):
             lr = lr.item()
+        self._touched = True
         adam_step(params, gs, m, v, steps=steps, lr=lr, beta1=beta1, beta2=beta2,
                   eps=group["eps"], weight_decay=group["weight_decay"],
                   adamw_mode=group["adamw_mode"], amsgrad=group["amsgrad"],
@@ -686,6 +707,12 @@ class _StoreAdam(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({len(self._params)} params, store={self.state_store!r})"
+
+
+def _failed_message(name: str, cause: str) -> str:
+    return (f"{name}: an earlier step() failed part-way ({cause}); parameters and states hold a "
+            "mix of two steps. Load the last checkpoint into the store (and the model weights) "
+            "and build a new optimizer")
 
 
 def _export_states(store: StateStore, keys: List[StateKey]) -> Dict[StateKey, Tensor]:
