@@ -162,6 +162,15 @@ def killed_mid_save(rank: int, world: int, port: int, out: str, kind: str) -> No
         dist.barrier()
         with open(os.path.join(out, f"saved{rank}"), "w") as f:
             f.write("ok")
+        # one rank failing before it writes anything fails the save on every rank
+        try:
+            store.save_checkpoint(os.path.join(out, "ckpt"),
+                                  metadata={"bad": object()} if rank == 1 else None)
+            early = "saved"
+        except ss.StateStoreError as e:
+            early = f"{type(e).__name__}: {e}"
+        with open(os.path.join(out, f"early{rank}.txt"), "w") as f:
+            f.write(early)
         train(model, opt, 2, 3, rank, world)
         if rank == 1:
             real_commit = ckpt._commit

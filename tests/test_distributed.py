@@ -184,6 +184,8 @@ def test_rank_killed_mid_save_leaves_previous_checkpoint(tmp_path):
                  join=True)
     assert (tmp_path / "saved0").exists() and (tmp_path / "saved1").exists()
     assert not list(tmp_path.glob("second-save-returned*"))
+    assert "failed on rank 1" in (tmp_path / "early0.txt").read_text()
+    assert "metadata" in (tmp_path / "early1.txt").read_text()
     ckpt = str(tmp_path / "ckpt")
     assert verify_checkpoint(ckpt) == []
     m = read_manifest(ckpt)
