@@ -181,7 +181,7 @@ class Pipeline:
     """
 
     def __init__(self, store, units: Sequence[Sequence[Slice]], mode: str = "rw",
-                 wait: bool = True):
+                 wait: bool = True, prefetch: bool = False):
         if mode not in _MODES:
             raise StateStoreValueError(f"pipeline mode must be one of {_MODES}, got {mode!r}")
         self._store = store
@@ -199,7 +199,7 @@ class Pipeline:
         self._closed = False
         if not self._resident:
             self._arena: RingArena = store._arena()
-            self._fill()
+            self._fill(block=not prefetch)
 
     # -- iteration ---------------------------------------------------------------------------
     def __iter__(self) -> Iterator[List[torch.Tensor]]:
@@ -315,8 +315,11 @@ class Pipeline:
         align = self._store.alignment
         return [_round_up(s.numel * self._store.spec(s.key).itemsize, align) for s in unit.slices]
 
-    def _try_submit(self) -> bool:
+    def _try_submit(self, block: bool = True) -> bool:
         unit = self._units[self._next_submit]
+        if not block and self._mode in ("r", "rw") and \
+                any(self._store._key_pending(s.key) for s in unit.slices):
+            return False        # its last write is still in flight: try again later
         sizes = self._unit_bytes(unit)
         got = self._arena.try_alloc(sum(sizes))
         if got is None:
@@ -340,8 +343,10 @@ class Pipeline:
         self._next_submit += 1
         return True
 
-    def _fill(self) -> None:
-        while self._next_submit < len(self._units) and self._try_submit():
+    def _fill(self, block: bool = True) -> None:
+        """Submit reads of the next units while the ring has room (``block=False``: and
+        their states have no write in flight, so it never waits)."""
+        while self._next_submit < len(self._units) and self._try_submit(block):
             pass
 
     def _submit_blocking(self) -> None:

@@ -33,7 +33,7 @@ from ._parquet_guard import MAX_NDIM
 from ._types import Slice, StateKey, StateSpec
 from .errors import (StateKeyError, StateStoreClosedError, StateStoreError, StateStoreIOError,
                      StateStoreValueError)
-from .pipeline import Pipeline, RingArena
+from .pipeline import Pipeline, RingArena, unit_lists
 
 __all__ = ["StateStore", "DEFAULT_BUDGET_BYTES"]
 
@@ -95,6 +95,7 @@ class StateStore(ABC):
         self._pending_error: Optional[BaseException] = None
         self._metadata_provider: Optional[Callable[[], Optional[dict]]] = None
         self._loaded_metadata: Optional[dict] = None
+        self._prefetched = None         # (mode, units, Pipeline) started by prefetch()
         self._process_group = None      # the group this store's states are sharded over
         self._deferred = None           # checkpoint states a sharded load left on disk
         self._bytes_read = 0
@@ -185,6 +186,7 @@ class StateStore(ABC):
         the given shape.
         """
         self._check_open()
+        self.cancel_prefetch()
         new: List[Tuple[StateKey, StateSpec]] = []
         inits: List[Tuple[StateKey, torch.Tensor]] = []
         seen = set()
@@ -239,6 +241,7 @@ class StateStore(ABC):
     def delete(self, keys) -> None:
         """Remove states and release their storage."""
         self._check_open()
+        self.cancel_prefetch()
         if isinstance(keys, (str, StateKey)):
             keys = [keys]
         if not isinstance(keys, Iterable):
@@ -298,6 +301,7 @@ class StateStore(ABC):
     def _check_put(self, key, value) -> Tuple[StateKey, StateSpec]:
         """Validate :meth:`put`'s arguments; returns the key and its spec."""
         self._check_open()
+        self.cancel_prefetch()
         k = _as_key(key)
         spec = self.spec(k)
         if not isinstance(value, torch.Tensor):
@@ -329,7 +333,43 @@ class StateStore(ABC):
         """
         self._check_open()
         self._check_files()
+        if self._prefetched is not None:
+            pmode, punits, pipe = self._prefetched
+            self._prefetched = None
+            if pmode == mode and punits == unit_lists(units):
+                pipe._wait = wait           # the reads started early: hand that pipeline out
+                return pipe
+            pipe._abort()
         return Pipeline(self, units, mode=mode, wait=wait)
+
+    def prefetch(self, units: Sequence[Sequence[Slice]], mode: str = "rw") -> None:
+        """Start reading ``units`` now, for a :meth:`pipeline` that will ask for exactly these
+        units (and mode) later, typically an optimizer's next step: the reads then overlap
+        whatever runs in between (forward and backward). Reads start as far as the RAM budget
+        allows without waiting; :meth:`pump` starts more as write-behind frees buffers. Any
+        other use of the store (another pipeline, put, create, delete, load, close) cancels
+        the prefetch first, so it never hands out stale values. A no-op on resident stores."""
+        self._check_open()
+        self.cancel_prefetch()
+        if self.resident:
+            return
+        units = unit_lists(units)
+        self._prefetched = (mode, units, Pipeline(self, units, mode=mode, wait=False,
+                                                  prefetch=True))
+
+    def pump(self) -> None:
+        """Never blocks: retire finished background writes and start more prefetch reads in
+        the RAM they free. Optimizers call it from gradient hooks during backward."""
+        if self._prefetched is None or self._closed:
+            return
+        self._poll_pending()
+        self._prefetched[2]._fill(block=False)
+
+    def cancel_prefetch(self) -> None:
+        """Drop a :meth:`prefetch` not yet used (reads in flight are drained)."""
+        p, self._prefetched = self._prefetched, None
+        if p is not None:
+            p[2]._abort()
 
     @property
     def unit_bytes(self) -> Optional[int]:
@@ -405,6 +445,11 @@ class StateStore(ABC):
             return False
         self._complete(self._pending.popleft())
         return True
+
+    def _key_pending(self, key: StateKey) -> bool:
+        """True when a background write of ``key`` is still in flight."""
+        self._poll_pending()
+        return any(s.key == key for _, futs in self._pending for s, _ in futs)
 
     def _wait_pending_key(self, key: StateKey) -> None:
         last = -1
@@ -538,6 +583,7 @@ class StateStore(ABC):
             return
         err = None
         try:
+            self.cancel_prefetch()
             self.sync()
         except StateStoreError as e:
             err = e

@@ -202,6 +202,23 @@ class TieredStore(StateStore):
         self._check_open()
         return _TieredPipeline(self, units, mode, wait)
 
+    def prefetch(self, units: Sequence[Sequence[Slice]], mode: str = "rw") -> None:
+        """Prefetch in each non-resident tier the part of ``units`` it holds (see
+        :meth:`StateStore.prefetch`); the next :meth:`pipeline` over the same units uses it."""
+        self._check_open()
+        _, per_tier = _split_units(self, units)
+        for t, tier_units in enumerate(per_tier):
+            if any(tier_units):
+                self.tiers[t].prefetch(tier_units, mode)
+
+    def pump(self) -> None:
+        for s in self.tiers:
+            s.pump()
+
+    def cancel_prefetch(self) -> None:
+        for s in getattr(self, "tiers", ()):
+            s.cancel_prefetch()
+
     @property
     def unit_bytes(self) -> Optional[int]:
         sizes = [s.unit_bytes for s in self.tiers if s.unit_bytes is not None]
@@ -246,6 +263,27 @@ class TieredStore(StateStore):
         return out
 
 
+def _split_units(store: "TieredStore", units) -> Tuple[List[List[Tuple[int, int]]],
+                                                      List[List[List[Slice]]]]:
+    """Each unit's slices by tier: ``(layout, per_tier)``, ``layout[u]`` listing, per slice,
+    ``(tier, index in that tier's unit u)``; ``per_tier[t]`` the child pipeline's units."""
+    ntiers = len(store.tiers)
+    layout: List[List[Tuple[int, int]]] = []
+    per_tier: List[List[List[Slice]]] = [[] for _ in range(ntiers)]
+    for u in unit_lists(units):
+        buckets: List[List[Slice]] = [[] for _ in range(ntiers)]
+        place = []
+        for s in u:
+            store._check_slice(s)
+            t = store._tier_index(s.key)
+            place.append((t, len(buckets[t])))
+            buckets[t].append(s)
+        layout.append(place)
+        for t in range(ntiers):
+            per_tier[t].append(buckets[t])
+    return layout, per_tier
+
+
 class _TieredPipeline:
     """Child pipelines in lockstep; see the module docstring."""
 
@@ -258,19 +296,7 @@ class _TieredPipeline:
         self._dev = store.device
         self._copy_views = mode == "r" and not store.resident
         ntiers = len(store.tiers)
-        self._layout: List[List[Tuple[int, int]]] = []   # per unit: (tier, index in tier's unit)
-        per_tier: List[List[List[Slice]]] = [[] for _ in range(ntiers)]
-        for u in unit_lists(units):
-            buckets: List[List[Slice]] = [[] for _ in range(ntiers)]
-            place = []
-            for s in u:
-                store._check_slice(s)
-                t = store._tier_index(s.key)
-                place.append((t, len(buckets[t])))
-                buckets[t].append(s)
-            self._layout.append(place)
-            for t in range(ntiers):
-                per_tier[t].append(buckets[t])
+        self._layout, per_tier = _split_units(store, units)
         self._pipes: Dict[int, Any] = {}
         try:
             for t in range(ntiers):

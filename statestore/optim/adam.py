@@ -17,6 +17,7 @@ import math
 import os
 import tempfile
 import warnings
+import weakref
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -155,6 +156,9 @@ class _StoreAdam(torch.optim.Optimizer):
         for store in attached:
             self._resume_from(store)
             store.attach_metadata(self._metadata_source(), process_group=self.process_group)
+        self._prefetching: "weakref.WeakSet[StateStore]" = weakref.WeakSet()
+        self._pump_hooks: list = []
+        self._register_pump_hooks(self._params)
 
     # ------------------------------------------------------------------ set-up
     def _make_offload_store(self, fraction: float, directory: Optional[str]) -> StateStore:
@@ -211,6 +215,34 @@ class _StoreAdam(torch.optim.Optimizer):
                 self._owned_stores.append(default[p.device])
             self._stores[p] = default[p.device]
 
+    def _register_pump_hooks(self, params: Sequence[Tensor]) -> None:
+        """While backward produces gradients, let disk stores start the next step's reads
+        (:meth:`StateStore.pump`, which never blocks). The hooks hold the optimizer weakly."""
+        ref = weakref.ref(self)
+
+        def pump(_param) -> None:
+            opt = ref()
+            if opt is None or not opt._prefetching:
+                return
+            for store in list(opt._prefetching):
+                try:
+                    store.pump()
+                except StateStoreError:      # surfaces again at the step that needs it
+                    store.cancel_prefetch()
+                    opt._prefetching.discard(store)
+
+        if not hasattr(Tensor, "register_post_accumulate_grad_hook"):
+            return
+        self._pump_hooks += [p.register_post_accumulate_grad_hook(pump)
+                             for p in params if p.requires_grad and self._owns(p)]
+
+    def __del__(self) -> None:
+        for h in getattr(self, "_pump_hooks", ()):
+            try:
+                h.remove()
+            except Exception:
+                pass
+
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """torch's, plus checks of the group's hyperparameters and parameters; a group that
         fails them is not added (the optimizer stays as it was)."""
@@ -229,6 +261,8 @@ class _StoreAdam(torch.optim.Optimizer):
             if stores is not None:
                 self._stores = stores
             raise
+        if hasattr(self, "_pump_hooks"):
+            self._register_pump_hooks(self.param_groups[-1]["params"])
 
     def _add_param_group_after_init(self) -> None:
         if hasattr(self, "_stores"):        # after __init__: a group added later
@@ -499,6 +533,11 @@ class _StoreAdam(torch.optim.Optimizer):
         with store.pipeline(all_units, mode="rw", wait=False) as pipe:
             for tensors, (group, entries) in zip(pipe, meta):
                 self._update_unit(tensors, group, entries, grads, grad_scale, dev)
+        if not store.resident:
+            # Start reading the next step's first units now (the same plan, as long as the
+            # same parameters get gradients); gradient hooks pump more during backward.
+            store.prefetch(all_units, mode="rw")
+            self._prefetching.add(store)
 
     def _update_unit(self, tensors: List[Tensor], group: dict, entries, grads, grad_scale,
                      dev: torch.device) -> None:
