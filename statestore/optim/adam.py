@@ -172,7 +172,10 @@ class _StoreAdam(torch.optim.Optimizer):
                 params.append(p)
                 idx += 1
         if len(set(keys.values())) != len(keys):
-            raise ValueError("parameter names must be unique")
+            seen: set = set()
+            dup = next(k for k in keys.values() if k in seen or seen.add(k))
+            raise ValueError(f"parameter names must be unique: {dup!r} names more than one "
+                             f"parameter")
         for k in keys.values():
             if "/" in k:
                 raise ValueError(f"parameter name {k!r} must not contain '/'")
