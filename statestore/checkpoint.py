@@ -440,14 +440,14 @@ def optimizer_metadata_problem(meta) -> Optional[str]:
     if not isinstance(meta, dict):
         return f"must be a JSON object, got {type(meta).__name__}"
     steps = meta.get("steps")
-    if steps is not None:
+    if "steps" in meta:
         if not isinstance(steps, dict):
             return "'steps' must map parameter keys to step counts"
         for k, v in steps.items():
             if not _is_int(v) or v < 0:
                 return f"'steps'[{k!r}] must be a non-negative int, got {v!r}"
     params = meta.get("params")
-    if params is not None:
+    if "params" in meta:
         if not isinstance(params, dict):
             return "'params' must map parameter keys to {shape, dtype}"
         for k, v in params.items():
@@ -460,7 +460,7 @@ def optimizer_metadata_problem(meta) -> Optional[str]:
             if not isinstance(v.get("dtype", ""), str):
                 return f"'params'[{k!r}]['dtype'] must be a string"
     groups = meta.get("param_groups")
-    if groups is not None:
+    if "param_groups" in meta:
         if not isinstance(groups, list):
             return "'param_groups' must be a list"
         seen = set()
