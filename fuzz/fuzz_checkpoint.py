@@ -72,6 +72,8 @@ def main(argv=None) -> int:
             except Exception as e:     # hypothesis re-raises the shrunk failure
                 print(f"\nVIOLATION in target {t} (chunk seed {s}): {type(e).__name__}: {e}",
                       file=sys.stderr)
+                for note in getattr(e, "__notes__", []):    # the draws, the blob
+                    print(note, file=sys.stderr)
                 status = 1
                 break
             i += 1

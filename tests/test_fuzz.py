@@ -173,3 +173,21 @@ def test_valid_manifest_written_other_ways_is_accepted(variant, tmp_path):
     pq.write_table(pq.read_table(mpath), mpath, **PARQUET_VARIANTS[variant])
     assert len(ckpt.read_manifest(path).rows) == len(ckpt.read_manifest(F.template()).rows)
     assert F.oracle(path) == {"manifest_ok": True, "loaded": True}
+
+
+def test_convert_verifies_checksums_of_empty_tensors(tmp_path):
+    """Found by the long run: to_torch_state_dict skipped the checksum of zero-size tensors,
+    accepting a manifest that verify_checkpoint and load_checkpoint refuse."""
+    path = _copy(tmp_path)
+    mpath = os.path.join(path, ckpt.MANIFEST)
+    table = pq.read_table(mpath)
+    rows = table.to_pylist()
+    empty = next(r for r in rows if r["nbytes"] == 0)
+    empty["checksum"] = "0123456789abcdef"
+    pq.write_table(pa.Table.from_pylist(rows, schema=table.schema)
+                   .replace_schema_metadata(table.schema.metadata), mpath)
+    from statestore.__main__ import to_torch_state_dict
+    with pytest.raises(CheckpointCorruptError, match=repr(empty["key"])):
+        to_torch_state_dict(path)
+    assert ckpt.verify_checkpoint(path, progress=False)
+    F.oracle(path)
