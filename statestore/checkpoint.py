@@ -258,10 +258,6 @@ def save_checkpoint(store, path: str, *, shard_bytes: int = DEFAULT_SHARD_BYTES,
     fs, root = _fs(path)
     if fs.exists(root) and not fs.isdir(root):
         raise StateStoreValueError(f"checkpoint path {path!r} exists and is not a directory")
-    try:
-        fs.makedirs(root, exist_ok=True)
-    except OSError as e:
-        raise StateStoreIOError(e.errno, f"cannot create checkpoint directory {path!r}: {e}") from e
     store.sync()
     meta = metadata if metadata is not None else store.metadata()
     meta = {} if meta is None else meta
@@ -272,6 +268,10 @@ def save_checkpoint(store, path: str, *, shard_bytes: int = DEFAULT_SHARD_BYTES,
         meta_json = json.dumps(meta)
     except (TypeError, ValueError, RecursionError) as e:
         raise StateStoreValueError(f"checkpoint metadata is not JSON-serializable: {e}") from e
+    try:
+        fs.makedirs(root, exist_ok=True)
+    except OSError as e:
+        raise StateStoreIOError(e.errno, f"cannot create checkpoint directory {path!r}: {e}") from e
 
     keys = store.keys()
     shards: List[List[StateKey]] = []

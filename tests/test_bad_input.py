@@ -820,6 +820,8 @@ def _opt_rows() -> List[Row]:
             lambda c: c.opt(P(), weight_decay=-0.1)),
         Row("optim-weight-decay-type", "weight_decay=None", TypeError, ("weight_decay",),
             lambda c: c.opt(P(), weight_decay=None)),
+        Row("optim-numpy-scalars", "lr=np.float32(1e-3), betas of numpy floats", ACCEPTED, (),
+            _numpy_hyperparameters),
         Row("optim-group-lr", '[{"params": [p], "lr": -1.0}]', ValueError,
             ("Invalid learning rate: -1.0",), lambda c: c.opt([{"params": P(), "lr": -1.0}])),
         Row("optim-empty-params", "params=[]", ValueError, ("empty parameter list",),
@@ -858,6 +860,20 @@ def _opt_rows() -> List[Row]:
         Row("optim-unknown-kwarg", "no_such_arg=1", TypeError, ("no_such_arg",),
             lambda c: c.opt(P(), no_such_arg=1)),
     ]
+
+
+def _numpy_hyperparameters(c):
+    """numpy scalars are numbers: accepted as torch accepts them, and saved in checkpoints
+    as plain JSON numbers (a save used to fail on them)."""
+    import numpy as np
+    p = _param(3)
+    store = c.new_store()
+    opt = c.opt([p], lr=np.float32(1e-3), betas=(np.float64(0.9), np.float32(0.99)),
+                eps=np.float32(1e-8), state_store=store)
+    _step(opt, [p])
+    store.save_checkpoint(c.path("c"), progress=False)
+    g = ckpt.read_manifest(c.path("c")).metadata["param_groups"][0]
+    assert g["lr"] == float(np.float32(1e-3)) and g["betas"] == [0.9, float(np.float32(0.99))]
 
 
 def _dup_param(c):
@@ -928,7 +944,7 @@ def _lsd_rows() -> List[Row]:
     def drop(k, i=1):
         return lambda sd: sd["state"][i].pop(k)
     return [
-        Row("lsd-not-dict", "load_state_dict([])", ValueError, ("state_dict",),
+        Row("lsd-not-dict", 'load_state_dict({"bogus": 1})', ValueError, ("state_dict",),
             lambda c: _lsd(c, lambda sd: (sd.clear(), sd.update(bogus=1))), True),
         Row("lsd-group-count", "a state dict with 2 groups for 1", ValueError,
             ("parameter groups",),

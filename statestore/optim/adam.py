@@ -14,6 +14,7 @@ through :meth:`StateStore.attach_metadata`.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import tempfile
 import warnings
@@ -41,7 +42,8 @@ _HYPER = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "adamw_mo
 
 
 def _is_real(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    """A real number (numpy scalars included), not a bool."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 def _validate_hyper(lr, betas, eps, weight_decay) -> None:
@@ -330,6 +332,9 @@ class _StoreAdam(torch.optim.Optimizer):
                 hyper = {k: (list(g[k]) if k == "betas" else g[k]) for k in _HYPER}
                 if isinstance(hyper["lr"], Tensor):
                     hyper["lr"] = hyper["lr"].item()
+                for k in ("lr", "eps", "weight_decay"):     # numpy scalars: plain JSON numbers
+                    hyper[k] = float(hyper[k])
+                hyper["betas"] = [float(b) for b in hyper["betas"]]
                 hyper["params"] = [keys[p] for p in g["params"]]
                 groups.append(hyper)
             return {
