@@ -820,7 +820,7 @@ def _opt_rows() -> List[Row]:
             lambda c: c.opt(P(), weight_decay=-0.1)),
         Row("optim-weight-decay-type", "weight_decay=None", TypeError, ("weight_decay",),
             lambda c: c.opt(P(), weight_decay=None)),
-        Row("optim-numpy-scalars", "lr=np.float32(1e-3), betas of numpy floats", ACCEPTED, (),
+        Row("optim-numpy-scalars", "numpy, 1-element tensor and int hyperparameters", ACCEPTED, (),
             _numpy_hyperparameters),
         Row("optim-group-lr", '[{"params": [p], "lr": -1.0}]', ValueError,
             ("Invalid learning rate: -1.0",), lambda c: c.opt([{"params": P(), "lr": -1.0}])),
@@ -866,14 +866,17 @@ def _numpy_hyperparameters(c):
     """numpy scalars are numbers: accepted as torch accepts them, and saved in checkpoints
     as plain JSON numbers (a save used to fail on them)."""
     import numpy as np
-    p = _param(3)
+    p, q = _param(3), _param(2)
     store = c.new_store()
-    opt = c.opt([p], lr=np.float32(1e-3), betas=(np.float64(0.9), np.float32(0.99)),
+    opt = c.opt([{"params": [p]},
+                 {"params": [q], "amsgrad": 1, "weight_decay": torch.tensor(0.25)}],
+                lr=np.float32(1e-3), betas=(np.float64(0.9), np.float32(0.99)),
                 eps=np.float32(1e-8), state_store=store)
-    _step(opt, [p])
+    _step(opt, [p, q])
     store.save_checkpoint(c.path("c"), progress=False)
-    g = ckpt.read_manifest(c.path("c")).metadata["param_groups"][0]
-    assert g["lr"] == float(np.float32(1e-3)) and g["betas"] == [0.9, float(np.float32(0.99))]
+    g0, g1 = ckpt.read_manifest(c.path("c")).metadata["param_groups"]
+    assert g0["lr"] == float(np.float32(1e-3)) and g0["betas"] == [0.9, float(np.float32(0.99))]
+    assert g1["amsgrad"] is True and g1["weight_decay"] == 0.25
 
 
 def _dup_param(c):

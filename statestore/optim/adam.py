@@ -53,6 +53,8 @@ def _validate_hyper(lr, betas, eps, weight_decay) -> None:
         if lr.numel() != 1:
             raise ValueError("Tensor lr must be 1-element")
         lr = lr.item()
+    eps, weight_decay = (v.item() if isinstance(v, Tensor) and v.numel() == 1 else v
+                         for v in (eps, weight_decay))
     for name, v in (("learning rate", lr), ("epsilon value", eps),
                     ("weight_decay value", weight_decay)):
         if not _is_real(v):
@@ -335,6 +337,8 @@ class _StoreAdam(torch.optim.Optimizer):
                 for k in ("lr", "eps", "weight_decay"):     # numpy scalars: plain JSON numbers
                     hyper[k] = float(hyper[k])
                 hyper["betas"] = [float(b) for b in hyper["betas"]]
+                for k in ("amsgrad", "maximize", "adamw_mode"):
+                    hyper[k] = bool(hyper[k])
                 hyper["params"] = [keys[p] for p in g["params"]]
                 groups.append(hyper)
             return {
