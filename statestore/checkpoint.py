@@ -436,9 +436,9 @@ def save_checkpoint(store, path: str, *, shard_bytes: int = DEFAULT_SHARD_BYTES,
             f"this store holds only rank {store._deferred.rank}'s shard of checkpoint "
             f"{store._deferred.path!r}; save it collectively (every rank calls "
             f"save_checkpoint) or build an optimizer on it first")
-    fs, root = _prepare_root(path)
     store.sync()
-    meta_json = _metadata_json(store, metadata)
+    meta_json = _metadata_json(store, metadata)     # bad metadata: no directory is created
+    fs, root = _prepare_root(path)
     keys = store.keys()
     save_id = uuid.uuid4().hex[:12]
     written: List[str] = []
@@ -483,9 +483,9 @@ def _save_collective(store, path: str, group, shard_bytes: int, progress, metada
     comm = Collective(group)
     error: Optional[BaseException] = None
     try:                    # a rank failing here must still take part in the collectives
-        fs, root = _prepare_root(path)
         store.sync()
         meta_json = _metadata_json(store, metadata)
+        fs, root = _prepare_root(path)
     except Exception as e:
         error = e
     # Rank 0's save id; every rank's keys; any rank's early failure.
@@ -616,14 +616,14 @@ def optimizer_metadata_problem(meta) -> Optional[str]:
     if not isinstance(meta, dict):
         return f"must be a JSON object, got {type(meta).__name__}"
     steps = meta.get("steps")
-    if steps is not None:
+    if "steps" in meta:
         if not isinstance(steps, dict):
             return "'steps' must map parameter keys to step counts"
         for k, v in steps.items():
             if not _is_int(v) or v < 0:
                 return f"'steps'[{k!r}] must be a non-negative int, got {v!r}"
     params = meta.get("params")
-    if params is not None:
+    if "params" in meta:
         if not isinstance(params, dict):
             return "'params' must map parameter keys to {shape, dtype}"
         for k, v in params.items():
@@ -636,7 +636,7 @@ def optimizer_metadata_problem(meta) -> Optional[str]:
             if not isinstance(v.get("dtype", ""), str):
                 return f"'params'[{k!r}]['dtype'] must be a string"
     groups = meta.get("param_groups")
-    if groups is not None:
+    if "param_groups" in meta:
         if not isinstance(groups, list):
             return "'param_groups' must be a list"
         seen = set()

@@ -102,7 +102,14 @@ class NVMeStore(StateStore):
                                        f"got {self.budget_bytes}")
         if direct not in (None, True, False):
             raise StateStoreValueError(f"NVMeStore: direct must be None, True or False, got {direct!r}")
-        dir, self._tmp, self._finalizer = prepare_dir(self, dir, "NVMeStore", "statestore-nvme-")
+        if not isinstance(engine, IOEngine):
+            for arg, v in (("queue_depth", queue_depth), ("block_size", block_size),
+                           ("io_threads", io_threads)):
+                if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                    raise StateStoreValueError(f"NVMeStore: {arg} must be a positive int, "
+                                               f"got {v!r}")
+        dir, self._tmp, self._finalizer = prepare_dir(self, dir, "NVMeStore", "statestore-nvme-",
+                                                      check_writable=True)
         self.dir = dir
         self.keep_files = bool(keep_files) and self._tmp is None
         self._paths: set = set()     # files to remove at close or interpreter exit

@@ -14,6 +14,7 @@ through :meth:`StateStore.attach_metadata`.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import tempfile
 import warnings
@@ -42,7 +43,8 @@ _HYPER = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "adamw_mo
 
 
 def _is_real(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    """A real number (numpy scalars included), not a bool."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 def _validate_hyper(lr, betas, eps, weight_decay) -> None:
@@ -52,6 +54,8 @@ def _validate_hyper(lr, betas, eps, weight_decay) -> None:
         if lr.numel() != 1:
             raise ValueError("Tensor lr must be 1-element")
         lr = lr.item()
+    eps, weight_decay = (v.item() if isinstance(v, Tensor) and v.numel() == 1 else v
+                         for v in (eps, weight_decay))
     for name, v in (("learning rate", lr), ("epsilon value", eps),
                     ("weight_decay value", weight_decay)):
         if not _is_real(v):
@@ -182,7 +186,10 @@ class _StoreAdam(torch.optim.Optimizer):
                 params.append(p)
                 idx += 1
         if len(set(keys.values())) != len(keys):
-            raise ValueError("parameter names must be unique")
+            seen: set = set()
+            dup = next(k for k in keys.values() if k in seen or seen.add(k))
+            raise ValueError(f"parameter names must be unique: {dup!r} names more than one "
+                             f"parameter")
         for k in keys.values():
             if "/" in k:
                 raise ValueError(f"parameter name {k!r} must not contain '/'")
@@ -376,6 +383,11 @@ class _StoreAdam(torch.optim.Optimizer):
                 hyper = {k: (list(g[k]) if k == "betas" else g[k]) for k in _HYPER}
                 if isinstance(hyper["lr"], Tensor):
                     hyper["lr"] = hyper["lr"].item()
+                for k in ("lr", "eps", "weight_decay"):     # numpy scalars: plain JSON numbers
+                    hyper[k] = float(hyper[k])
+                hyper["betas"] = [float(b) for b in hyper["betas"]]
+                for k in ("amsgrad", "maximize", "adamw_mode"):
+                    hyper[k] = bool(hyper[k])
                 hyper["params"] = [keys[p] for p in g["params"]]
                 groups.append(hyper)
             return {
