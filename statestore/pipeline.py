@@ -331,14 +331,16 @@ class Pipeline:
             raw = self._arena.view(offset, nb)
             t = raw[: s.numel * spec.itemsize].view(spec.dtype)
             unit.tensors.append(t)
-            if self._mode in ("r", "rw"):
-                try:
-                    self._store._wait_pending_key(s.key)
+            try:
+                # A read waits for the pending writes of its state; so does a write (mode "w"):
+                # two writes of one slice in flight at once may land in either order.
+                self._store._wait_pending_key(s.key)
+                if self._mode in ("r", "rw"):
                     self._store._check_damaged(s.key)
                     unit.reads.append((s, self._store._submit_read(s, t)))
-                except BaseException:
-                    self._release_unit(unit)
-                    raise
+            except BaseException:
+                self._release_unit(unit)
+                raise
             offset += nb
         self._next_submit += 1
         return True

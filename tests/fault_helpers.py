@@ -251,6 +251,11 @@ class Leaks:
         return out
 
 
+def state_files(d: str) -> List[str]:
+    """Store files in ``d`` (not the lock file an open store holds there)."""
+    return sorted(n for n in os.listdir(d) if n.startswith("states-")) if os.path.isdir(d) else []
+
+
 def temporaries(d: str) -> List[str]:
     """Names a save uses while it runs (``.shard-*.tmp``, ``.manifest.parquet.*.tmp``)."""
     return [n for n in _listing(d) if n.endswith(".tmp") or os.path.basename(n).startswith(".")]
@@ -362,7 +367,7 @@ def job_fsize_step(kind: str, root: str, out: str) -> None:
         res["create_error"] = describe(e)
     finally:
         _limit_file_size(None)
-    res["create_listing"] = sorted(os.listdir(sdir))
+    res["create_listing"] = state_files(sdir)
     res["params_unchanged"] = all(torch.equal(p, before[n]) for n, p in named)
     res["states_after_error"] = [str(k) for k in store.keys()]
     res["steps_after_error"] = dict(opt._steps)
@@ -625,7 +630,21 @@ def job_kill_in_step(engine: str, root: str, marker: str) -> None:
     raise AssertionError("step 6 returned: the kill point was never reached")
 
 
-JOBS = {"fsize_step": job_fsize_step, "fsize_save": job_fsize_save,
+def job_hold_stores(root: str, marker: str) -> None:
+    """Open an NVMeStore in a temporary directory (``dir=None``) and a FileStore under
+    ``root``, write their directories to ``marker``, and wait to be killed."""
+    t = ss.NVMeStore(budget_bytes=NVME_BUDGET)
+    t.create("a/m", (5000,), torch.float32, torch.ones(5000))
+    f = ss.FileStore(os.path.join(root, "filestore"))
+    f.create("a/m", (5000,), torch.float32, torch.ones(5000))
+    t.sync()
+    f.sync()
+    _dump(marker, {"tmp": t.dir, "file": f.dir})
+    while True:
+        time.sleep(1)
+
+
+JOBS = {"hold_stores": job_hold_stores, "fsize_step": job_fsize_step, "fsize_save": job_fsize_save,
         "disk_full": job_disk_full, "read_only": job_read_only, "truncate": job_truncate,
         "kill_in_step": job_kill_in_step}
 

@@ -11,7 +11,7 @@ import torch
 from .._safetensors_layout import layout
 from .._types import StateKey, StateSpec
 from ..errors import StateStoreIOError
-from ._dirs import prepare_dir
+from ._dirs import StoreLock, prepare_dir
 from ._slab import SlabStore
 
 __all__ = ["FileStore"]
@@ -43,6 +43,9 @@ class FileStore(SlabStore):
         self.dir = dir
         self.keep_files = keep_files
         self._id = uuid.uuid4().hex[:8]
+        # Held while open; if this process dies without close(), a store started later in
+        # this directory reclaims the files (_dirs.py).
+        self._lock = None if keep_files and self._tmp is None else StoreLock(dir, self._id)
         self._nfiles = 0
         self._files: Dict[str, _SlabFile] = {}
 
@@ -132,9 +135,13 @@ class FileStore(SlabStore):
                                         path) from e
 
     def _close(self) -> None:
-        super()._close()
-        if self._finalizer is not None:
-            self._finalizer()
+        try:
+            super()._close()
+        finally:
+            if self._lock is not None:
+                self._lock.release()
+            if self._finalizer is not None:
+                self._finalizer()
 
     def files(self):
         """Paths of the store's safetensors files."""

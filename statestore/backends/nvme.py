@@ -34,7 +34,7 @@ from .._types import Slice, StateKey, StateSpec
 from ..errors import StateStoreIOError, StateStoreValueError
 from ..io import IOEngine, IOFile, alloc_buffer, make_engine
 from ..store import StateStore
-from ._dirs import prepare_dir
+from ._dirs import StoreLock, prepare_dir
 
 __all__ = ["NVMeStore"]
 
@@ -133,6 +133,11 @@ class NVMeStore(StateStore):
         else:
             raise StateStoreValueError(f"NVMeStore: engine must be a name or an IOEngine, "
                                        f"got {engine!r}")
+        # Held while open: a store started later in this directory knows these files are in
+        # use; if this process dies without close(), that store reclaims them (_dirs.py).
+        self._lock = None if self.keep_files else StoreLock(dir, self._id)
+        if self._lock is not None:
+            self._paths.add(self._lock.path)
 
     # ------------------------------------------------------------------ layout
     def _allocate(self, entries: Sequence[Tuple[StateKey, StateSpec]]) -> None:
@@ -305,6 +310,9 @@ class NVMeStore(StateStore):
             self._where.clear()
             self._buffer = None
             self._bounce = None
+            if self._lock is not None:
+                self._lock.release()
+                self._paths.discard(self._lock.path)
             if self._finalizer is not None:
                 self._finalizer()
 
