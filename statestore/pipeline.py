@@ -317,8 +317,7 @@ class Pipeline:
 
     def _try_submit(self, block: bool = True) -> bool:
         unit = self._units[self._next_submit]
-        if not block and self._mode in ("r", "rw") and \
-                any(self._store._key_pending(s.key) for s in unit.slices):
+        if not block and any(self._store._key_pending(s.key) for s in unit.slices):
             return False        # its last write is still in flight: try again later
         sizes = self._unit_bytes(unit)
         got = self._arena.try_alloc(sum(sizes))
