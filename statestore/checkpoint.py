@@ -518,9 +518,11 @@ def _read_table(fs, mpath: str) -> "pa.Table":
         raise CheckpointCorruptError(f"{mpath}: unreadable manifest: {e}") from e
     try:
         check_parquet_bounds(raw)
-        return pq.read_table(pa.BufferReader(raw), read_dictionary=list(_STRING_COLUMNS),
-                             use_threads=False, thrift_string_size_limit=max(len(raw), 1),
-                             thrift_container_size_limit=max(len(raw), 1))
+        table = pq.read_table(pa.BufferReader(raw), read_dictionary=list(_STRING_COLUMNS),
+                              use_threads=False, thrift_string_size_limit=max(len(raw), 1),
+                              thrift_container_size_limit=max(len(raw), 1))
+        table.validate(full=True)     # offsets and dictionary indices, before Python reads them
+        return table
     except ParquetBoundsError as e:
         raise CheckpointCorruptError(f"{mpath}: unreadable manifest: {e}") from None
     except Exception as e:
