@@ -16,7 +16,6 @@ timing never decides.
 from __future__ import annotations
 
 import gc
-import io
 import os
 import shutil
 import tracemalloc
