@@ -13,7 +13,10 @@ Usage (from the repository root)::
     PYTHONPATH=$PWD python fuzz/fuzz_checkpoint.py --minutes 2 --target shard_header --seed 7
 
 A violation stops the run with exit status 1 after hypothesis has shrunk it; the report
-shows the draws of the minimal example and a ``@reproduce_failure`` blob to replay it.
+shows the draws of the minimal example and a ``@reproduce_failure`` blob to replay it. An
+example that aborts the interpreter (a C++ exception escaping pyarrow, a segfault) cannot be
+reported that way: each damaged checkpoint is copied to ``--keep-last`` before it is checked,
+so after a crash that directory holds it.
 """
 from __future__ import annotations
 
@@ -33,14 +36,15 @@ from hypothesis import strategies as st  # noqa: E402
 import fuzz_targets as F  # noqa: E402
 
 
-def run_chunk(target: str, examples: int, chunk_seed: int, counts: dict) -> None:
+def run_chunk(target: str, examples: int, chunk_seed: int, counts: dict,
+              keep: str) -> None:
     @seed(chunk_seed)
     @settings(max_examples=examples, deadline=None, database=None, print_blob=True,
               suppress_health_check=list(HealthCheck))
     @given(st.data())
     def run(data):
         counts[target]["examples"] += 1
-        out = F.run_target(target, data)
+        out = F.run_target(target, data, keep=keep)
         counts[target]["loaded" if out["loaded"] else
                        ("manifest_ok" if out["manifest_ok"] else "refused")] += 1
     run()
@@ -53,6 +57,10 @@ def main(argv=None) -> int:
                    help="target(s) to run (default: all, round-robin)")
     p.add_argument("--chunk", type=int, default=200, help="examples per seed (default 200)")
     p.add_argument("--seed", type=int, default=None, help="seed of the seed sequence")
+    p.add_argument("--keep-last", default=os.path.join(os.environ.get("TMPDIR", "/tmp"),
+                                                       "statestore-fuzz-last"),
+                   help="where each damaged checkpoint is copied before it is checked: after "
+                        "a crash of the interpreter it holds the culprit")
     args = p.parse_args(argv)
     warnings.simplefilter("ignore")
     targets = args.target or sorted(F.TARGETS)
@@ -68,7 +76,7 @@ def main(argv=None) -> int:
             t = targets[i % len(targets)]
             s = rng.randrange(2 ** 32)
             try:
-                run_chunk(t, args.chunk, s, counts)
+                run_chunk(t, args.chunk, s, counts, args.keep_last)
             except Exception as e:     # hypothesis re-raises the shrunk failure
                 print(f"\nVIOLATION in target {t} (chunk seed {s}): {type(e).__name__}: {e}",
                       file=sys.stderr)

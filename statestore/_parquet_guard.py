@@ -4,9 +4,10 @@ A Parquet file tells its reader how much to allocate: the footer gives row count
 header gives the page's uncompressed size and value count. pyarrow trusts them: a 4 KiB
 manifest whose page header claims ``uncompressed_page_size = 2**31 - 1`` makes it allocate
 2 GiB before decompression fails, and a run-length-encoded page can claim billions of values.
-:func:`check_parquet_bounds` walks the footer (through pyarrow, with thrift size limits set
-to the file's size) and every page header (a small Thrift compact-protocol reader below),
-and refuses a file where
+:func:`check_parquet_bounds` reads the footer and every page header with the small Thrift
+compact-protocol reader below (not with pyarrow's metadata accessors: on a damaged footer,
+``RowGroupMetaData.column()`` lets a C++ exception escape and the interpreter aborts), and
+refuses a file where
 
 * a row group or the file declares more than ``len(raw) // MIN_ROW_BYTES`` rows (a real
   manifest row takes far more: a unique key, offset and checksum);
@@ -68,7 +69,8 @@ def _zigzag(n: int) -> int:
 
 
 def _value(b: bytes, pos: int, end: int, t: int, depth: int, in_container: bool):
-    """One Thrift compact value of type ``t`` at ``pos``: ``(value or None, new pos)``."""
+    """One Thrift compact value of type ``t`` at ``pos``: ``(value, new pos)``: ints, bools,
+    dicts for structs, lists for lists and sets; None for doubles, strings and maps."""
     if t in (1, 2):                                # bool: in a field header, or one byte
         if in_container:
             if pos >= end:
@@ -103,9 +105,11 @@ def _value(b: bytes, pos: int, end: int, t: int, depth: int, in_container: bool)
             n, pos = _varint(b, pos, end)
         if n > end - pos:                          # every element takes at least one byte
             raise _Truncated("truncated page header")
+        items = []
         for _ in range(n):
-            _, pos = _value(b, pos, end, et, depth + 1, True)
-        return None, pos
+            v, pos = _value(b, pos, end, et, depth + 1, True)
+            items.append(v)
+        return items, pos
     if t == 11:                                    # map
         n, pos = _varint(b, pos, end)
         if n:
@@ -150,36 +154,62 @@ def _int_field(d: object, fid: int) -> int:
     return v if isinstance(v, int) and not isinstance(v, bool) else -1
 
 
-def check_parquet_bounds(raw: bytes, metadata) -> None:
-    """Check the declared sizes of the Parquet file ``raw`` (whose footer pyarrow parsed into
-    ``metadata``, a ``pyarrow.parquet.FileMetaData``) against the bounds of this module.
-    Raises :class:`ParquetBoundsError` naming the first violation."""
+def _int(v) -> int:
+    return v if isinstance(v, int) and not isinstance(v, bool) else -1
+
+
+def _footer(raw: bytes) -> Dict[int, object]:
+    """The FileMetaData struct of the Parquet file ``raw``."""
+    size = len(raw)
+    if size < 12 or raw[:4] != b"PAR1" or raw[-4:] != b"PAR1":
+        raise ParquetBoundsError("not a Parquet file (no PAR1 magic)")
+    n = int.from_bytes(raw[-8:-4], "little")
+    if n > size - 12:
+        raise ParquetBoundsError(f"footer of {n} bytes in a file of {size}")
+    start = size - 8 - n
+    footer, pos = _struct(raw, start, size - 8)
+    return footer
+
+
+def check_parquet_bounds(raw: bytes) -> None:
+    """Check the declared sizes of the Parquet file ``raw`` against the bounds of this
+    module. Raises :class:`ParquetBoundsError` naming the first violation."""
     size = len(raw)
     max_rows = size // MIN_ROW_BYTES
-    if not 0 <= metadata.num_rows <= max_rows:
-        raise ParquetBoundsError(f"declares {metadata.num_rows} rows in {size} bytes")
-    for g in range(metadata.num_row_groups):
-        rg = metadata.row_group(g)
-        rows = rg.num_rows
+    fmd = _footer(raw)
+    # FileMetaData: 3 num_rows, 4 row_groups; RowGroup: 1 columns, 3 num_rows; ColumnChunk:
+    # 1 file_path, 3 meta_data; ColumnMetaData: 5 num_values, 7 total_compressed_size,
+    # 9 data_page_offset, 11 dictionary_page_offset.
+    num_rows = _int(fmd.get(3))
+    if not 0 <= num_rows <= max_rows:
+        raise ParquetBoundsError(f"declares {fmd.get(3)} rows in {size} bytes")
+    groups = fmd.get(4, [])
+    if not isinstance(groups, list):
+        raise ParquetBoundsError("malformed footer: row groups")
+    for g, rg in enumerate(groups):
+        if not isinstance(rg, dict) or not isinstance(rg.get(1), list):
+            raise ParquetBoundsError(f"malformed footer: row group {g}")
+        rows = _int(rg.get(3))
         if not 0 <= rows <= max_rows:
-            raise ParquetBoundsError(f"row group {g} declares {rows} rows in {size} bytes")
+            raise ParquetBoundsError(f"row group {g} declares {rg.get(3)} rows in {size} bytes")
         max_values = max(rows, 1) * MAX_VALUES_PER_ROW
-        for c in range(rg.num_columns):
-            col = rg.column(c)
-            where = f"row group {g}, column {col.path_in_schema!r}"
-            if col.file_path:
-                raise ParquetBoundsError(f"{where}: data in another file ({col.file_path!r})")
-            start = col.data_page_offset
-            if col.has_dictionary_page and col.dictionary_page_offset is not None \
-                    and 0 < col.dictionary_page_offset < start:
-                start = col.dictionary_page_offset
-            length = col.total_compressed_size
-            if start is None or length is None or start < 4 or length < 0 \
-                    or start + length > size:
+        for c, cc in enumerate(rg[1]):
+            where = f"row group {g}, column {c}"
+            if not isinstance(cc, dict) or not isinstance(cc.get(3), dict):
+                raise ParquetBoundsError(f"{where}: malformed or missing column metadata")
+            if 1 in cc:
+                raise ParquetBoundsError(f"{where}: data in another file")
+            md = cc[3]
+            num_values, length = _int(md.get(5)), _int(md.get(7))
+            start = _int(md.get(9))
+            dict_off = _int(md.get(11))
+            if 0 < dict_off < start:
+                start = dict_off
+            if start < 4 or length < 0 or start + length > size:
                 raise ParquetBoundsError(f"{where}: column chunk [{start}, +{length}) lies "
                                          f"outside the file of {size} bytes")
-            if not 0 <= col.num_values <= max_values:
-                raise ParquetBoundsError(f"{where}: declares {col.num_values} values for "
+            if not 0 <= num_values <= max_values:
+                raise ParquetBoundsError(f"{where}: declares {md.get(5)} values for "
                                          f"{rows} rows")
             end = start + length
             pos = start
@@ -193,7 +223,6 @@ def check_parquet_bounds(raw: bytes, metadata) -> None:
                 if usize < 0 or usize > MAX_EXPANSION * csize + EXPANSION_SLACK:
                     raise ParquetBoundsError(f"{where}: page of {csize} bytes claims {usize} "
                                              f"bytes uncompressed")
-                nv = -1
                 for fid in (5, 7, 8):              # data page v1, dictionary page, data page v2
                     if fid in header:
                         nv = _int_field(header[fid], 1)
@@ -203,6 +232,6 @@ def check_parquet_bounds(raw: bytes, metadata) -> None:
                         if fid != 7:
                             values += nv
                 pos += csize
-            if values < col.num_values:
+            if values < num_values:
                 raise ParquetBoundsError(f"{where}: pages hold {values} values, the metadata "
-                                         f"declares {col.num_values}")
+                                         f"declares {num_values}")

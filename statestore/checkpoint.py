@@ -692,16 +692,13 @@ def _read_table(fs, mpath: str) -> "pa.Table":
             raw = bytes(raw)
     except Exception as e:
         raise CheckpointCorruptError(f"{mpath}: unreadable manifest: {e}") from e
-    limits = dict(thrift_string_size_limit=max(len(raw), 1),
-                  thrift_container_size_limit=max(len(raw), 1))
     try:
-        pf = pq.ParquetFile(pa.BufferReader(raw), **limits)
-        check_parquet_bounds(raw, pf.metadata)
-        names = pf.schema_arrow.names
-        strings = [n for n in _STRING_COLUMNS
-                   if n in names and pf.schema_arrow.field(n).type == pa.string()]
-        pf = pq.ParquetFile(pa.BufferReader(raw), read_dictionary=strings, **limits)
-        return pf.read(use_threads=False)
+        check_parquet_bounds(raw)
+        table = pq.read_table(pa.BufferReader(raw), read_dictionary=list(_STRING_COLUMNS),
+                              use_threads=False, thrift_string_size_limit=max(len(raw), 1),
+                              thrift_container_size_limit=max(len(raw), 1))
+        table.validate(full=True)     # offsets and dictionary indices, before Python reads them
+        return table
     except ParquetBoundsError as e:
         raise CheckpointCorruptError(f"{mpath}: unreadable manifest: {e}") from None
     except Exception as e:

@@ -584,9 +584,15 @@ TARGETS: Dict[str, Callable[[Any, str], None]] = {
 }
 
 
-def run_target(name: str, data, *, convert: bool = True) -> Dict[str, Any]:
-    """One example of target ``name``: a fresh copy of the template, damaged, checked."""
+def run_target(name: str, data, *, convert: bool = True,
+               keep: Optional[str] = None) -> Dict[str, Any]:
+    """One example of target ``name``: a fresh copy of the template, damaged, checked.
+    ``keep``: copy the damaged checkpoint there first (replacing it), so that an example
+    that aborts the interpreter can be replayed."""
     with tempfile.TemporaryDirectory(prefix="statestore-fuzz-") as work:
         path = fresh_copy(work)
         TARGETS[name](data, path)
+        if keep is not None:
+            shutil.rmtree(keep, ignore_errors=True)
+            shutil.copytree(path, keep)
         return oracle(path, convert=convert)

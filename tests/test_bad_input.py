@@ -19,12 +19,10 @@ import os
 import re
 import shutil
 import subprocess
-import tempfile
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest

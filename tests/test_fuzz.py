@@ -16,7 +16,6 @@ timing never decides.
 from __future__ import annotations
 
 import gc
-import io
 import os
 import shutil
 import tracemalloc
@@ -191,3 +190,23 @@ def test_convert_verifies_checksums_of_empty_tensors(tmp_path):
         to_torch_state_dict(path)
     assert ckpt.verify_checkpoint(path, progress=False)
     F.oracle(path)
+
+
+def test_damaged_footer_does_not_abort_the_interpreter(tmp_path):
+    """Found by the long run: this manifest's footer (a size-statistics histogram of the wrong
+    length) made pyarrow's ``RowGroupMetaData.column()`` throw a C++ exception that Cython
+    does not catch: ``terminate called``, the interpreter aborted. The bounds check now reads
+    the footer itself. Run in a subprocess, since a regression kills the process."""
+    import subprocess
+    import sys
+    path = _copy(tmp_path)
+    shutil.copy(os.path.join(os.path.dirname(__file__), "data",
+                             "manifest-abort-size-statistics.parquet"),
+                os.path.join(path, ckpt.MANIFEST))
+    code = ("import sys\nfrom statestore import checkpoint as c\n"
+            "try:\n    c.read_manifest(sys.argv[1])\nexcept c.CheckpointCorruptError as e:\n"
+            "    print('refused:', e)\n")
+    r = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True,
+                       timeout=300, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert r.returncode == 0, f"rc={r.returncode}: {r.stderr[-2000:]}"
+    assert "refused:" in r.stdout and "manifest.parquet" in r.stdout
