@@ -11,7 +11,6 @@ a mapped file, say) shows as a negative status.
 from __future__ import annotations
 
 import ctypes
-import errno
 import json
 import os
 import resource

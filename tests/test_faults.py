@@ -111,7 +111,7 @@ def test_write_eio_in_step_is_loud_and_sticky(kind, engine, tmp_path):
         store.save_checkpoint(ck, progress=False)
     assert F.file_hashes(ck) == hashes and verify_checkpoint(ck, progress=False) == []
     _close(store)
-    assert F.store_threads() == []
+    assert F.store_threads() == leaks.threads      # closing despite the error leaves none
     store = F.make_store(kind, str(tmp_path / "s2"), engine)
     named, opt, step = F.resume(store, ck)
     F.train(opt, named, step, 6 - step)

@@ -33,7 +33,9 @@ class FileStore(SlabStore):
     is mapped ``MAP_SHARED``). :meth:`sync` (called by checkpoints and ``close``) flushes
     the mappings with ``fsync``. The store's files are removed on ``close()`` unless
     ``keep_files=True``; ``dir=None`` uses a temporary directory removed on close and at
-    interpreter exit.
+    interpreter exit. Files are reserved in full at creation (a full disk raises
+    ``StateStoreIOError`` then, not SIGBUS mid-step); a file removed under the store is
+    reported once, a truncated one before every access (``docs/reliability.md``).
     """
 
     def __init__(self, dir: Optional[str] = None, *, keep_files: bool = False, **kwargs):
