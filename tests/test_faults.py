@@ -96,6 +96,7 @@ def test_write_eio_in_step_is_loud_and_sticky(kind, engine, tmp_path):
     F.train(opt, named, 0, 3)
     F.save(store, named, ck, 3)
     hashes = F.file_hashes(ck)
+    assert F.native_threads() and F.store_threads()     # what Leaks checks is there to see
     F.engine_of(store)._inject_fault_for_testing(op="write", skip=3, count=1, err=errno.EIO)
     with pytest.raises(ss.StateStoreError) as ei:
         F.train(opt, named, 3, 2)
@@ -384,7 +385,8 @@ def test_file_size_limit_during_step(kind, tmp_path, zygote):
         for e in r["step_errors"][1:]:
             assert e is not None and "StateStoreError" in e["mro"], e
     assert r["previous_verify"] == []
-    assert r["differences"] == [] and r["problems_at_end"] == []
+    assert r["differences"] == []
+    assert r["problems_at_end"] == []
 
 
 @pytest.mark.parametrize("kind", F.STORE_KINDS)

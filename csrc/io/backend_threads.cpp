@@ -2,6 +2,7 @@
 // O_DIRECT files and enough threads it keeps a disk's queue as full as the async engines.
 #include "io/backend.h"
 
+#include <pthread.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -23,7 +24,10 @@ class ThreadsBackend final : public Backend {
     (void)depth;
     if (nthreads < 1) nthreads = 1;
     try {
-      for (int i = 0; i < nthreads; ++i) workers_.emplace_back([this] { work(); });
+      for (int i = 0; i < nthreads; ++i) {
+        workers_.emplace_back([this] { work(); });
+        ::pthread_setname_np(workers_.back().native_handle(), "ss-io-worker");  // see Queue()
+      }
     } catch (const std::system_error&) {
       stop_workers();
       throw;
