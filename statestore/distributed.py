@@ -21,6 +21,14 @@ def partition(numels: Sequence[int], world_size: int) -> List[int]:
     the lower rank). Deterministic; balanced to within the largest parameter."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise StateStoreValueError(f"world_size must be a positive int, got {world_size!r}")
+    try:
+        numels = list(numels)
+    except TypeError:
+        raise StateStoreValueError(f"numels must be a sequence of element counts, got "
+                                   f"{numels!r}"[:200]) from None
+    for i, n in enumerate(numels):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise StateStoreValueError(f"numels[{i}] must be a non-negative int, got {n!r}")
     owners = [0] * len(numels)
     heap = [(0, r) for r in range(world_size)]
     order = sorted(range(len(numels)), key=lambda i: (-int(numels[i]), i))

@@ -1010,6 +1010,10 @@ def _dist_rows() -> List[Row]:
             ("world_size", "0"), lambda c: partition([1, 2], 0)),
         Row("partition-world-size-type", 'partition([1, 2], "2")', StateStoreValueError,
             ("world_size", "'2'"), lambda c: partition([1, 2], "2")),
+        Row("partition-numels-type", "partition(5, 2)", StateStoreValueError,
+            ("numels", "5"), lambda c: partition(5, 2)),
+        Row("partition-numels-negative", "partition([3, -1], 2)", StateStoreValueError,
+            ("numels[1]", "-1"), lambda c: partition([3, -1], 2)),
     ]
 
 
