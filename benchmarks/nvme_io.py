@@ -376,7 +376,7 @@ def main() -> None:
     contestants = []
     for e in engines:
         contestants.append((f"ss:{e} (qd32, 1 MiB, locked)", lambda s, e=e: ours(e, s)))
-    contestants.append(("NVMeStore (budget 256 MiB)", store))
+    contestants.append(("NVMeStore (budget 256 MiB, qd128)", store))
     contestants.append(("probe: O_DIRECT pwrite/pread, 1 thread", probe))
     if fio:
         for depth in (8, 32):
