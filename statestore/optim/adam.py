@@ -545,7 +545,7 @@ class _StoreAdam(torch.optim.Optimizer):
         with store.pipeline(all_units, mode="rw", wait=False) as pipe:
             for tensors, (group, entries) in zip(pipe, meta):
                 self._update_unit(tensors, group, entries, grads, grad_scale, dev)
-        if not store.resident:
+        if not store.resident and os.environ.get("STATESTORE_PREFETCH", "1") != "0":
             # Start reading the next step's first units now (the same plan, as long as the
             # same parameters get gradients); gradient hooks pump more during backward.
             store.prefetch(all_units, mode="rw")
