@@ -28,7 +28,7 @@ from typing import Optional, Tuple
 
 from ..errors import StateStoreIOError, StateStoreValueError
 
-__all__ = ["prepare_dir", "StoreLock", "reclaim_stale"]
+__all__ = ["prepare_dir", "StoreLock", "reclaim_stale", "create_laid_out"]
 
 _LOCK = re.compile(r"^\.statestore-([0-9a-f]+)\.lock(\.[0-9]+\.tmp)?$")
 
@@ -204,3 +204,26 @@ def prepare_dir(owner, dir, name: str, prefix: str, check_writable: bool = False
         raise StateStoreIOError(errno.EACCES, f"{name}: directory {dir!r} is not writable", dir)
     _warn_reclaimed(dir, *reclaim_stale(dir))
     return dir, None, None
+
+
+def create_laid_out(path: str, size: int, header: bytes) -> int:
+    """Create the state file ``path`` (it must not exist) of ``size`` bytes with every byte
+    reserved (sparse zeros where the filesystem cannot reserve) and the safetensors
+    ``header`` at its start; returns the open descriptor. On failure nothing is left behind
+    and the ``OSError`` is raised."""
+    from ..io.files import reserve_space
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        if not reserve_space(fd, 0, size):
+            os.ftruncate(fd, size)
+        n = os.pwrite(fd, header, 0)
+        if n != len(header):
+            raise OSError(errno.EIO, f"short write of the header ({n} of {len(header)} bytes)")
+    except OSError:
+        os.close(fd)
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        raise
+    return fd

@@ -11,7 +11,7 @@ import torch
 from .._safetensors_layout import layout
 from .._types import StateKey, StateSpec
 from ..errors import StateStoreIOError
-from ._dirs import StoreLock, prepare_dir
+from ._dirs import StoreLock, create_laid_out, prepare_dir
 from ._slab import SlabStore
 
 __all__ = ["FileStore"]
@@ -59,19 +59,9 @@ class FileStore(SlabStore):
         size = max(lay.file_size, 1)
         fd = -1
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0),
-                         0o644)
-            # Reserve every byte now: a sparse file on a full disk would raise SIGBUS at the
+            # Every byte reserved now: a sparse file on a full disk would raise SIGBUS at the
             # first store into a page of the mapping, in the middle of a step.
-            try:
-                os.posix_fallocate(fd, 0, size)
-            except OSError as e:
-                if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                    raise
-                os.ftruncate(fd, size)      # no fallocate here: sparse zeros
-            n = os.pwrite(fd, lay.header, 0)
-            if n != len(lay.header):
-                raise OSError(errno.EIO, f"short write of the header ({n} of {len(lay.header)} bytes)")
+            fd = create_laid_out(path, size, lay.header)
             buf = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
         except (OSError, RuntimeError) as e:
             if fd >= 0:

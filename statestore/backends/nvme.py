@@ -34,7 +34,7 @@ from .._types import Slice, StateKey, StateSpec
 from ..errors import StateStoreIOError, StateStoreValueError
 from ..io import IOEngine, IOFile, alloc_buffer, make_engine
 from ..store import StateStore
-from ._dirs import StoreLock, prepare_dir
+from ._dirs import StoreLock, create_laid_out, prepare_dir
 
 __all__ = ["NVMeStore"]
 
@@ -150,20 +150,11 @@ class NVMeStore(StateStore):
         self._nfiles += 1
         size = _round_up(lay.file_size)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+            fd = create_laid_out(path, size, lay.header)
         except OSError as e:
-            raise StateStoreIOError(e.errno, f"NVMeStore: cannot create {path}: {e.strerror}",
-                                    path) from e
+            raise StateStoreIOError(e.errno, f"NVMeStore: cannot create {path} ({size} bytes): "
+                                    f"{e.strerror}", path) from e
         try:
-            try:
-                os.posix_fallocate(fd, 0, size)
-            except OSError as e:
-                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-                    raise
-                os.ftruncate(fd, size)  # filesystem without fallocate: sparse zeros
-            n = os.pwrite(fd, lay.header, 0)
-            if n != len(lay.header):
-                raise OSError(errno.EIO, f"short write of the header ({n} of {len(lay.header)} bytes)")
             os.fdatasync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         except OSError as e:

@@ -18,7 +18,7 @@ import warnings
 
 from statestore.errors import StateStoreIOError, StateStoreValueError
 
-__all__ = ["IOFile", "DIRECT_ALIGNMENT", "drop_page_cache"]
+__all__ = ["IOFile", "DIRECT_ALIGNMENT", "drop_page_cache", "reserve_space"]
 
 DIRECT_ALIGNMENT = 4096
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -45,6 +45,20 @@ def drop_page_cache(fd: int, offset: int = 0, length: int = 0, *, path: str = ""
     except OSError as e:
         raise StateStoreIOError(e.errno, f"dropping the page cache of '{path}' failed: {e.strerror}",
                                 path) from e
+
+
+def reserve_space(fd: int, offset: int, length: int) -> bool:
+    """``posix_fallocate`` of ``[offset, offset + length)``: the space is the file's now, so a
+    full disk shows up here rather than in a later write (or, for a mapping, as SIGBUS).
+    Returns False where the filesystem cannot reserve space (the caller extends the file
+    some other way); other failures (ENOSPC, EFBIG, ...) raise ``OSError``."""
+    try:
+        os.posix_fallocate(fd, offset, length)
+    except OSError as e:
+        if e.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            return False
+        raise
+    return True
 
 
 class IOFile:
@@ -116,13 +130,12 @@ class IOFile:
         rather than in the middle of a later write."""
         self._check_open()
         try:
-            os.posix_fallocate(self.fd, 0, nbytes)
+            reserved = reserve_space(self.fd, 0, nbytes)
         except OSError as e:
-            if e.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                self.truncate(max(nbytes, self.size()))
-                return
             raise StateStoreIOError(e.errno, f"reserving {nbytes} bytes for '{self.path}' failed: "
                                     f"{e.strerror}", self.path) from e
+        if not reserved:
+            self.truncate(max(nbytes, self.size()))
 
     def ensure_allocated(self, end: int) -> None:
         """Makes sure bytes ``[0, end)`` lie within the file, reserving the missing tail with
@@ -134,11 +147,11 @@ class IOFile:
         size = self.size()
         if end > size:
             try:
-                os.posix_fallocate(self.fd, size, end - size)
+                reserved = reserve_space(self.fd, size, end - size)
             except OSError as e:
-                if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                    raise StateStoreIOError(e.errno, f"reserving {end - size} bytes at the end of "
-                                            f"'{self.path}' failed: {e.strerror}", self.path) from e
+                raise StateStoreIOError(e.errno, f"reserving {end - size} bytes at the end of "
+                                        f"'{self.path}' failed: {e.strerror}", self.path) from e
+            if not reserved:
                 return   # no fallocate here: extending writes stay correct, only slower
             size = end
         self._allocated = size
