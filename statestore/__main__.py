@@ -125,7 +125,7 @@ def to_torch_state_dict(path: str, verify: bool = True) -> Dict[str, Any]:
     if not groups:
         raise CheckpointError(f"{path}: the checkpoint carries no optimizer metadata "
                               f"(param_groups); it cannot be numbered for torch")
-    for name, rows in _by_file(m).items():
+    for name, rows in _by_file(m.rows).items():
         _check_shard_header(m, name, rows)
     index: Dict[str, int] = {}
     out_groups = []

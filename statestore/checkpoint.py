@@ -868,9 +868,10 @@ def _check_shard_header(m: Manifest, name: str, rows: List[Dict[str, Any]]) -> i
     return size
 
 
-def _by_file(m: Manifest) -> Dict[str, List[Dict[str, Any]]]:
+def _by_file(rows: List[Dict[str, Any]]) -> Dict[str, List[Dict[str, Any]]]:
+    """Manifest ``rows`` grouped by shard file, each group in file order."""
     out: Dict[str, List[Dict[str, Any]]] = {}
-    for r in m.rows:
+    for r in rows:
         out.setdefault(r["file"], []).append(r)
     for rows in out.values():
         rows.sort(key=lambda r: r["offset"])
@@ -940,7 +941,7 @@ def load_checkpoint(store, path: str, *, progress: Optional[bool] = None,
             numels: Dict[str, int] = {}
             for r in m.rows:
                 numels.setdefault(r["param"], r["spec"].numel)
-            owners = owners_from_metadata(list(numels), m.metadata, numels, world)
+            owners = owners_from_metadata(m.metadata, numels, world)
             rows = [r for r in m.rows if owners[r["param"]] == rank]
             later = [r for r in m.rows if owners[r["param"]] != rank]
     store.clear()
@@ -977,11 +978,8 @@ def load_deferred(store, params) -> None:
 def _load_rows(store, m: Manifest, rows: List[Dict[str, Any]], progress, on_error) -> None:
     """Create ``rows``' states in ``store`` and stream them in; ``on_error()`` on failure."""
     try:
-        groups: Dict[str, List[Dict[str, Any]]] = {}
-        for r in rows:
-            groups.setdefault(r["file"], []).append(r)
+        groups = _by_file(rows)
         for name, rs in groups.items():
-            rs.sort(key=lambda r: r["offset"])
             _check_shard_header(m, name, rs)
     except BaseException:
         on_error()
@@ -1123,7 +1121,7 @@ def verify_checkpoint(path: str, *, progress: Optional[bool] = None) -> List[str
     buf = bytearray(min(4 * READ_PIECE, max((r["nbytes"] for r in m.rows), default=0)))
     mv = memoryview(buf)
     with _reader_pool() as pool:
-        for name, rows in _by_file(m).items():
+        for name, rows in _by_file(m.rows).items():
             fpath = _join(m.root, name)
             try:
                 _check_shard_header(m, name, rows)

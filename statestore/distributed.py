@@ -67,13 +67,14 @@ def resolve_load_group(process_group):
     return process_group
 
 
-def owners_from_metadata(params: Sequence[str], metadata: dict,
-                         numel_of_rows: Dict[str, int], world_size: int) -> Dict[str, int]:
+def owners_from_metadata(metadata: dict, numel_of_rows: Dict[str, int],
+                         world_size: int) -> Dict[str, int]:
     """Owner rank of each parameter of a checkpoint at ``world_size``, computed exactly as a
     sharded optimizer over the same parameters computes it (:func:`partition` over the
     parameters' element counts in optimizer order). The order and sizes come from the
     optimizer metadata's ``params`` table; parameters missing from it (a checkpoint saved
-    without an optimizer) follow in manifest order with the size of their states."""
+    without an optimizer) follow in manifest order with the size of their states,
+    ``numel_of_rows`` (parameter name -> element count, in manifest order)."""
     order: List[str] = []
     numels: List[int] = []
     table = metadata.get("params") if isinstance(metadata, dict) else None
@@ -89,7 +90,7 @@ def owners_from_metadata(params: Sequence[str], metadata: dict,
             order.append(str(name))
             numels.append(n)
             seen.add(str(name))
-    for name in params:
+    for name in numel_of_rows:
         if name not in seen:
             order.append(name)
             numels.append(numel_of_rows.get(name, 0))

@@ -335,11 +335,11 @@ class StateStore(ABC):
         self._check_files()
         if self._prefetched is not None:
             pmode, punits, pipe = self._prefetched
-            self._prefetched = None
             if pmode == mode and punits == unit_lists(units):
+                self._prefetched = None
                 pipe._wait = wait           # the reads started early: hand that pipeline out
                 return pipe
-            pipe._abort()
+            self.cancel_prefetch()
         return Pipeline(self, units, mode=mode, wait=wait)
 
     def prefetch(self, units: Sequence[Sequence[Slice]], mode: str = "rw") -> None:

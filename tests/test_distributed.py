@@ -41,12 +41,12 @@ def test_owners_from_metadata_follow_the_optimizer_partition():
     shapes = {"a": [10, 10], "b": [10], "c": [300], "d": [7, 3]}
     meta = {"params": {n: {"shape": shapes[n], "dtype": "float32"} for n in names}}
     numels = [100, 10, 300, 21]
+    sizes = dict(zip(names, numels))
     for world in (1, 2, 3):
         want = dict(zip(names, partition(numels, world)))
-        assert owners_from_metadata(names, meta, {}, world) == want
+        assert owners_from_metadata(meta, {n: 0 for n in reversed(names)}, world) == want
     # no optimizer metadata: manifest order and the states' sizes
-    sizes = dict(zip(names, numels))
-    assert owners_from_metadata(names, {}, sizes, 2) == dict(zip(names, partition(numels, 2)))
+    assert owners_from_metadata({}, sizes, 2) == dict(zip(names, partition(numels, 2)))
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True])
