@@ -33,7 +33,7 @@ from typing import Deque, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from ._types import Slice, StateKey
-from .errors import BudgetError, StateStoreClosedError, StateStoreValueError
+from .errors import BudgetError, StateStoreValueError
 
 __all__ = ["Pipeline", "RingArena", "plan_units", "unit_lists"]
 

@@ -6,7 +6,7 @@ A backend supplies :meth:`_new_slab` (and optionally :meth:`_release_slab`); vie
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, Sequence, Tuple
 
 import torch
 

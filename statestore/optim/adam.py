@@ -13,13 +13,11 @@ through :meth:`StateStore.attach_metadata`.
 """
 from __future__ import annotations
 
-import math
 import numbers
 import os
 import tempfile
-import warnings
 import weakref
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
