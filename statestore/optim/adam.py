@@ -238,8 +238,11 @@ class _StoreAdam(torch.optim.Optimizer):
 
         if not hasattr(Tensor, "register_post_accumulate_grad_hook"):
             return
-        self._pump_hooks += [p.register_post_accumulate_grad_hook(pump)
-                             for p in params if p.requires_grad and self._owns(p)]
+        # Only parameters kept in a disk store: resident stores never prefetch, so an
+        # optimizer over RAM/GPU stores adds nothing to backward.
+        self._pump_hooks += [p.register_post_accumulate_grad_hook(pump) for p in params
+                             if p.requires_grad and p in self._stores
+                             and not self._stores[p].resident]
 
     def __del__(self) -> None:
         for h in getattr(self, "_pump_hooks", ()):
