@@ -63,6 +63,19 @@ class Slice:
     start: int
     stop: int
 
+    def __post_init__(self) -> None:
+        # "param/state" strings and (param, state) tuples name the same state as a StateKey
+        # (others are left for the store to reject by name).
+        k = self.key
+        if isinstance(k, str):
+            try:
+                object.__setattr__(self, "key", StateKey.parse(k))
+            except ValueError:
+                pass
+        elif isinstance(k, tuple) and not isinstance(k, StateKey) and len(k) == 2 \
+                and all(isinstance(x, str) for x in k):
+            object.__setattr__(self, "key", StateKey(*k))
+
     @property
     def numel(self) -> int:
         return self.stop - self.start
