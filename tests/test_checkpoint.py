@@ -551,3 +551,20 @@ def test_manifest_metadata_and_layout(tmp_path):
         assert r["offset"] % 4 == 0             # fp32 states, packed after a 64-aligned start
         assert r["file"].startswith("shard-") and r["file"].endswith(".safetensors")
     assert all(off % 64 == 0 for off in first.values())
+
+
+def test_load_into_tiered_store_with_a_small_disk_budget(tmp_path):
+    """A tensor larger than the disk tier's RAM budget loads in chunks that tier can take
+    (the tiered store used to cut by its own, larger budget: BudgetError)."""
+    src = ss.DeviceStore("cpu")
+    big = torch.randn(300_000)
+    src.create_many([("w/exp_avg", big.shape, torch.float32, big),
+                     ("b/exp_avg", (10,), torch.float32, torch.ones(10))])
+    ck = str(tmp_path / "ck")
+    src.save_checkpoint(ck)
+    dst = ss.TieredStore([(ss.DeviceStore("cpu"), 0.01),
+                          (ss.NVMeStore(str(tmp_path / "n"), budget_bytes=64 << 10), 0.99)])
+    dst.load_checkpoint(ck)
+    assert isinstance(dst.tier_of("w/exp_avg"), ss.NVMeStore)
+    assert torch.equal(dst.get("w/exp_avg"), big)
+    dst.close()

@@ -219,6 +219,14 @@ class TieredStore(StateStore):
         for s in getattr(self, "tiers", ()):
             s.cancel_prefetch()
 
+    def _chunks(self, spec: StateSpec) -> List[Tuple[int, int]]:
+        # Chunks every tier's pipeline can take: cut by the smallest disk tier's budget.
+        budgets = [s.budget_bytes for s in self.tiers if not s.resident]
+        if not budgets:
+            return super()._chunks(spec)
+        tier = next(s for s in self.tiers if not s.resident and s.budget_bytes == min(budgets))
+        return tier._chunks(spec)
+
     @property
     def unit_bytes(self) -> Optional[int]:
         sizes = [s.unit_bytes for s in self.tiers if s.unit_bytes is not None]
