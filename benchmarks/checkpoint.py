@@ -28,7 +28,8 @@ import torch
 
 import statestore as ss
 
-KINDS = ["device-cpu", "pinned", "file"] + (["nvme"] if hasattr(ss, "NVMeStore") else [])
+KINDS = ["device-cpu", "pinned", "file"] + (["nvme", "nvme-copy"] if hasattr(ss, "NVMeStore")
+                                             else [])
 N_TENSORS = 16
 
 
@@ -85,17 +86,41 @@ def _fill(store, nbytes: int) -> None:
     store.sync()
 
 
+def _rw_pass(store) -> float:
+    """Seconds of one optimizer-step-like pass: read, modify and write back every state
+    through the store's pipeline, then sync."""
+    units = []
+    for k in store.keys():
+        spec = store.spec(k)
+        step = max(1, store.unit_bytes // spec.itemsize)
+        units += [[ss.Slice(k, a, min(a + step, spec.numel))] for a in range(0, spec.numel, step)]
+    t = time.perf_counter()
+    with store.pipeline(units, mode="rw") as pipe:
+        for (x,) in pipe:
+            x.add_(1.0)
+    store.sync()
+    return time.perf_counter() - t
+
+
 def case_store(kind: str, d: str, nbytes: int) -> dict:
+    link = kind != "nvme-copy"
+    kind = "nvme" if kind == "nvme-copy" else kind
     store = _make_store(kind, d)
     _fill(store, nbytes)
     if kind == "file":
         _drop_cache(os.path.join(d, "filestore"))
+    extra = {}
+    if kind == "nvme":
+        extra["pass_before_s"] = _rw_pass(store)
     ck = os.path.join(d, "ckpt")
     base = _reset_peak()
     t = time.perf_counter()
-    store.save_checkpoint(ck, progress=False)
+    store.save_checkpoint(ck, progress=False, link=link)
     save_s = time.perf_counter() - t
     save_rss = _peak_growth(base)
+    if kind == "nvme":
+        # The step after a save: with linked shards its writes go to new files.
+        extra["pass_after_s"] = _rw_pass(store)
     store.close()
     _drop_cache(ck)
     store = _make_store(kind, os.path.join(d, "b"))
@@ -105,7 +130,8 @@ def case_store(kind: str, d: str, nbytes: int) -> dict:
     load_s = time.perf_counter() - t
     load_rss = _peak_growth(base)
     store.close()
-    return {"save_s": save_s, "load_s": load_s, "save_rss": save_rss, "load_rss": load_rss}
+    return {"save_s": save_s, "load_s": load_s, "save_rss": save_rss, "load_rss": load_rss,
+            **extra}
 
 
 def case_torch(kind: str, d: str, nbytes: int) -> dict:
@@ -228,27 +254,41 @@ def main(argv=None) -> int:
     print(f"\n{nbytes / 1024 ** 3:.2f} GiB of states, {args.rounds} interleaved rounds, medians; "
           f"RSS = peak RSS growth during the call")
     hdr = f"{'case':<26} {'save GB/s':>9} {'load GB/s':>9} {'save RSS':>9} {'load RSS':>9} " \
-          f"{'save/disk':>9} {'load/disk':>9} {'save/torch':>10} {'load/torch':>10}"
+          f"{'save/probe-w':>12} {'save/floor':>10} {'load/floor':>10} {'save/torch':>10} " \
+          f"{'load/torch':>10}"
     print(hdr)
     print("-" * len(hdr))
     for n, m in med.items():
         save, load = gb / m["save_s"], gb / m["load_s"]
-        # The disk's floor: the probe's write (save) or read (load) of the same bytes; an
-        # NVMe store's states are on the same disk, so it must also read them (save) or
-        # write them (load): floor = probe write + probe read.
-        both = "nvme" in n
+        # The disk's floor: the probe's write (save) or read (load) of the same bytes. An
+        # NVMe store's states are on the same disk, so a copying save also reads them (floor =
+        # probe read + write), a linked save only reads them (floor = probe read), and a load
+        # into it also writes them (floor = probe read + write).
         if probe:
-            fs = probe["save_s"] + (probe["load_s"] if both else 0.0)
-            fl = probe["load_s"] + (probe["save_s"] if both else 0.0)
+            pw = f"{probe['save_s'] / m['save_s'] * 100:.0f}%"
+            if "nvme-copy" in n:
+                fs = probe["save_s"] + probe["load_s"]
+            elif "nvme" in n:
+                fs = probe["load_s"]
+            else:
+                fs = probe["save_s"]
+            fl = probe["load_s"] + (probe["save_s"] if "nvme" in n else 0.0)
             vs, vl = f"{fs / m['save_s'] * 100:.0f}%", f"{fl / m['load_s'] * 100:.0f}%"
         else:
-            vs = vl = "-"
+            pw = vs = vl = "-"
         ts = f"{tsave['save_s'] / m['save_s']:.1f}x" if tsave else "-"
         tl = f"{tsave['load_s'] / m['load_s']:.1f}x" if tsave else "-"
         print(f"{n:<26} {save:>9.2f} {load:>9.2f} {m['save_rss'] / 2 ** 20:>6.0f} MiB "
-              f"{m['load_rss'] / 2 ** 20:>5.0f} MiB {vs:>9} {vl:>9} {ts:>10} {tl:>10}")
-    print("save/disk, load/disk: speed as a share of the O_DIRECT probe's (for nvme: of the "
-          "probe's read + write, since the store's own files are on the same disk)")
+              f"{m['load_rss'] / 2 ** 20:>5.0f} MiB {pw:>12} {vs:>10} {vl:>10} {ts:>10} {tl:>10}")
+    print("save/probe-w: save speed as a share of the O_DIRECT probe's write. save/floor, "
+          "load/floor: as a share of the disk's floor for that case (nvme: its own files are "
+          "on the same disk: a copying save reads and writes, a linked save only reads to "
+          "checksum, a load reads and writes)")
+    steps = [(m["pass_before_s"], m["pass_after_s"], n) for n, m in med.items()
+             if "pass_after_s" in m]
+    for before, after, n in steps:
+        print(f"{n}: read-modify-write pass over all states before the save {before:.2f} s, "
+              f"after it {after:.2f} s ({after / before:.2f}x)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"nbytes": nbytes, "results": results}, f, indent=1)

@@ -53,6 +53,8 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.parquet"
 CHECKSUM = "xxh3_64"
 DEFAULT_SHARD_BYTES = 2 * 1024 ** 3
+# link() errors that mean "no hard link here" (the states are copied instead)
+_NO_LINK = {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EACCES}
 _MAX_HEADER = 100 * 1024 * 1024
 
 _SCHEMA = pa.schema([
@@ -297,9 +299,37 @@ def _metadata_json(store, metadata: Optional[dict]) -> str:
 
 
 def _write_shards(store, fs, root: str, keys: List[StateKey], stem: str, shard_bytes: int,
-                  bar, written: List[str]) -> Dict[str, list]:
+                  bar, written: List[str], link: bool = True) -> Dict[str, list]:
     """Write ``keys`` into shards ``<stem>-<n>.safetensors`` (temporary name, fsync, rename);
-    returns the manifest rows. Every file created is listed in ``written`` (for clean-up)."""
+    returns the manifest rows. Every file created is listed in ``written`` (for clean-up).
+
+    With ``link``, the store's own files that can serve as shards (``NVMeStore`` files on
+    the same local filesystem, ``StateStore._linkable``) are hard-linked and frozen instead of
+    copied: their bytes are only read, to checksum them. The rest is copied."""
+    rows: Dict[str, list] = {n: [] for n in _SCHEMA.names}
+    n = 0
+    order = None
+    if link and _is_local(fs):
+        linked = set()
+        for lf in store._linkable(keys, root, shard_bytes):
+            name = f"{stem}-{n:05d}.safetensors"
+            final, tmp = _join(root, name), _join(root, f".{name}.tmp")
+            try:
+                lf.link(tmp)
+            except OSError as e:
+                if e.errno in _NO_LINK:
+                    continue        # copied below
+                raise
+            written.append(tmp)
+            _link_rows(store, lf, name, rows, bar)
+            os.rename(tmp, final)
+            written[-1] = final
+            linked.update(k for k, _ in lf.rows)
+            n += 1
+        if linked:
+            order = keys
+            keys = [k for k in keys if k not in linked]
+            _fsync_dir(fs, root)
     shards: List[List[StateKey]] = []
     size = 0
     for k in keys:
@@ -309,9 +339,8 @@ def _write_shards(store, fs, root: str, keys: List[StateKey], stem: str, shard_b
             size = 0
         shards[-1].append(k)
         size += nb
-    rows: Dict[str, list] = {n: [] for n in _SCHEMA.names}
-    for n, shard_keys in enumerate(shards):
-        name = f"{stem}-{n:05d}.safetensors"
+    for i, shard_keys in enumerate(shards):
+        name = f"{stem}-{n + i:05d}.safetensors"
         final, tmp = _join(root, name), _join(root, f".{name}.tmp")
         lay = layout([(str(k), store.spec(k).dtype, store.spec(k).shape) for k in shard_keys],
                      align=64, metadata={"format": FORMAT_NAME})
@@ -328,23 +357,49 @@ def _write_shards(store, fs, root: str, keys: List[StateKey], stem: str, shard_b
                 f.write(chunk)
                 bar.update(len(chunk))
             for k in shard_keys:
-                spec = store.spec(k)
-                entry = lay.entries[str(k)]
-                rows["key"].append(str(k))
-                rows["param"].append(k.param)
-                rows["state"].append(k.state)
-                rows["file"].append(name)
-                rows["offset"].append(entry.offset)
-                rows["nbytes"].append(spec.nbytes)
-                rows["shape"].append(list(spec.shape))
-                rows["dtype"].append(dtype_name(spec.dtype))
-                rows["checksum"].append(hashes[k].hexdigest())
+                _add_row(rows, store, k, name, lay.entries[str(k)].offset, hashes[k].hexdigest())
             _commit(fs, f, tmp, final)
         except BaseException:
             _close_quietly(f)
             raise
         written[-1] = final
+    if order is not None:
+        # Rows in the store's key order, as a copying save writes them: a load creates the
+        # states in this order (a TieredStore places them by it).
+        rank = {str(k): i for i, k in enumerate(order)}
+        perm = sorted(range(len(rows["key"])), key=lambda j: rank[rows["key"][j]])
+        rows = {c: [v[j] for j in perm] for c, v in rows.items()}
     return rows
+
+
+def _add_row(rows: Dict[str, list], store, k: StateKey, name: str, offset: int,
+             checksum: str) -> None:
+    spec = store.spec(k)
+    rows["key"].append(str(k))
+    rows["param"].append(k.param)
+    rows["state"].append(k.state)
+    rows["file"].append(name)
+    rows["offset"].append(offset)
+    rows["nbytes"].append(spec.nbytes)
+    rows["shape"].append(list(spec.shape))
+    rows["dtype"].append(dtype_name(spec.dtype))
+    rows["checksum"].append(checksum)
+
+
+def _link_rows(store, lf, name: str, rows: Dict[str, list], bar) -> None:
+    """Manifest rows of a linked store file; checksums not yet known are computed by reading
+    the (now frozen) states through the store's pipeline."""
+    todo = [k for k, _ in lf.rows if k not in lf.hashes]
+    hashes = {k: xxhash.xxh3_64() for k in todo}
+    for k, chunk in _read_states(store, todo):
+        hashes[k].update(chunk)
+        bar.update(len(chunk))
+    for k, h in hashes.items():
+        lf.hashes[k] = h.hexdigest()
+    for k, off in lf.rows:
+        if k not in hashes:
+            bar.update(store.spec(k).nbytes)
+        _add_row(rows, store, k, name, off, lf.hashes[k])
 
 
 def _write_manifest(fs, root: str, rows: Dict[str, list], meta_json: str, save_id: str,
@@ -407,7 +462,7 @@ def _as_io_error(e: BaseException, path: str) -> BaseException:
 
 def save_checkpoint(store, path: str, *, shard_bytes: int = DEFAULT_SHARD_BYTES,
                     progress: Optional[bool] = None, metadata: Optional[dict] = None,
-                    process_group: Any = "auto") -> None:
+                    process_group: Any = "auto", link: bool = True) -> None:
     """Write every state of ``store`` and its optimizer metadata to ``path`` atomically.
 
     ``path`` is a local directory or any fsspec URL. Shards hold at most ``shard_bytes``
@@ -419,8 +474,16 @@ def save_checkpoint(store, path: str, *, shard_bytes: int = DEFAULT_SHARD_BYTES,
     group a checkpoint was loaded over), else alone. When collective, every rank of the
     group must call it: each writes the states it holds into its own shards, then rank 0
     writes the one manifest after all have finished; see ``docs/distributed.md``.
+
+    ``link`` (default True): where the checkpoint is a local directory on the filesystem of
+    an :class:`~statestore.NVMeStore`'s files, those files become the shards by hard link
+    (the store freezes them and writes later updates to new files, so the checkpoint never
+    changes); the save then only reads the states once, to checksum them. ``False`` copies
+    every state. See ``docs/checkpoint-format.md``.
     """
     _check_store(store)
+    if not isinstance(link, bool):
+        raise StateStoreValueError(f"link must be True or False, got {link!r}")
     if isinstance(shard_bytes, bool) or not isinstance(shard_bytes, int) or shard_bytes <= 0:
         raise StateStoreValueError(f"shard_bytes must be a positive int, got {shard_bytes!r}")
     if metadata is not None and not isinstance(metadata, dict):
@@ -430,7 +493,7 @@ def save_checkpoint(store, path: str, *, shard_bytes: int = DEFAULT_SHARD_BYTES,
     group = store._process_group if isinstance(process_group, str) and process_group == "auto" \
         else process_group
     if group is not None:
-        return _save_collective(store, path, group, shard_bytes, progress, metadata)
+        return _save_collective(store, path, group, shard_bytes, progress, metadata, link)
     if store._deferred is not None and store._deferred.rows:
         raise CheckpointError(
             f"this store holds only rank {store._deferred.rank}'s shard of checkpoint "
@@ -445,7 +508,8 @@ def save_checkpoint(store, path: str, *, shard_bytes: int = DEFAULT_SHARD_BYTES,
     bar = _progress(sum(store.spec(k).nbytes for k in keys), f"save {os.path.basename(root)}",
                     progress)
     try:
-        rows = _write_shards(store, fs, root, keys, f"shard-{save_id}", shard_bytes, bar, written)
+        rows = _write_shards(store, fs, root, keys, f"shard-{save_id}", shard_bytes, bar, written,
+                             link)
         _write_manifest(fs, root, rows, meta_json, save_id, written)
     except BaseException as e:
         _remove(fs, written)        # leave the previous checkpoint (if any) untouched
@@ -478,7 +542,8 @@ def _merge_metadata(metas: List[str], rows: List[Dict[str, list]]) -> str:
     return json.dumps(merged)
 
 
-def _save_collective(store, path: str, group, shard_bytes: int, progress, metadata) -> None:
+def _save_collective(store, path: str, group, shard_bytes: int, progress, metadata,
+                     link: bool = True) -> None:
     from .distributed import Collective
     comm = Collective(group)
     error: Optional[BaseException] = None
@@ -510,7 +575,7 @@ def _save_collective(store, path: str, group, shard_bytes: int, progress, metada
     rows: Dict[str, list] = {n: [] for n in _SCHEMA.names}
     try:
         rows = _write_shards(store, fs, root, keys, f"shard-{save_id}-r{comm.rank:05d}",
-                             shard_bytes, bar, written)
+                             shard_bytes, bar, written, link)
     except Exception as e:
         error = e
     finally:

@@ -46,6 +46,21 @@ _SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16
 _MAX_NBYTES = 2 ** 63 - 1           # a state's bytes must fit an int64 (checkpoint manifests)
 
 
+class LinkableFile:
+    """A state file a checkpoint can take as a shard (:meth:`StateStore._linkable`).
+
+    ``rows``: ``(key, absolute byte offset)`` of the states in it; ``hashes``: checksums of
+    its states' bytes already known (the checkpoint adds the ones it computes); ``link(dst)``
+    freezes the file (the store never writes it again: later writes of its states go to a new
+    file) and hard-links it as ``dst``, raising ``OSError`` where it cannot."""
+
+    __slots__ = ("path", "rows", "hashes", "link")
+
+    def __init__(self, path: str, rows: List[Tuple[StateKey, int]], hashes: Dict[StateKey, str],
+                 link: Callable[[str], None]):
+        self.path, self.rows, self.hashes, self.link = path, rows, hashes, link
+
+
 def _as_key(key) -> StateKey:
     if isinstance(key, StateKey):
         return key
@@ -145,6 +160,13 @@ class StateStore(ABC):
 
     def _close(self) -> None:
         """Release memory, file descriptors and temporary files."""
+
+    def _linkable(self, keys: Sequence[StateKey], root: str, shard_bytes: int) -> List["LinkableFile"]:
+        """Files of the store that a checkpoint in the local directory ``root`` may hard-link
+        as shards instead of copying their states (each holds only states of ``keys``, at
+        most ``shard_bytes`` of them or a single state). Called after :meth:`sync`. Default:
+        none."""
+        return []
 
     def _backend_stats(self) -> Dict[str, Any]:
         return {}

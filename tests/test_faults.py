@@ -391,9 +391,11 @@ def test_file_size_limit_during_step(kind, tmp_path, zygote):
 
 @pytest.mark.parametrize("kind", F.STORE_KINDS)
 def test_file_size_limit_during_save(kind, tmp_path, zygote):
-    """RLIMIT_FSIZE during a re-save to the same path: EFBIG naming the shard being written;
-    the previous checkpoint is byte-for-byte intact, verifies and holds the step-3 states;
-    no descriptor, thread or temporary file is left; the next save is exact."""
+    """RLIMIT_FSIZE during a re-save to the same path (copying, ``link=False``): EFBIG naming
+    the shard being written; the previous checkpoint is byte-for-byte intact, verifies and
+    holds the step-3 states; no descriptor, thread or temporary file is left; the next save is
+    exact. An NVMeStore's linked save writes only the manifest, so it succeeds under the same
+    limit, exact."""
     r = zygote.job("fsize_save", tmp_path, kind=kind, root=str(tmp_path))
     _assert_io_error(r["error"], errnos={errno.EFBIG},
                      names=[str(tmp_path / "ck"), ".shard-", _cause(errno.EFBIG)])
@@ -402,6 +404,9 @@ def test_file_size_limit_during_save(kind, tmp_path, zygote):
     assert r["previous_differences"] == []
     assert r["new_verify"] == [] and r["new_differences"] == [] and r["differences"] == []
     assert r["temporaries"] == []
+    if kind == "nvme":
+        assert r["linked_error"] is None
+        assert r["linked_verify"] == [] and r["linked_differences"] == []
 
 
 @pytest.mark.parametrize("kind", F.STORE_KINDS)

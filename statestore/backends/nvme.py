@@ -33,12 +33,34 @@ from .._safetensors_layout import PAD_PREFIX, layout
 from .._types import Slice, StateKey, StateSpec
 from ..errors import StateStoreIOError, StateStoreValueError
 from ..io import IOEngine, IOFile, alloc_buffer, make_engine
-from ..store import StateStore
+from ..store import LinkableFile, StateStore
 from ._dirs import StoreLock, create_laid_out, prepare_dir
 
 __all__ = ["NVMeStore"]
 
 _ALIGN = 4096
+# Most bytes of states in one file (a larger state gets a file of its own): the default bound
+# of a checkpoint shard (checkpoint.DEFAULT_SHARD_BYTES), so a checkpoint can link the files.
+_MAX_FILE_DATA = 2 << 30
+_COPY_CHUNK = 1 << 20       # bounce buffer of copy-on-write copies
+
+
+def _add_range(ranges: List[List[int]], a: int, b: int) -> None:
+    """Merge ``[a, b)`` into the sorted, disjoint ``ranges``."""
+    out: List[List[int]] = []
+    for r in ranges:
+        if r[1] < a or r[0] > b:
+            out.append(r)
+        else:
+            a, b = min(a, r[0]), max(b, r[1])
+    out.append([a, b])
+    out.sort()
+    ranges[:] = out
+
+
+def _covered(ranges: List[List[int]], a: int, b: int) -> int:
+    """Elements of ``[a, b)`` inside ``ranges``."""
+    return sum(max(0, min(b, r[1]) - max(a, r[0])) for r in ranges)
 
 
 def _round_up(n: int, a: int = _ALIGN) -> int:
@@ -61,13 +83,21 @@ def _done(value: int) -> Future:
 
 
 class _StateFile:
-    __slots__ = ("path", "file", "live", "size", "removed_reported", "dirty")
+    __slots__ = ("path", "file", "size", "header", "keys", "removed_reported", "dirty",
+                 "frozen", "successor", "hashes")
 
-    def __init__(self, path: str, file: IOFile, size: int):
-        self.path, self.file, self.size = path, file, size
-        self.live = 0
+    def __init__(self, path: str, file: IOFile, size: int, header: bytes):
+        self.path, self.file, self.size, self.header = path, file, size, header
+        self.keys: set = set()          # live states whose current value is in this file
         self.removed_reported = False
-        self.dirty = False      # written since the last fsync
+        self.dirty = False              # written since the last fsync
+        # Frozen: a checkpoint links this file, so the store never writes it again; writes of
+        # its states go to ``successor`` (same layout), and a state moves there once every
+        # element of it was written (``NVMeStore._cow``). ``hashes``: checksums of its states'
+        # data, valid for as long as they stay here (frozen bytes never change).
+        self.frozen = False
+        self.successor: Optional["_StateFile"] = None
+        self.hashes: Dict[StateKey, str] = {}
 
 
 class NVMeStore(StateStore):
@@ -123,8 +153,12 @@ class NVMeStore(StateStore):
         self._nfiles = 0
         self._files: Dict[str, _StateFile] = {}
         self._where: Dict[StateKey, Tuple[_StateFile, int]] = {}   # key -> (file, data offset)
+        # States of a frozen file written in part since: key -> element ranges whose current
+        # value is in the file's successor (the rest is still in the frozen file).
+        self._cow: Dict[StateKey, List[List[int]]] = {}
         self._buffer = None          # the pipeline ring's AlignedBuffer
         self._bounce = None          # 4 KiB buffer for read-modify-write of partial blocks
+        self._copy_buf = None        # bounce buffer of copy-on-write copies
         if isinstance(engine, IOEngine):
             self._engine, self._own_engine = engine, False
         elif isinstance(engine, str):
@@ -142,15 +176,35 @@ class NVMeStore(StateStore):
 
     # ------------------------------------------------------------------ layout
     def _allocate(self, entries: Sequence[Tuple[StateKey, StateSpec]]) -> None:
+        # Files of at most _MAX_FILE_DATA bytes of states (a larger state gets a file of its
+        # own): the bound of a checkpoint shard, so a checkpoint can link them (docs/nvme.md).
+        batch: List[Tuple[StateKey, StateSpec]] = []
+        size = 0
+        for k, spec in entries:
+            if batch and size + spec.nbytes > _MAX_FILE_DATA:
+                self._allocate_file(batch)
+                batch, size = [], 0
+            batch.append((k, spec))
+            size += spec.nbytes
+        if batch:
+            self._allocate_file(batch)
+
+    def _allocate_file(self, entries: Sequence[Tuple[StateKey, StateSpec]]) -> None:
         names = [(str(k), spec.dtype, spec.shape) for k, spec in entries]
         names.append((f"{PAD_PREFIX}end", torch.uint8, (0,)))
         lay = layout(names, align=_ALIGN, pad_tensors=True,
                      metadata={"format": "statestore-nvmestore"})
+        sf = self._new_file(lay.header, _round_up(lay.file_size))
+        for k, _ in entries:
+            self._where[k] = (sf, lay.entries[str(k)].offset)
+            sf.keys.add(k)
+
+    def _new_file(self, header: bytes, size: int) -> _StateFile:
+        """Create, reserve and open a state file holding ``header``."""
         path = os.path.join(self.dir, f"states-{self._id}-{self._nfiles:05d}.safetensors")
         self._nfiles += 1
-        size = _round_up(lay.file_size)
         try:
-            fd = create_laid_out(path, size, lay.header)
+            fd = create_laid_out(path, size, header)
         except OSError as e:
             raise StateStoreIOError(e.errno, f"NVMeStore: cannot create {path} ({size} bytes): "
                                     f"{e.strerror}", path) from e
@@ -171,20 +225,31 @@ class NVMeStore(StateStore):
         except StateStoreIOError:
             os.unlink(path)
             raise
-        sf = _StateFile(path, f, size)
+        sf = _StateFile(path, f, size, header)
         self._files[path] = sf
         if not self.keep_files:
             self._paths.add(path)
-        for k, _ in entries:
-            self._where[k] = (sf, lay.entries[str(k)].offset)
-            sf.live += 1
+        return sf
 
     def _free(self, keys: Sequence[StateKey]) -> None:
         for k in keys:
             sf, _ = self._where.pop(k)
-            sf.live -= 1
-            if sf.live == 0:
-                self._drop_file(sf, unlink=True)
+            self._cow.pop(k, None)
+            self._leave(sf, k)
+
+    def _leave(self, sf: _StateFile, k: StateKey) -> None:
+        """``k``'s current value is no longer in ``sf``: remove the file once none is (and
+        its successor, when that never received a whole state)."""
+        sf.keys.discard(k)
+        sf.hashes.pop(k, None)
+        if sf.keys or any(f.successor is sf and f.keys for f in self._files.values()):
+            return
+        # Safe to close: a state leaves a file when its last range was written, after the
+        # pipeline read it, so no read of this file is in flight.
+        self._drop_file(sf, unlink=True)
+        succ = sf.successor
+        if succ is not None and not succ.keys and succ.path in self._files:
+            self._drop_file(succ, unlink=True)
 
     def _drop_file(self, sf: _StateFile, unlink: bool) -> None:
         self._files.pop(sf.path, None)
@@ -200,9 +265,18 @@ class NVMeStore(StateStore):
 
     # ------------------------------------------------------------------ I/O primitives
     def _locate(self, s: Slice) -> Tuple[_StateFile, int, int, int]:
-        """(file, byte offset of the slice, exact bytes, item size)."""
+        """(file, byte offset of the slice, exact bytes, item size) of the slice's current
+        value (its offsets are the same in a frozen file and its successor)."""
         sf, base = self._where[s.key]
         item = self._specs[s.key].itemsize
+        ranges = self._cow.get(s.key)
+        if ranges is not None and s.stop > s.start:
+            done = _covered(ranges, s.start, s.stop)
+            if done == s.stop - s.start:
+                sf = sf.successor
+            elif done:
+                self._materialize(s.key)
+                sf, base = self._where[s.key]
         return sf, base + s.start * item, s.numel * item, item
 
     @staticmethod
@@ -224,15 +298,26 @@ class NVMeStore(StateStore):
         return self._engine.read(sf.file, self._bytes_view(out, n), off, n)
 
     def _submit_write(self, s: Slice, src: torch.Tensor):
-        sf, off, nbytes, _ = self._locate(s)
+        spec = self._specs[s.key]
+        nbytes = s.numel * spec.itemsize
         if nbytes == 0:
             return _done(0)
+        sf, base = self._where[s.key]
+        off = base + s.start * spec.itemsize
+        end = off + nbytes
+        tail = s.stop < spec.numel and end % _ALIGN
+        if sf.frozen:
+            if tail:
+                # The merge below reads the block's other elements: take the whole state
+                # over first, so they come from its current place.
+                self._materialize(s.key)
+                sf, _ = self._where[s.key]
+            else:
+                sf = self._write_into_successor(s)
         self._check_present(sf)
         sf.dirty = True
-        spec = self._specs[s.key]
-        end = off + nbytes
         n = _round_up(nbytes)
-        if s.stop < spec.numel and end % _ALIGN:
+        if tail:
             # The slice ends inside a block that holds later elements of the same state:
             # merge that block (read-modify-write), then write the aligned prefix.
             self._wait_pending_key(s.key)
@@ -241,6 +326,66 @@ class NVMeStore(StateStore):
         if n == 0:
             return _done(nbytes)
         return self._engine.write(sf.file, self._bytes_view(src, n), off, n)
+
+    # ------------------------------------------------------------------ copy-on-write
+    def _successor(self, sf: _StateFile) -> _StateFile:
+        if sf.successor is None:
+            sf.successor = self._new_file(sf.header, sf.size)
+        return sf.successor
+
+    def _move(self, k: StateKey) -> None:
+        """Every element of ``k`` is now in its frozen file's successor."""
+        old, base = self._where[k]
+        new = old.successor
+        self._cow.pop(k, None)
+        self._where[k] = (new, base)
+        new.keys.add(k)
+        self._leave(old, k)
+
+    def _write_into_successor(self, s: Slice) -> _StateFile:
+        """The file a write of ``s`` goes to while its state's file is frozen."""
+        old, _ = self._where[s.key]
+        new = self._successor(old)
+        ranges = self._cow.setdefault(s.key, [])
+        _add_range(ranges, s.start, s.stop)
+        if ranges == [[0, self._specs[s.key].numel]]:
+            self._move(s.key)
+        return new
+
+    def _materialize(self, k: StateKey) -> None:
+        """Copy the elements of ``k`` still only in its frozen file into the successor and
+        move ``k`` there (synchronous, through a small bounce buffer)."""
+        old, base = self._where[k]
+        if not old.frozen:
+            return
+        new = self._successor(old)
+        spec = self._specs[k]
+        self._wait_pending_key(k)
+        ranges = self._cow.get(k, [])
+        gaps, pos = [], 0
+        for a, b in ranges + [[spec.numel, spec.numel]]:
+            if a > pos:
+                gaps.append((pos, a))
+            pos = max(pos, b)
+        if gaps:
+            self._check_present(new)
+            new.dirty = True
+            if self._copy_buf is None:
+                self._copy_buf = alloc_buffer(_COPY_CHUNK, pinned=False)
+            buf = self._copy_buf.tensor
+        for a, b in gaps:
+            lo = base + a * spec.itemsize            # aligned: gaps start at unit starts
+            hi = _round_up(base + b * spec.itemsize)  # in this state's blocks (layout aligns)
+            while lo < hi:
+                n = min(_COPY_CHUNK, hi - lo)
+                self._engine.read(old.file, buf[:n], lo, n).result()
+                self._engine.write(new.file, buf[:n], lo, n).result()
+                lo += n
+        self._move(k)
+
+    def _materialize_file(self, sf: _StateFile) -> None:
+        for k in sorted(sf.keys, key=lambda k: self._where[k][1]):
+            self._materialize(k)
 
     def _merge_tail_block(self, sf: _StateFile, block_off: int, head: torch.Tensor) -> None:
         if self._bounce is None:
@@ -294,19 +439,69 @@ class NVMeStore(StateStore):
 
     def _close(self) -> None:
         try:
+            if self.keep_files:
+                # The files left behind hold every state's current value: finish moving
+                # states out of frozen files.
+                for sf in [f for f in self._files.values() if f.frozen and f.keys]:
+                    self._materialize_file(sf)
+        finally:
+            self._close_engine_and_files()
+
+    def _close_engine_and_files(self) -> None:
+        try:
             if self._own_engine:
                 self._engine.close()
         finally:
             for sf in list(self._files.values()):
                 self._drop_file(sf, unlink=not self.keep_files)
             self._where.clear()
+            self._cow.clear()
             self._buffer = None
             self._bounce = None
+            self._copy_buf = None
             if self._lock is not None:
                 self._lock.release()
                 self._paths.discard(self._lock.path)
             if self._finalizer is not None:
                 self._finalizer()
+
+    # ------------------------------------------------------------------ checkpoint links
+    def _linkable(self, keys: Sequence[StateKey], root: str, shard_bytes: int) -> List[LinkableFile]:
+        try:
+            if os.stat(root).st_dev != os.stat(self.dir).st_dev:
+                return []           # another filesystem: no hard links
+        except OSError:
+            return []
+        # A frozen file whose states were partly rewritten: move the rest to its successor,
+        # so every file linked holds the current value of every state it has.
+        for sf in [f for f in self._files.values() if f.frozen and f.successor is not None]:
+            self._materialize_file(sf)
+        self._flush()
+        wanted = set(keys)
+        out = []
+        for sf in self._files.values():
+            if not sf.keys or not sf.keys <= wanted or not self._named(sf):
+                continue
+            if len(sf.keys) > 1 and sum(self._specs[k].nbytes for k in sf.keys) > shard_bytes:
+                continue
+            rows = sorted(((k, self._where[k][1]) for k in sf.keys), key=lambda r: r[1])
+            out.append(LinkableFile(sf.path, rows, sf.hashes, self._link_file(sf)))
+        return out
+
+    @staticmethod
+    def _named(sf: _StateFile) -> bool:
+        """``sf.path`` still names the open file (it was not removed or replaced)."""
+        try:
+            a, b = os.stat(sf.path), os.fstat(sf.file.fd)
+        except OSError:
+            return False
+        return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+    def _link_file(self, sf: _StateFile):
+        def link(dst: str) -> None:
+            sf.frozen = True        # first: from here on the store never writes this file
+            os.link(sf.path, dst)
+        return link
 
     # ------------------------------------------------------------------ introspection
     def files(self) -> List[str]:
@@ -320,6 +515,8 @@ class NVMeStore(StateStore):
 
         k = _as_key(key)
         spec = self.spec(k)
+        if k in self._cow:
+            self._materialize(k)
         sf, off = self._where[k]
         return sf.path, off, spec.nbytes
 

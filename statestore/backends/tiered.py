@@ -247,6 +247,14 @@ class TieredStore(StateStore):
         if err is not None:
             raise err
 
+    def _linkable(self, keys, root: str, shard_bytes: int):
+        out = []
+        for i, t in enumerate(self.tiers):
+            mine = [k for k in keys if self._tier_index(k) == i]
+            if mine:
+                out += t._linkable(mine, root, shard_bytes)
+        return out
+
     def _close(self) -> None:
         err = None
         for s in self.tiers:
