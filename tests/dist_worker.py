@@ -50,6 +50,13 @@ def make_store(kind: str, directory: str):
     return ss.DeviceStore("cpu")
 
 
+def _done() -> None:
+    """Every rank has finished its collectives: only then tear the group down (gloo aborts a
+    process now and then with "terminate called without an active exception" when one rank
+    destroys the group while a peer is still using its connection)."""
+    dist.barrier()
+
+
 def _init(rank: int, world: int, port: int) -> None:
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
@@ -74,6 +81,7 @@ def sharded_train(rank: int, world: int, port: int, out: str, kind: str, steps: 
             save_file({k: v.contiguous() for k, v in model.state_dict().items()},
                       os.path.join(out, "params.safetensors"))
         store.close()
+        _done()
     finally:
         dist.destroy_process_group()
 
@@ -106,6 +114,7 @@ def save_sharded(rank: int, world: int, port: int, out: str, kind: str, k: int, 
         if rank == 0:
             _save_params(model, os.path.join(out, f"a{world}-final.safetensors"))
         store.close()
+        _done()
     finally:
         dist.destroy_process_group()
 
@@ -142,6 +151,7 @@ def resume_sharded(rank: int, world: int, port: int, out: str, kind: str, k: int
         if rank == 0:
             _save_params(model, os.path.join(out, f"b{world}-final.safetensors"))
         store.close()
+        _done()
     finally:
         dist.destroy_process_group()
 
