@@ -199,7 +199,12 @@ class Pipeline:
         self._closed = False
         if not self._resident:
             self._arena: RingArena = store._arena()
-            self._fill(block=not prefetch)
+            try:
+                self._fill(block=not prefetch)
+            except BaseException:
+                self._closed = True
+                self._drop_unconsumed(swallow=True)     # nobody else could give them back
+                raise
 
     # -- iteration ---------------------------------------------------------------------------
     def __iter__(self) -> Iterator[List[torch.Tensor]]:
@@ -227,6 +232,7 @@ class Pipeline:
                 self._release_unit(unit)
                 raise
             unit.reads = []
+            self._current = unit    # before _fill: if it raises, _abort releases this unit
             self._fill()
         self._current = unit
         return unit.tensors
@@ -287,16 +293,21 @@ class Pipeline:
         unit.tensors = []
 
     def _drop_unconsumed(self, swallow: bool = False) -> None:
+        # Every unit's buffer goes back to the ring, even when a read failed; then the first
+        # failure is raised (unless ``swallow``).
+        first = None
         for unit in self._units[self._next_yield:self._next_submit]:
             for s, fut in unit.reads:
                 try:
                     fut.result()
-                except BaseException:
-                    if not swallow:
-                        raise
+                except BaseException as e:
+                    first = first or e
             unit.reads = []
             self._arena.release(unit.region)
+            unit.region = None
         self._next_submit = self._next_yield
+        if first is not None and not swallow:
+            raise first
 
     def _release_unit(self, unit: _Unit) -> None:
         """After an error on ``unit``: drain its other reads and give its buffer back."""
