@@ -282,7 +282,7 @@ def main(argv=None) -> int:
               f"{m['load_rss'] / 2 ** 20:>5.0f} MiB {pw:>12} {vs:>10} {vl:>10} {ts:>10} {tl:>10}")
     print("save/probe-w: save speed as a share of the O_DIRECT probe's write. save/floor, "
           "load/floor: as a share of the disk's floor for that case (nvme: its own files are "
-          "on the same disk: a copying save reads and writes, a linked save only reads to "
+          "on the same disk: a copying save reads and writes, a linked save at most reads to "
           "checksum, a load reads and writes)")
     steps = [(m["pass_before_s"], m["pass_after_s"], n) for n, m in med.items()
              if "pass_after_s" in m]

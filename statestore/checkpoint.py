@@ -310,6 +310,8 @@ def _write_shards(store, fs, root: str, keys: List[StateKey], stem: str, shard_b
     n = 0
     order = None
     if link and _is_local(fs):
+        for k in keys:
+            store._check_damaged(k)     # as reading it to copy would: no stale state saved
         linked = set()
         for lf in store._linkable(keys, root, shard_bytes):
             name = f"{stem}-{n:05d}.safetensors"
@@ -387,8 +389,9 @@ def _add_row(rows: Dict[str, list], store, k: StateKey, name: str, offset: int,
 
 
 def _link_rows(store, lf, name: str, rows: Dict[str, list], bar) -> None:
-    """Manifest rows of a linked store file; checksums not yet known are computed by reading
-    the (now frozen) states through the store's pipeline."""
+    """Manifest rows of a linked store file; checksums the store does not know (it hashes
+    states as it writes them in order) are computed by reading the (now frozen) states
+    through the store's pipeline."""
     todo = [k for k, _ in lf.rows if k not in lf.hashes]
     hashes = {k: xxhash.xxh3_64() for k in todo}
     for k, chunk in _read_states(store, todo):
@@ -478,7 +481,7 @@ def save_checkpoint(store, path: str, *, shard_bytes: int = DEFAULT_SHARD_BYTES,
     ``link`` (default True): where the checkpoint is a local directory on the filesystem of
     an :class:`~statestore.NVMeStore`'s files, those files become the shards by hard link
     (the store freezes them and writes later updates to new files, so the checkpoint never
-    changes); the save then only reads the states once, to checksum them. ``False`` copies
+    changes); the save writes no state bytes, and reads only states whose checksum the store did not compute as it wrote them. ``False`` copies
     every state. See ``docs/checkpoint-format.md``.
     """
     _check_store(store)

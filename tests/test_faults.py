@@ -219,7 +219,7 @@ def test_short_reads_and_writes_are_transparent(engine, tmp_path):
 # ----------------------------------------------------------------- engine faults: save, load
 @pytest.mark.parametrize("kind,engine", ENGINE_STORES)
 def test_read_eio_during_save_keeps_previous_checkpoint(kind, engine, tmp_path):
-    """Re-saving to the same path fails (EIO reading the store): the error names the file,
+    """Re-saving to the same path (copying) fails (EIO reading the store): the error names the file,
     the previous checkpoint is byte-for-byte intact and verifies, nothing temporary is left,
     and the store and optimizer keep working (the next save is exact)."""
     sdir, ck = str(tmp_path / "s"), str(tmp_path / "ck")
@@ -232,9 +232,11 @@ def test_read_eio_during_save_keeps_previous_checkpoint(kind, engine, tmp_path):
     F.train(opt, named, 3, 1)
     store.sync()
     leaks = F.Leaks(ck, sdir)
+    # A linked save reads nothing here (the store hashed the states as the step wrote them,
+    # tests/test_checkpoint_link.py): copy, so that the save reads the store.
     F.engine_of(store)._inject_fault_for_testing(op="read", skip=2, count=1, err=errno.EIO)
     with pytest.raises(ss.StateStoreIOError) as ei:
-        store.save_checkpoint(ck, progress=False)
+        store.save_checkpoint(ck, progress=False, link=False)
     _assert_io_error(ei.value, errnos={errno.EIO}, names=["states-", _cause(errno.EIO)])
     assert leaks.problems() == []
     assert F.file_hashes(ck) == hashes and verify_checkpoint(ck, progress=False) == []

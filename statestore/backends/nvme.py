@@ -28,6 +28,7 @@ from concurrent.futures import Future
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
+import xxhash
 
 from .._safetensors_layout import PAD_PREFIX, layout
 from .._types import Slice, StateKey, StateSpec
@@ -153,6 +154,9 @@ class NVMeStore(StateStore):
         self._nfiles = 0
         self._files: Dict[str, _StateFile] = {}
         self._where: Dict[StateKey, Tuple[_StateFile, int]] = {}   # key -> (file, data offset)
+        # xxh3-64 of states written in order since their last other write (_hash_written)
+        self._digests: Dict[StateKey, str] = {}
+        self._hashing: Dict[StateKey, Tuple[Any, int]] = {}
         # States of a frozen file written in part since: key -> element ranges whose current
         # value is in the file's successor (the rest is still in the frozen file).
         self._cow: Dict[StateKey, List[List[int]]] = {}
@@ -235,6 +239,8 @@ class NVMeStore(StateStore):
         for k in keys:
             sf, _ = self._where.pop(k)
             self._cow.pop(k, None)
+            self._digests.pop(k, None)
+            self._hashing.pop(k, None)
             self._leave(sf, k)
 
     def _leave(self, sf: _StateFile, k: StateKey) -> None:
@@ -302,6 +308,7 @@ class NVMeStore(StateStore):
         nbytes = s.numel * spec.itemsize
         if nbytes == 0:
             return _done(0)
+        self._hash_written(s, spec, src, nbytes)
         sf, base = self._where[s.key]
         off = base + s.start * spec.itemsize
         end = off + nbytes
@@ -326,6 +333,26 @@ class NVMeStore(StateStore):
         if n == 0:
             return _done(nbytes)
         return self._engine.write(sf.file, self._bytes_view(src, n), off, n)
+
+    def _hash_written(self, s: Slice, spec: StateSpec, src: torch.Tensor, nbytes: int) -> None:
+        """Checksum (the checkpoint's xxh3-64) of a state's bytes as they are written: a state
+        written from its first to its last element in order (as every optimizer step, put and
+        load does) gets its digest without the disk being read again; any other write order
+        forgets it (a save then reads the state to hash it)."""
+        k = s.key
+        self._digests.pop(k, None)
+        if s.start == 0:
+            h = xxhash.xxh3_64()
+        else:
+            prev = self._hashing.pop(k, None)
+            if prev is None or prev[1] != s.start:
+                return
+            h = prev[0]
+        h.update(memoryview(self._bytes_view(src, nbytes).numpy()))
+        if s.stop == spec.numel:
+            self._digests[k] = h.hexdigest()
+        else:
+            self._hashing[k] = (h, s.stop)
 
     # ------------------------------------------------------------------ copy-on-write
     def _successor(self, sf: _StateFile) -> _StateFile:
@@ -456,6 +483,8 @@ class NVMeStore(StateStore):
                 self._drop_file(sf, unlink=not self.keep_files)
             self._where.clear()
             self._cow.clear()
+            self._digests.clear()
+            self._hashing.clear()
             self._buffer = None
             self._bounce = None
             self._copy_buf = None
@@ -472,6 +501,9 @@ class NVMeStore(StateStore):
                 return []           # another filesystem: no hard links
         except OSError:
             return []
+        # A file truncated (or removed, reported once) under the store raises here, as reading
+        # its states for a copy would: a link must never make a damaged file a shard.
+        self._check_files()
         # A frozen file whose states were partly rewritten: move the rest to its successor,
         # so every file linked holds the current value of every state it has.
         for sf in [f for f in self._files.values() if f.frozen and f.successor is not None]:
@@ -485,7 +517,10 @@ class NVMeStore(StateStore):
             if len(sf.keys) > 1 and sum(self._specs[k].nbytes for k in sf.keys) > shard_bytes:
                 continue
             rows = sorted(((k, self._where[k][1]) for k in sf.keys), key=lambda r: r[1])
-            out.append(LinkableFile(sf.path, rows, sf.hashes, self._link_file(sf)))
+            hashes = dict(sf.hashes)
+            hashes.update((k, self._digests[k]) for k in sf.keys
+                          if k in self._digests and k not in self._damaged)
+            out.append(LinkableFile(sf.path, rows, hashes, self._link_file(sf, hashes)))
         return out
 
     @staticmethod
@@ -497,10 +532,11 @@ class NVMeStore(StateStore):
             return False
         return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
-    def _link_file(self, sf: _StateFile):
+    def _link_file(self, sf: _StateFile, hashes: Dict[StateKey, str]):
         def link(dst: str) -> None:
             sf.frozen = True        # first: from here on the store never writes this file
             os.link(sf.path, dst)
+            sf.hashes = hashes      # frozen bytes: these (and those the save adds) stay valid
         return link
 
     # ------------------------------------------------------------------ introspection
