@@ -481,8 +481,8 @@ def save_checkpoint(store, path: str, *, shard_bytes: int = DEFAULT_SHARD_BYTES,
     ``link`` (default True): where the checkpoint is a local directory on the filesystem of
     an :class:`~statestore.NVMeStore`'s files, those files become the shards by hard link
     (the store freezes them and writes later updates to new files, so the checkpoint never
-    changes); the save writes no state bytes, and reads only states whose checksum the store did not compute as it wrote them. ``False`` copies
-    every state. See ``docs/checkpoint-format.md``.
+    changes); the save writes no state bytes, and reads only states whose checksum the
+    store did not compute as it wrote them. ``False`` copies every state. See ``docs/checkpoint-format.md``.
     """
     _check_store(store)
     if not isinstance(link, bool):
