@@ -218,5 +218,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
 
 
+def _run_and_exit() -> None:
+    """Run the CLI, flush its output and leave at once: the work is done, and skipping the
+    interpreter's teardown of native extensions avoids a rare abort ("terminate called
+    without an active exception") seen at exit on this machine, which turned a successful
+    command's exit status into 134."""
+    rc = main()
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except BrokenPipeError:
+        pass
+    os._exit(rc)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _run_and_exit()
