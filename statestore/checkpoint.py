@@ -305,7 +305,7 @@ def _write_shards(store, fs, root: str, keys: List[StateKey], stem: str, shard_b
 
     With ``link``, the store's own files that can serve as shards (``NVMeStore`` files on
     the same local filesystem, ``StateStore._linkable``) are hard-linked and frozen instead of
-    copied: their bytes are only read, to checksum them. The rest is copied."""
+    copied: only states whose checksum the store does not know are read. The rest is copied."""
     rows: Dict[str, list] = {n: [] for n in _SCHEMA.names}
     n = 0
     order = None
@@ -482,7 +482,8 @@ def save_checkpoint(store, path: str, *, shard_bytes: int = DEFAULT_SHARD_BYTES,
     an :class:`~statestore.NVMeStore`'s files, those files become the shards by hard link
     (the store freezes them and writes later updates to new files, so the checkpoint never
     changes); the save writes no state bytes, and reads only states whose checksum the
-    store did not compute as it wrote them. ``False`` copies every state. See ``docs/checkpoint-format.md``.
+    store did not compute as it wrote them. ``False`` copies every state. See
+    ``docs/checkpoint-format.md``.
     """
     _check_store(store)
     if not isinstance(link, bool):

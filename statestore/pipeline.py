@@ -222,6 +222,7 @@ class Pipeline:
         self._next_yield += 1
         if self._resident:
             unit.tensors = [self._store._view(s.key).view(-1)[s.start:s.stop] for s in unit.slices]
+            self._current = unit
         else:
             while self._next_submit < self._next_yield:
                 self._submit_blocking()
@@ -234,7 +235,6 @@ class Pipeline:
             unit.reads = []
             self._current = unit    # before _fill: if it raises, _abort releases this unit
             self._fill()
-        self._current = unit
         return unit.tensors
 
     def __enter__(self) -> "Pipeline":

@@ -54,11 +54,11 @@ class LinkableFile:
     freezes the file (the store never writes it again: later writes of its states go to a new
     file) and hard-links it as ``dst``, raising ``OSError`` where it cannot."""
 
-    __slots__ = ("path", "rows", "hashes", "link")
+    __slots__ = ("rows", "hashes", "link")
 
-    def __init__(self, path: str, rows: List[Tuple[StateKey, int]], hashes: Dict[StateKey, str],
+    def __init__(self, rows: List[Tuple[StateKey, int]], hashes: Dict[StateKey, str],
                  link: Callable[[str], None]):
-        self.path, self.rows, self.hashes, self.link = path, rows, hashes, link
+        self.rows, self.hashes, self.link = rows, hashes, link
 
 
 #: Largest chunk of a ``get``/``put``/checkpoint load through a non-resident store's pipeline.

@@ -520,7 +520,7 @@ class NVMeStore(StateStore):
             hashes = dict(sf.hashes)
             hashes.update((k, self._digests[k]) for k in sf.keys
                           if k in self._digests and k not in self._damaged)
-            out.append(LinkableFile(sf.path, rows, hashes, self._link_file(sf, hashes)))
+            out.append(LinkableFile(rows, hashes, self._link_file(sf, hashes)))
         return out
 
     @staticmethod

@@ -221,11 +221,9 @@ class TieredStore(StateStore):
 
     def _chunks(self, spec: StateSpec) -> List[Tuple[int, int]]:
         # Chunks every tier's pipeline can take: cut by the smallest disk tier's budget.
-        budgets = [s.budget_bytes for s in self.tiers if not s.resident]
-        if not budgets:
-            return super()._chunks(spec)
-        tier = next(s for s in self.tiers if not s.resident and s.budget_bytes == min(budgets))
-        return tier._chunks(spec)
+        tier = min((s for s in self.tiers if not s.resident), key=lambda s: s.budget_bytes,
+                   default=None)
+        return super()._chunks(spec) if tier is None else tier._chunks(spec)
 
     @property
     def unit_bytes(self) -> Optional[int]:
@@ -249,8 +247,8 @@ class TieredStore(StateStore):
 
     def _linkable(self, keys, root: str, shard_bytes: int):
         out = []
-        for i, t in enumerate(self.tiers):
-            mine = [k for k in keys if self._tier_index(k) == i]
+        for t in self.tiers:
+            mine = [k for k in keys if k in t]
             if mine:
                 out += t._linkable(mine, root, shard_bytes)
         return out
