@@ -328,7 +328,7 @@ class Pipeline:
 
     def _try_submit(self, block: bool = True) -> bool:
         unit = self._units[self._next_submit]
-        if not block and any(self._store._key_pending(s.key) for s in unit.slices):
+        if not block and any(self._store._key_pending(s.key, s.start, s.stop) for s in unit.slices):
             return False        # its last write is still in flight: try again later
         sizes = self._unit_bytes(unit)
         got = self._arena.try_alloc(sum(sizes))
@@ -344,7 +344,7 @@ class Pipeline:
             try:
                 # A read waits for the pending writes of its state; so does a write (mode "w"):
                 # two writes of one slice in flight at once may land in either order.
-                self._store._wait_pending_key(s.key)
+                self._store._wait_pending_key(s.key, s.start, s.stop)
                 if self._mode in ("r", "rw"):
                     self._store._check_damaged(s.key)
                     unit.reads.append((s, self._store._submit_read(s, t)))

@@ -477,15 +477,31 @@ class StateStore(ABC):
         self._complete(self._pending.popleft())
         return True
 
-    def _key_pending(self, key: StateKey) -> bool:
-        """True when a background write of ``key`` is still in flight."""
-        self._poll_pending()
-        return any(s.key == key for _, futs in self._pending for s, _ in futs)
+    def _overlaps(self, s: Slice, key: StateKey, start: int, stop: Optional[int]) -> bool:
+        """Whether pending-write slice ``s`` touches a disk block of ``key``'s elements
+        ``[start, stop)`` (``stop=None``: the whole state). Blocks, not elements: a write that
+        ends inside a block merges that block, so two slices sharing one are ordered."""
+        if s.key != key:
+            return False
+        if stop is None:
+            return True
+        size, align = self.spec(key).itemsize, self.alignment
+        return s.start * size // align < -(-stop * size // align) \
+            and start * size // align < -(-s.stop * size // align)
 
-    def _wait_pending_key(self, key: StateKey) -> None:
+    def _key_pending(self, key: StateKey, start: int = 0, stop: Optional[int] = None) -> bool:
+        """True when a background write of ``key`` (of a block holding one of its elements
+        ``[start, stop)``, when given) is still in flight."""
+        self._poll_pending()
+        return any(self._overlaps(s, key, start, stop) for _, futs in self._pending for s, _ in futs)
+
+    def _wait_pending_key(self, key: StateKey, start: int = 0, stop: Optional[int] = None) -> None:
+        """Wait for the background writes of ``key`` (only those of blocks holding its elements
+        ``[start, stop)``, when given): later slices of a large state are read while earlier
+        ones are still being written."""
         last = -1
         for i, (_, futs) in enumerate(self._pending):
-            if any(s.key == key for s, _ in futs):
+            if any(self._overlaps(s, key, start, stop) for s, _ in futs):
                 last = i
         for _ in range(last + 1):
             self._wait_oldest_pending()

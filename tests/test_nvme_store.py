@@ -326,11 +326,11 @@ def test_error_while_filling_gives_every_buffer_back(d, fail_at):
         real = store._wait_pending_key
         calls = [0]
 
-        def failing(key):
+        def failing(key, *span):
             calls[0] += 1
             if calls[0] == fail_at:
                 raise StateStoreIOError(errno.EIO, "injected background error")
-            return real(key)
+            return real(key, *span)
 
         store._wait_pending_key = failing
         units = [[ss.Slice(ss.StateKey("a", "m"), a, a + 8192)] for a in range(0, 98304, 8192)]
@@ -343,3 +343,28 @@ def test_error_while_filling_gives_every_buffer_back(d, fail_at):
         assert store._ring.used == 0
         store.put("a/m", torch.full((100_000,), 2.0))
         assert torch.equal(store.get("a/m"), torch.full((100_000,), 2.0))
+
+
+def test_read_waits_only_for_pending_writes_of_its_own_blocks(d):
+    """A read of a later slice of a large state must not wait for the write-behind of an
+    earlier slice (that serialized reads behind writes for every state larger than a unit);
+    it must wait when the two share a disk block (a write ending mid-block merges it)."""
+    from concurrent.futures import Future
+    with ss.NVMeStore(d, engine=ENGINES[0], budget_bytes=SMALL_BUDGET) as store:
+        store.create("a/m", (10_000,), torch.float32, torch.zeros(10_000))
+        store.create("b/m", (10,), torch.float32, torch.zeros(10))
+        store.sync()
+        k = ss.StateKey("a", "m")
+        never = Future()                 # a write still in flight
+        store._pending.append([None, [(ss.Slice(k, 0, 1024), never)]])
+        try:
+            assert not store._key_pending(k, 1024, 2048)       # next block on
+            assert store._key_pending(k, 1000, 1100)           # overlaps the write
+            assert store._key_pending(k)                        # the whole state
+            assert not store._key_pending(ss.StateKey("b", "m"))
+            store._pending[0][1] = [(ss.Slice(k, 0, 1000), never)]   # ends inside block 0
+            assert store._key_pending(k, 1000, 2000)
+            assert not store._key_pending(k, 1024, 2048)
+            store._wait_pending_key(k, 2048, 4096)             # returns without waiting
+        finally:
+            store._pending.clear()
