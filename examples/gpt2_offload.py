@@ -3,8 +3,10 @@ tutorial experiment, with statestore's HybridAdam.
 
 ``GPT2LMHeadModel(GPT2Config())``, random init, batch 4, sequence 128, 3 training steps on CPU,
 ``HybridAdam(model.parameters(), nvme_offload_fraction=f, nvme_offload_dir=...)`` for f = 0.0
-and 1.0. Each fraction runs in its own process (so RSS is its own) and prints the tutorial's
-lines; a summary table follows. Needs ``transformers`` (installed in the benchmark venv only:
+and 1.0, and f = 1.0 once more with ``update_in_backward=True`` (each parameter is updated
+during backward as soon as its gradient is final, so the disk I/O runs while backward
+computes). Each configuration runs in its own process (so RSS is its own) and prints the
+tutorial's lines; a summary table follows. Needs ``transformers`` (installed in the benchmark venv only:
 ``benchmarks/.venv-peers``); without it, a GPT-2-small-shaped stack of linear layers stands in
 and the output says so.
 
@@ -84,7 +86,7 @@ def _model():
     return Stack(), 50257, "GPT-2-small-shaped stack (transformers not installed)"
 
 
-def train(fraction: float, steps: int, directory: str) -> dict:
+def train(fraction: float, steps: int, directory: str, in_backward: bool = False) -> dict:
     import torch
     from torch import nn
 
@@ -94,7 +96,8 @@ def train(fraction: float, steps: int, directory: str) -> dict:
     model, vocab, what = _model()
     loss_fn = nn.CrossEntropyLoss()
     opt = HybridAdam(model.parameters(), nvme_offload_fraction=fraction,
-                     nvme_offload_dir=directory if fraction > 0 else None)
+                     nvme_offload_dir=directory if fraction > 0 else None,
+                     update_in_backward=in_backward)
     numel = sum(p.numel() for p in model.parameters())
     print(f"{what}")
     print(f"Model numel: {numel / 1024 ** 3:.3f} B")
@@ -125,47 +128,66 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--dir", default=None, help="nvme_offload_dir (default: a temporary directory)")
-    ap.add_argument("--fractions", default="0.0,1.0")
+    ap.add_argument("--fractions", default="0.0,1.0,1.0+",
+                    help="comma-separated; a trailing + also sets update_in_backward=True")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the configurations this many times, interleaved (the disk and "
+                         "the CPU here are noisy); the table gives medians over all rounds")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker is not None:
         cfg = json.loads(args.worker)
-        out = train(cfg["fraction"], cfg["steps"], cfg["dir"])
+        out = train(cfg["fraction"], cfg["steps"], cfg["dir"], cfg["in_backward"])
         print("@@JSON " + json.dumps(out), flush=True)
         return
-    results = {}
+    runs: dict = {}
     with tempfile.TemporaryDirectory(prefix="gpt2-offload-", dir=args.dir) as d:
-        for f in [float(x) for x in args.fractions.split(",")]:
-            print(f"\n### nvme_offload_fraction={f}")
-            p = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker",
-                                json.dumps(dict(fraction=f, steps=args.steps, dir=d))],
-                               capture_output=True, text=True)
-            for line in p.stdout.splitlines():
-                if line.startswith("@@JSON "):
-                    results[f] = json.loads(line[7:])
-                else:
-                    print(line)
-            if p.returncode != 0:
-                print(p.stderr[-2000:])
+        for rnd in range(args.rounds):
+            for spec in args.fractions.split(","):
+                f, plus = float(spec.rstrip("+")), spec.endswith("+")
+                name = f"{f}, update_in_backward" if plus else f"{f}"
+                print(f"\n### nvme_offload_fraction={name}"
+                      + (f" (round {rnd + 1}/{args.rounds})" if args.rounds > 1 else ""))
+                p = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker",
+                                    json.dumps(dict(fraction=f, steps=args.steps, dir=d,
+                                                    in_backward=plus))],
+                                   capture_output=True, text=True)
+                for line in p.stdout.splitlines():
+                    if line.startswith("@@JSON "):
+                        runs.setdefault(name, []).append(json.loads(line[7:]))
+                    else:
+                        print(line)
+                if p.returncode != 0:
+                    print(p.stderr[-2000:])
         left = os.listdir(d)
-    if not results:
+    if not runs:
         return
+    med = statistics.median
+    results = {name: {"time": med(r["time"] for r in rs), "rss": med(r["rss"] for r in rs),
+                      "cache_growth": med(r["cache_growth"] for r in rs),
+                      "step": med(t for r in rs for t in (r["steps"][1:] or r["steps"])),
+                      "numel": rs[0]["numel"]} for name, rs in runs.items()}
     n = next(iter(results.values()))["numel"]
     print(f"\n| nvme_offload_fraction | time, {args.steps} steps (s) | median step after the first (s) "
           f"| RSS (MB) | page cache grown (MB) |")
     print("|---|---|---|---|---|")
     for f, r in results.items():
-        later = r["steps"][1:] or r["steps"]
-        print(f"| {f} | {r['time']:.3f} | {statistics.median(later):.3f} | {r['rss'] / 2**20:.1f} | "
+        print(f"| {f} | {r['time']:.3f} | {r['step']:.3f} | {r['rss'] / 2**20:.1f} | "
               f"{r['cache_growth'] / 2**20:.1f} |")
-    if 0.0 in results and 1.0 in results:
-        a, b = results[0.0], results[1.0]
-        sa = statistics.median(a["steps"][1:] or a["steps"])
-        sb = statistics.median(b["steps"][1:] or b["steps"])
-        saved = a["rss"] - b["rss"]
-        print(f"\nfull offload: step x{sb / sa:.2f} of no offload; RSS saved {saved / 2**20:.0f} MB "
-              f"= {saved / (8 * n) * 100:.0f}% of the states' 8N = {8 * n / 2**20:.0f} MB; "
-              f"files left in the offload dir: {len(left)}")
+    if args.rounds > 1:
+        print(f"(medians over {args.rounds} interleaved rounds)")
+    if "0.0" in results:
+        a = results["0.0"]
+        sa = a["step"]
+        for name, b in results.items():
+            if name == "0.0" or not name.startswith("1.0"):
+                continue
+            sb = b["step"]
+            saved = a["rss"] - b["rss"]
+            print(f"\nfull offload ({name}): step x{sb / sa:.2f} of no offload; RSS saved "
+                  f"{saved / 2**20:.0f} MB = {saved / (8 * n) * 100:.0f}% of the states' 8N = "
+                  f"{8 * n / 2**20:.0f} MB")
+        print(f"files left in the offload dir: {len(left)}")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,11 @@ Order of calls::
             compute(tensors)                         # 2) caller updates in place
                                                      # 3) next(): unit i written back
     # 4) exit: remaining writes submitted (and waited for when wait=True)
+
+A caller that must never wait (an optimizer updating parameters from gradient hooks, during
+backward) polls instead: ``pipe.ready()`` starts what reads it can without waiting and says
+whether the next unit has arrived, ``pipe.take()`` hands it out only then (else None), and
+``pipe.commit()`` starts the current unit's write-back at once.
 """
 from __future__ import annotations
 
@@ -211,6 +216,36 @@ class Pipeline:
         return self
 
     def __next__(self) -> List[torch.Tensor]:
+        return self._next(block=True)
+
+    def ready(self) -> bool:
+        """Never blocks: retires finished background writes, starts the reads that need no
+        waiting, and tells whether the next unit's reads are done, so that :meth:`take` (or
+        ``next()``) hands it out without waiting for I/O. True at the end and on resident
+        stores."""
+        if self._closed or self._resident or self._next_yield >= len(self._units):
+            return True
+        self._store._poll_pending()
+        self._fill(block=False)
+        if self._next_submit <= self._next_yield:
+            return False
+        return all(f.done() for _, f in self._units[self._next_yield].reads)
+
+    def take(self) -> Optional[List[torch.Tensor]]:
+        """``next()`` without waiting: the next unit's tensors when :meth:`ready`, else None
+        (also at the end). Used from gradient hooks, where a wait would stall backward; the
+        reads it starts for later units are only those that need no waiting either."""
+        if self._closed or self._next_yield >= len(self._units) or not self.ready():
+            return None
+        return self._next(block=False)
+
+    def commit(self) -> None:
+        """Hand the current unit back now instead of at the next ``next()``: in modes "rw"
+        and "w" its write-back starts. Its tensors must not be used afterwards."""
+        if not self._closed:
+            self._finish_current()
+
+    def _next(self, block: bool) -> List[torch.Tensor]:
         if self._closed:
             raise StopIteration
         self._store._raise_pending_error()
@@ -234,7 +269,7 @@ class Pipeline:
                 raise
             unit.reads = []
             self._current = unit    # before _fill: if it raises, _abort releases this unit
-            self._fill()
+            self._fill(block=block)
         return unit.tensors
 
     def __enter__(self) -> "Pipeline":

@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -295,6 +296,42 @@ def _grad_on_other_device(ctx):
     w.grad = torch.empty(4, device="meta")
     ctx.vars["other"] = "meta"
     opt.step()
+
+
+def _in_backward_misuse(ctx, what):
+    """update_in_backward: a second backward before step(), a gradient clipped after
+    backward applied it, or step(div_scale=...)."""
+    store = ctx.new_store()
+    w = _param(4)
+    opt = CPUAdam([("w", w)], state_store=store, update_in_backward=True)
+    (w * w).sum().backward()
+    if what == "second-backward":
+        (w * w).sum().backward()
+    opt.step()
+    if what == "div-scale":
+        opt.zero_grad()
+        (w * w).sum().backward()
+        opt.step(div_scale=2.0)
+    if what == "clipped":
+        opt.zero_grad()
+        store.sync()        # the prefetch arrives before backward ends, so the hook updates
+        store.pump()
+        deadline = time.monotonic() + 10
+        while not opt._next_plans[store][0] or not _prefetch_arrived(store):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        (w * w).sum().backward()
+        w.grad.mul_(0.5)
+        opt.step()
+
+
+def _prefetch_arrived(store) -> bool:
+    for st in getattr(store, "tiers", [store]):
+        pre = getattr(st, "_prefetched", None)
+        if pre is not None and not pre[2].ready():
+            return False
+    return True
 
 
 def _grad_changed(ctx, new):
@@ -857,6 +894,14 @@ def _opt_rows() -> List[Row]:
             lambda c: c.opt(P(), bias_correction=False)),
         Row("optim-unknown-kwarg", "no_such_arg=1", TypeError, ("no_such_arg",),
             lambda c: c.opt(P(), no_such_arg=1)),
+        Row("optim-update-in-backward-type", "update_in_backward=1", TypeError,
+            ("update_in_backward", "1"), lambda c: c.opt(P(), update_in_backward=1)),
+        Row("optim-update-in-backward-skip", "update_in_backward=True, skip_nonfinite=True",
+            ValueError, ("update_in_backward", "skip_nonfinite"),
+            lambda c: c.opt(P(), update_in_backward=True, skip_nonfinite=True)),
+        Row("optim-update-in-backward-group", "update_in_backward=True, process_group=pg",
+            ValueError, ("update_in_backward", "process_group"),
+            lambda c: c.opt(P(), update_in_backward=True, process_group=object())),
     ]
 
 
@@ -918,6 +963,15 @@ def _step_rows() -> List[Row]:
             StateStoreClosedError, ("{cls}", "closed"), _step_closed_store, True),
         Row("apg-after-states", "add_param_group after states were created", ACCEPTED, (),
             _group_added_after_states, True),
+        Row("step-in-backward-twice", "update_in_backward: a second backward before step()",
+            StateStoreError, ("'w'", "second gradient before step()"),
+            lambda c: _in_backward_misuse(c, "second-backward"), True),
+        Row("step-in-backward-clipped", "update_in_backward: a gradient changed after backward",
+            StateStoreError, ("'w'", "changed after backward"),
+            lambda c: _in_backward_misuse(c, "clipped"), True),
+        Row("step-in-backward-div-scale", "update_in_backward: step(div_scale=2.0)",
+            StateStoreValueError, ("div_scale",),
+            lambda c: _in_backward_misuse(c, "div-scale"), True),
         Row("apg-duplicate-param", "add_param_group with a parameter already optimized",
             ValueError, ("more than one parameter group",),
             lambda c: _apg_dup(c), True),

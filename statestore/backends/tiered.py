@@ -334,13 +334,34 @@ class _TieredPipeline:
                 child_t.copy_(t)
 
     def __next__(self) -> List[torch.Tensor]:
+        return self._advance(lambda p: next(p))
+
+    def ready(self) -> bool:
+        """Every tier's next unit has arrived (see :meth:`Pipeline.ready`); never blocks."""
+        return all([p.ready() for p in self._pipes.values()])
+
+    def take(self) -> Optional[List[torch.Tensor]]:
+        """The next unit without waiting for I/O, else None (see :meth:`Pipeline.take`)."""
+        if self._closed or self._next >= len(self._layout) or not self.ready():
+            return None
+        return self._advance(lambda p: p.take())
+
+    def commit(self) -> None:
+        """Hand the current unit back to every tier now (see :meth:`Pipeline.commit`)."""
+        if self._closed:
+            return
+        self._unstage()
+        for p in self._pipes.values():
+            p.commit()
+
+    def _advance(self, nxt) -> List[torch.Tensor]:
         if self._closed:
             raise StopIteration
         self._unstage()
         if self._next >= len(self._layout):
             self.close()
             raise StopIteration
-        got = {t: next(p) for t, p in self._pipes.items()}
+        got = {t: nxt(p) for t, p in self._pipes.items()}
         out = []
         for t, i in self._layout[self._next]:
             x = got[t][i]

@@ -99,6 +99,15 @@ class _StoreAdam(torch.optim.Optimizer):
         process_group: shard states over a ``torch.distributed`` group: each rank keeps the
             states of the parameters :func:`statestore.distributed.partition` assigns it,
             gradients are averaged with all-reduce, owners update and broadcast parameters.
+        update_in_backward: update each parameter during ``backward()``, as soon as its
+            gradient is final (a gradient hook), so that a disk store's reads and writes run
+            while backward computes instead of inside ``step()``. ``step()`` is still called
+            after every backward: it updates what backward could not and starts the next
+            step's reads. The gradients must reach ``step()`` as backward left them: no
+            clipping, no ``div_scale``, no accumulation over several backward calls (each
+            raises :class:`~statestore.StateStoreError`); incompatible with
+            ``skip_nonfinite`` and ``process_group``. Results are bit-identical to
+            ``update_in_backward=False``. See ``docs/nvme.md``.
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
@@ -106,7 +115,8 @@ class _StoreAdam(torch.optim.Optimizer):
                  adamw_mode: bool = True, state_store: Optional[StateStore] = None,
                  nvme_offload_fraction: float = 0.0, nvme_offload_dir: Optional[str] = None,
                  maximize: bool = False, bias_correction: bool = True,
-                 skip_nonfinite: bool = False, process_group=None, **unused):
+                 skip_nonfinite: bool = False, process_group=None,
+                 update_in_backward: bool = False, **unused):
         _validate_hyper(lr, betas, eps, weight_decay)
         if not bias_correction:
             raise ValueError("bias_correction=False is not supported (results would differ "
@@ -125,6 +135,17 @@ class _StoreAdam(torch.optim.Optimizer):
             raise ValueError("pass either state_store or nvme_offload_fraction, not both")
         if state_store is not None and state_store.closed:
             raise StateStoreClosedError(f"state_store: the {type(state_store).__name__} is closed")
+        if not isinstance(update_in_backward, bool):
+            raise TypeError(f"update_in_backward must be a bool, got {update_in_backward!r}")
+        if update_in_backward and skip_nonfinite:
+            raise ValueError("update_in_backward=True cannot be combined with skip_nonfinite=True "
+                             "(parameters are updated before every gradient is known)")
+        if update_in_backward and process_group is not None:
+            raise ValueError("update_in_backward=True cannot be combined with process_group "
+                             "(gradients are averaged over the group only after backward)")
+        if update_in_backward and not hasattr(Tensor, "register_post_accumulate_grad_hook"):
+            raise StateStoreError("update_in_backward=True needs "
+                                  "Tensor.register_post_accumulate_grad_hook (torch >= 2.1)")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         amsgrad=bool(amsgrad), maximize=bool(maximize),
                         adamw_mode=bool(adamw_mode))
@@ -159,6 +180,16 @@ class _StoreAdam(torch.optim.Optimizer):
             self._resume_from(store)
             store.attach_metadata(self._metadata_source(), process_group=self.process_group)
         self._prefetching: "weakref.WeakSet[StateStore]" = weakref.WeakSet()
+        #: update_in_backward: parameters whose gradient backward has finished since the last
+        #: step (in that order), the previous step's order, the units planned for the next
+        #: step per store, the step being made during backward ([store, pipeline, meta,
+        #: units done] per store), and the parameters it updated with (gradient, version).
+        self.update_in_backward = update_in_backward
+        self._ready: Dict[Tensor, int] = {}
+        self._grad_order: Dict[Tensor, int] = {}
+        self._next_plans: Dict[StateStore, Tuple[List[List[Slice]], list]] = {}
+        self._pass: Optional[List[list]] = None
+        self._early_done: Dict[Tensor, Tuple[Tensor, int]] = {}
         self._pump_hooks: list = []
         self._register_pump_hooks(self._params)
 
@@ -222,12 +253,19 @@ class _StoreAdam(torch.optim.Optimizer):
 
     def _register_pump_hooks(self, params: Sequence[Tensor]) -> None:
         """While backward produces gradients, let disk stores start the next step's reads
-        (:meth:`StateStore.pump`, which never blocks). The hooks hold the optimizer weakly."""
+        (:meth:`StateStore.pump`, which never blocks), or, with ``update_in_backward``,
+        update the parameters whose gradients are final. The hooks hold the optimizer
+        weakly."""
         ref = weakref.ref(self)
 
-        def pump(_param) -> None:
+        def pump(param) -> None:
             opt = ref()
-            if opt is None or not opt._prefetching:
+            if opt is None:
+                return
+            if opt.update_in_backward:
+                opt._grad_ready(param)
+                return
+            if not opt._prefetching:
                 return
             for store in list(opt._prefetching):
                 try:
@@ -242,7 +280,7 @@ class _StoreAdam(torch.optim.Optimizer):
         # optimizer over RAM/GPU stores adds nothing to backward.
         self._pump_hooks += [p.register_post_accumulate_grad_hook(pump) for p in params
                              if p.requires_grad and p in self._stores
-                             and not self._stores[p].resident]
+                             and (self.update_in_backward or not self._stores[p].resident)]
 
     def __del__(self) -> None:
         for h in getattr(self, "_pump_hooks", ()):
@@ -475,6 +513,9 @@ class _StoreAdam(torch.optim.Optimizer):
         grad_scale = float(div_scale) if div_scale is not None and div_scale > 0 else 1.0
         for store, items in work.items():
             self._ensure_states(store, [p for _, ps in items for p in ps])
+        if self.update_in_backward:
+            self._finish_backward_step(work, grads, div_scale)
+            return loss
         before = dict(self._steps)
         for p in grads:
             if self._owns(p):
@@ -529,19 +570,31 @@ class _StoreAdam(torch.optim.Optimizer):
         for h in handles:
             h.wait()
 
-    def _step_store(self, store: StateStore, items, grads: Dict[Tensor, Tensor],
-                    grad_scale: float) -> None:
-        all_units: List[List[Slice]] = []
-        meta: List[Tuple[dict, List[Tuple[Tensor, int, int, List[str]]]]] = []
+    def _plan(self, store: StateStore, items, order: Optional[Dict[Tensor, int]] = None):
+        """Pipeline units over ``items`` (``(group, params)`` pairs) and, per unit, its group
+        and ``(param, start, stop, state names)`` entries. With ``order`` (rank of each
+        parameter's gradient in the last backward), units come in the order backward
+        finishes their gradients."""
+        planned: List[Tuple[int, List[Slice], Tuple[dict, list]]] = []
         align = max(1, store.alignment // 4)
+        last = len(order) if order else 0
         for group, ps in items:
+            if order:
+                ps = sorted(ps, key=lambda p: order.get(p, last))
             names = [self._state_names(p, group) for p in ps]
             keys = [[StateKey(self._keys[p], n) for n in ns] for p, ns in zip(ps, names)]
             plan = plan_units(keys, [p.numel() for p in ps], 4, store.unit_bytes, align,
                               slice_round=store.alignment)
             for unit in plan:
-                all_units.append([Slice(k, a, b) for i, a, b in unit for k in keys[i]])
-                meta.append((group, [(ps[i], a, b, names[i]) for i, a, b in unit]))
+                rank = max(order.get(ps[i], last) for i, _, _ in unit) if order else 0
+                planned.append((rank, [Slice(k, a, b) for i, a, b in unit for k in keys[i]],
+                                (group, [(ps[i], a, b, names[i]) for i, a, b in unit])))
+        planned.sort(key=lambda x: x[0])        # stable: param order among equal ranks
+        return [u for _, u, _ in planned], [m for _, _, m in planned]
+
+    def _step_store(self, store: StateStore, items, grads: Dict[Tensor, Tensor],
+                    grad_scale: float) -> None:
+        all_units, meta = self._plan(store, items)
         dev = store.device
         with store.pipeline(all_units, mode="rw", wait=False) as pipe:
             for tensors, (group, entries) in zip(pipe, meta):
@@ -551,6 +604,151 @@ class _StoreAdam(torch.optim.Optimizer):
             # same parameters get gradients); gradient hooks pump more during backward.
             store.prefetch(all_units, mode="rw")
             self._prefetching.add(store)
+
+    # ------------------------------------------------------------------ update_in_backward
+    def _grad_ready(self, p: Tensor) -> None:
+        """Gradient hook (``update_in_backward``): ``p``'s gradient is final. Updates, in the
+        planned order, every unit whose parameters all have final gradients and whose states
+        have arrived from the store; never waits for I/O (that is left to ``step()``)."""
+        if p in self._ready:
+            raise StateStoreError(
+                f"update_in_backward: parameter {self._keys[p]!r} got a second gradient before "
+                "step(); with update_in_backward=True every backward must be followed by "
+                "step() (accumulating gradients over several backward calls needs "
+                "update_in_backward=False)")
+        self._ready[p] = len(self._ready)
+        if self._failed or (self._pass is None and not self._next_plans):
+            return
+        try:
+            with torch.no_grad():
+                self._open_pass()
+                self._advance_pass(block=False)
+        except BaseException as e:
+            self._abort_pass(e)
+            raise
+
+    def _open_pass(self) -> None:
+        if self._pass is not None:
+            return
+        self._touched = False               # this step's first update
+        self._pass = []
+        for store, (units, meta) in self._next_plans.items():
+            # The prefetch started by the last step() is handed out here.
+            self._pass.append([store, store.pipeline(units, mode="rw", wait=False), meta, 0])
+
+    def _advance_pass(self, block: bool, grads: Optional[Dict[Tensor, Tensor]] = None) -> None:
+        """Update the pass's next units: those ready now (``block=False``), or all of them."""
+        for sp in self._pass or ():
+            store, pipe, meta = sp[0], sp[1], sp[2]
+            while sp[3] < len(meta):
+                group, entries = meta[sp[3]]
+                if block:
+                    tensors = next(pipe)
+                else:
+                    tensors = pipe.take() if all(e[0] in self._ready for e in entries) else None
+                    if tensors is None:
+                        pipe.ready()            # start the reads that need no waiting
+                        break
+                sp[3] += 1
+                self._apply_unit(tensors, group, entries, store.device, grads)
+                pipe.commit()
+            if block:
+                pipe.close()
+
+    def _apply_unit(self, tensors: List[Tensor], group: dict, entries, dev: torch.device,
+                    grads: Optional[Dict[Tensor, Tensor]], grad_scale: float = 1.0) -> None:
+        """Update the entries of one planned unit that have a gradient (``grads``: the
+        step's; None: during backward, where every entry's gradient is final). A parameter's
+        step count advances at its first slice."""
+        early = grads is None
+        sel_t: List[Tensor] = []
+        sel_e = []
+        pos = 0
+        for e in entries:
+            p, a, _, names = e
+            n = len(names)
+            if grads is None or p in grads:
+                sel_t += tensors[pos:pos + n]
+                sel_e.append(e)
+            pos += n
+        if not sel_e:
+            return
+        if grads is None:
+            grads = {e[0]: self._grad_of(e[0]) for e in sel_e}
+        counted = [self._keys[e[0]] for e in sel_e if e[1] == 0]
+        for k in counted:
+            self._steps[k] = self._steps.get(k, 0) + 1
+        try:
+            self._update_unit(sel_t, group, sel_e, grads, grad_scale, dev)
+        except BaseException:
+            if not self._touched:
+                for k in counted:
+                    self._steps[k] -= 1
+            raise
+        if early:
+            for e in sel_e:
+                g = e[0].grad
+                if e[0] not in self._early_done:
+                    self._early_done[e[0]] = (g, g._version)
+
+    def _abort_pass(self, err: BaseException) -> None:
+        """A pass failed: give its buffers back; once anything was updated the optimizer
+        refuses to go on (parameters and states hold a mix of two steps)."""
+        if self._touched or self._early_done:
+            self._failed.append(f"{type(err).__name__}: {err}")
+        else:                   # nothing changed: a new backward (or step()) starts afresh
+            self._ready = {}
+        for sp in self._pass or ():
+            try:
+                sp[1].__exit__(type(err), err, None)
+            except BaseException:
+                pass
+        self._pass = None
+
+    def _finish_backward_step(self, work, grads: Dict[Tensor, Tensor], div_scale) -> None:
+        """``step()`` with ``update_in_backward``: check the gradients backward already used,
+        update every remaining unit, plan the next step in gradient order and prefetch it."""
+        done = self._early_done
+        try:
+            if div_scale is not None and div_scale > 0:
+                raise StateStoreValueError(
+                    "update_in_backward: step(div_scale=...) is not supported (backward has "
+                    "already applied the gradients unscaled); unscale the loss instead")
+            for p, (g, version) in done.items():
+                if p.grad is not g or g._version != version:
+                    raise StateStoreError(
+                        f"update_in_backward: the gradient of {self._keys[p]!r} changed after "
+                        "backward had already applied it (clipping, scaling or accumulating "
+                        "gradients between backward and step() needs update_in_backward=False)")
+            if self._pass is None:
+                self._touched = False
+            with torch.no_grad():
+                self._open_pass()
+                self._advance_pass(block=True, grads=grads)
+            self._pass = None
+            covered = {e[0] for _, meta in self._next_plans.values() for _, es in meta for e in es}
+            for store, items in work.items():
+                rest = [(g, [p for p in ps if p not in covered]) for g, ps in items]
+                rest = [(g, ps) for g, ps in rest if ps]
+                if not rest:
+                    continue
+                units, meta = self._plan(store, rest, self._ready)
+                with store.pipeline(units, mode="rw", wait=False) as pipe:
+                    for tensors, (group, entries) in zip(pipe, meta):
+                        self._apply_unit(tensors, group, entries, store.device, grads)
+        except BaseException as e:
+            self._abort_pass(e)
+            self._ready = {}
+            raise
+        finally:
+            self._early_done = {}
+        self._grad_order, self._ready = self._ready, {}
+        self._touched = False
+        self._next_plans = {}
+        for store, items in work.items():
+            self._next_plans[store] = self._plan(store, items, self._grad_order)
+            if not store.resident and os.environ.get("STATESTORE_PREFETCH", "1") != "0":
+                store.prefetch(self._next_plans[store][0], mode="rw")
 
     def _update_unit(self, tensors: List[Tensor], group: dict, entries, grads, grad_scale,
                      dev: torch.device) -> None:
@@ -738,6 +936,7 @@ class _StoreAdam(torch.optim.Optimizer):
                                  f"whole number, got {step!r}")
             plan.append((p, key, store, entries, int(step)))
         # 3. apply
+        self._next_plans = {}              # state names may change (amsgrad): plan afresh
         for g, h in zip(self.param_groups, new_hyper):
             g.update(h)
         for p, key, store, entries, step in plan:
