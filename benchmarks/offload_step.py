@@ -11,7 +11,7 @@ I/O floor ``bytes_read / probe_read_bw + bytes_written / probe_write_bw``, step 
 overlap efficiency ``max(io_floor, compute) / step`` (compute = the in-RAM step).
 
     .venv/bin/python benchmarks/offload_step.py            # 124M params, 2 rounds, 4 steps
-    .venv/bin/python benchmarks/offload_step.py --params 30e6 --rounds 1
+    .venv/bin/python benchmarks/offload_step.py --scale 0.25 --rounds 1
 """
 from __future__ import annotations
 
