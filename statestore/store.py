@@ -310,7 +310,10 @@ class StateStore(ABC):
         return out
 
     def put(self, key, value: torch.Tensor) -> None:
-        """Overwrite a state's value (shape must match; dtype is converted)."""
+        """Overwrite a state's value (shape must match; dtype is converted). Non-resident
+        stores return once the value is copied into their ring and write it behind: a later
+        read of the state, :meth:`sync`, a checkpoint or :meth:`close` waits for the write
+        and raises its error (the state is then refused until replaced)."""
         k, spec = self._check_put(key, value)
         if self.resident:
             self._raise_pending_error()
@@ -320,7 +323,10 @@ class StateStore(ABC):
         self._damaged.pop(k, None)         # a whole new value: no longer stale once written
         src = value.detach().reshape(-1)
         chunks = self._chunks(spec)
-        with self.pipeline([[Slice(k, a, b)] for a, b in chunks], mode="w") as pipe:
+        # Write-behind, as a step's: the value is copied into the ring before put returns;
+        # a later read, sync(), a checkpoint or close() waits for the writes (and raises
+        # their errors), so consecutive puts keep the disk busy.
+        with self.pipeline([[Slice(k, a, b)] for a, b in chunks], mode="w", wait=False) as pipe:
             for (a, b), (t,) in zip(chunks, pipe):
                 t.copy_(src[a:b])
 

@@ -165,3 +165,27 @@ def test_plan_counts_ring_footprint_of_small_slices():
     for u in units:
         assert sum(2 * 4096 for _ in u) <= 16384
     assert len(units) == 5
+
+
+def test_put_writes_behind_and_a_failed_write_surfaces_at_the_next_call():
+    """put() returns once the value is copied into the ring (consecutive puts keep the disk
+    busy); a write that fails later is raised by the next call (sync here), and the state
+    is refused until replaced, as for a step's write-behind."""
+    from _simstore import SimDiskStore
+    from statestore.errors import StateStoreIOError
+    with SimDiskStore(budget_bytes=1 << 20, write_delay=0.01) as store:
+        k = StateKey("a", "m")
+        store.create(k, (50_000,), torch.float32, torch.zeros(50_000))
+        store.sync()
+        value = torch.arange(50_000, dtype=torch.float32)
+        store.put(k, value)
+        value.zero_()                         # the caller's tensor is free once put returns
+        assert torch.equal(store.get(k), torch.arange(50_000, dtype=torch.float32))
+        store.fail_writes(key=k)
+        store.put(k, torch.ones(50_000))
+        with pytest.raises(StateStoreIOError, match="a/m"):
+            store.sync()
+        with pytest.raises(StateStoreIOError, match="lost an update"):
+            store.get(k)
+        store.put(k, torch.full((50_000,), 3.0))
+        assert torch.equal(store.get(k), torch.full((50_000,), 3.0))
