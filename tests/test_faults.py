@@ -233,7 +233,9 @@ def test_read_eio_during_save_keeps_previous_checkpoint(kind, engine, tmp_path):
     store.sync()
     leaks = F.Leaks(ck, sdir)
     # A linked save reads nothing here (the store hashed the states as the step wrote them,
-    # tests/test_checkpoint_link.py): copy, so that the save reads the store.
+    # tests/test_checkpoint_link.py): copy, so that the save reads the store. The next
+    # step's prefetch is dropped first, so that the armed fault hits the save's reads.
+    store.cancel_prefetch()
     F.engine_of(store)._inject_fault_for_testing(op="read", skip=2, count=1, err=errno.EIO)
     with pytest.raises(ss.StateStoreIOError) as ei:
         store.save_checkpoint(ck, progress=False, link=False)
