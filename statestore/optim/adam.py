@@ -181,12 +181,11 @@ class _StoreAdam(torch.optim.Optimizer):
             store.attach_metadata(self._metadata_source(), process_group=self.process_group)
         self._prefetching: "weakref.WeakSet[StateStore]" = weakref.WeakSet()
         #: update_in_backward: parameters whose gradient backward has finished since the last
-        #: step (in that order), the previous step's order, the units planned for the next
-        #: step per store, the step being made during backward ([store, pipeline, meta,
-        #: units done] per store), and the parameters it updated with (gradient, version).
+        #: step (in that order), the units planned for the next step per store, the step being
+        #: made during backward ([store, pipeline, meta, units done] per store), and the
+        #: parameters it updated with (gradient, version).
         self.update_in_backward = update_in_backward
         self._ready: Dict[Tensor, int] = {}
-        self._grad_order: Dict[Tensor, int] = {}
         self._next_plans: Dict[StateStore, Tuple[List[List[Slice]], list]] = {}
         self._pass: Optional[List[list]] = None
         self._early_done: Dict[Tensor, Tuple[Tensor, int]] = {}
@@ -644,10 +643,12 @@ class _StoreAdam(torch.optim.Optimizer):
                 group, entries = meta[sp[3]]
                 if block:
                     tensors = next(pipe)
+                elif not all(e[0] in self._ready for e in entries):
+                    pipe.ready()                # start the reads that need no waiting
+                    break
                 else:
-                    tensors = pipe.take() if all(e[0] in self._ready for e in entries) else None
+                    tensors = pipe.take()       # None: its states have not arrived yet
                     if tensors is None:
-                        pipe.ready()            # start the reads that need no waiting
                         break
                 sp[3] += 1
                 self._apply_unit(tensors, group, entries, store.device, grads)
@@ -720,8 +721,6 @@ class _StoreAdam(torch.optim.Optimizer):
                         f"update_in_backward: the gradient of {self._keys[p]!r} changed after "
                         "backward had already applied it (clipping, scaling or accumulating "
                         "gradients between backward and step() needs update_in_backward=False)")
-            if self._pass is None:
-                self._touched = False
             with torch.no_grad():
                 self._open_pass()
                 self._advance_pass(block=True, grads=grads)
@@ -742,11 +741,11 @@ class _StoreAdam(torch.optim.Optimizer):
             raise
         finally:
             self._early_done = {}
-        self._grad_order, self._ready = self._ready, {}
+        order, self._ready = self._ready, {}
         self._touched = False
         self._next_plans = {}
         for store, items in work.items():
-            self._next_plans[store] = self._plan(store, items, self._grad_order)
+            self._next_plans[store] = self._plan(store, items, order)
             if not store.resident and os.environ.get("STATESTORE_PREFETCH", "1") != "0":
                 store.prefetch(self._next_plans[store][0], mode="rw")
 
