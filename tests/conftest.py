@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import warnings
 from typing import Callable, List, Tuple
 
@@ -53,6 +54,18 @@ if hasattr(ss, "TieredStore"):
 
 BACKEND_NAMES = [name for name, _ in BACKENDS]
 _FACTORIES = dict(BACKENDS)
+
+
+def wait_for_prefetch(store: ss.StateStore, timeout: float = 30.0) -> None:
+    """Wait (polling, for at most ``timeout`` s) until the reads of the next step's prefetch
+    have arrived on every tier of ``store``; stores without a prefetch return at once. Tests
+    that need the prefetch in RAM before backward call ``sync()``, ``pump()`` and this."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pending = [getattr(t, "_prefetched", None) for t in getattr(store, "tiers", [store])]
+        if all(p is None or p[2].ready() for p in pending):
+            return
+        time.sleep(0.01)
 
 
 def make_store(name: str, tmp_path) -> ss.StateStore:

@@ -19,7 +19,6 @@ import os
 import re
 import shutil
 import subprocess
-import time
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -40,7 +39,7 @@ from statestore.errors import (CheckpointCorruptError, CheckpointError, Checkpoi
                                StateStoreError, StateStoreIOError, StateStoreValueError)
 from statestore.optim import CPUAdam, HybridAdam
 
-from conftest import BACKEND_NAMES, make_store
+from conftest import BACKEND_NAMES, make_store, wait_for_prefetch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DOC = os.path.join(os.path.dirname(HERE), "docs", "errors.md")
@@ -316,22 +315,12 @@ def _in_backward_misuse(ctx, what):
         opt.zero_grad()
         store.sync()        # the prefetch arrives before backward ends, so the hook updates
         store.pump()
-        deadline = time.monotonic() + 10
-        while not opt._next_plans[store][0] or not _prefetch_arrived(store):
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.01)
+        wait_for_prefetch(store)
         (w * w).sum().backward()
         w.grad.mul_(0.5)
         opt.step()
 
 
-def _prefetch_arrived(store) -> bool:
-    for st in getattr(store, "tiers", [store]):
-        pre = getattr(st, "_prefetched", None)
-        if pre is not None and not pre[2].ready():
-            return False
-    return True
 
 
 def _grad_changed(ctx, new):

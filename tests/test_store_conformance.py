@@ -443,7 +443,10 @@ def test_sim_read_ahead(sim):
         list(pipe)
 
 
-def test_sim_background_write_error_surfaces_at_next_call(sim):
+def test_sim_background_write_error_surfaces_at_next_call():
+    # the write sleeps long enough to be still in flight when the pipeline closes (a failed
+    # write that has already finished is raised by close() itself, which is the next call)
+    sim = SimDiskStore(budget_bytes=64 * 1024, write_delay=0.05)
     n = 2048
     sim.create_many([(K("a", "m"), (n,), torch.float32, None),
                      (K("b", "m"), (n,), torch.float32, None)])
@@ -452,12 +455,13 @@ def test_sim_background_write_error_surfaces_at_next_call(sim):
         for (t,) in pipe:
             t.fill_(1)
     # the failed write is in the background; the next call into the store reports it
-    time.sleep(0.05)
+    time.sleep(0.3)
     with pytest.raises(StateStoreIOError, match="a/m") as ei:
         sim.get("b/m")
     assert "write" in str(ei.value)
     # reported once; the store keeps working
     assert torch.equal(sim.get("b/m"), torch.zeros(n))
+    sim.close()
 
 
 def test_sim_write_error_raised_by_pipeline_close_with_wait(sim):

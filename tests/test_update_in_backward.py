@@ -4,7 +4,6 @@ backward on every store, and misuse (a gradient changed after it was applied, a 
 backward before ``step()``, ``div_scale``) must raise instead of training on silently."""
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ import torch
 import statestore as ss
 from statestore.optim import CPUAdam, HybridAdam
 
-from conftest import BACKEND_NAMES, make_store
+from conftest import BACKEND_NAMES, make_store, wait_for_prefetch
 from _simstore import SimDiskStore
 
 RESIDENT = ("device-cpu", "pinned", "file")
@@ -102,7 +101,7 @@ def test_parameters_change_during_backward(backend, tmp_path):
         for step in range(4):
             store.sync()                    # last step's writes are done, so pump()
             store.pump()                    # starts every prefetch read ...
-            time.sleep(0.2)                 # ... and they arrive
+            wait_for_prefetch(store)        # ... and they arrive
             before = {k: v.clone() for k, v in model.state_dict().items()}
             _backward(model, 0)
             changed = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
