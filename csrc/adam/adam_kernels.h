@@ -44,15 +44,48 @@ struct SimdKernels {
   ProbeRangeFn probe;
 };
 
-// The probe loop; instantiated by each ISA file in its own anonymous namespace.
+// Software prefetch for the streaming loops: every 16 elements (one 64-byte line of fp32),
+// touch the lines kPrefetchElems elements ahead. With the hardware prefetchers alone one
+// thread cannot keep enough misses in flight; a standalone AVX2 Adam loop over 128M params
+// here ran 0.99-1.11 G/s without it, 1.08-1.19 G/s at 1 KiB ahead (0.93-1.07 at 4 KiB),
+// and the same within noise at 2 threads, where both saturate the memory bus.
+// `static`: each ISA file gets its own copy, compiled for its instruction set (see below).
+constexpr int64_t kPrefetchElems = 256;
+template <int kBytesPerElem>
+static inline void prefetch_ahead(const void* base, int64_t i, bool write) {
+  const char* q = static_cast<const char*>(base) + (i + kPrefetchElems) * kBytesPerElem;
+  if (write) {
+    __builtin_prefetch(q, 1, 3);
+  } else {
+    __builtin_prefetch(q, 0, 3);
+  }
+}
+
+// The probe loop; instantiated by each ISA file in its own anonymous namespace. It prefetches
+// as the Adam loop does, so the roofline is the best this code knows for 28 bytes an element.
 #define STATESTORE_DEFINE_PROBE(fn)                                                         \
   void fn(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,         \
           float* __restrict__ v, int64_t begin, int64_t end) {                               \
-    for (int64_t i = begin; i < end; ++i) {                                                  \
-      const float gi = g[i];                                                                 \
-      p[i] += gi;                                                                            \
-      m[i] += gi;                                                                            \
-      v[i] += gi;                                                                            \
+    int64_t b = begin;                                                                       \
+    for (; b + 16 <= end; b += 16) {                                                         \
+      if (b + ::statestore::cpu::kPrefetchElems < end) {                                     \
+        ::statestore::cpu::prefetch_ahead<4>(p, b, true);                                    \
+        ::statestore::cpu::prefetch_ahead<4>(g, b, false);                                   \
+        ::statestore::cpu::prefetch_ahead<4>(m, b, true);                                    \
+        ::statestore::cpu::prefetch_ahead<4>(v, b, true);                                    \
+      }                                                                                      \
+      for (int64_t i = b; i < b + 16; ++i) { /* a fixed trip count: fully vectorized */      \
+        const float gi = g[i];                                                               \
+        p[i] += gi;                                                                          \
+        m[i] += gi;                                                                          \
+        v[i] += gi;                                                                          \
+      }                                                                                      \
+    }                                                                                        \
+    for (; b < end; ++b) {                                                                   \
+      const float gi = g[b];                                                                 \
+      p[b] += gi;                                                                            \
+      m[b] += gi;                                                                            \
+      v[b] += gi;                                                                            \
     }                                                                                        \
   }
 

@@ -48,8 +48,15 @@ struct SimdAdam {
     float* const mp = a.m;
     float* const vp = a.v;
     float* const vmaxp = a.vmax;
+    constexpr int kGradBytes = GD == DType::kF32 ? 4 : 2;
     int64_t i = begin;
     for (; i + W <= end; i += W) {
+      if (((i - begin) & 15) == 0 && i + statestore::cpu::kPrefetchElems < end) {
+        statestore::cpu::prefetch_ahead<4>(wp, i, true);
+        statestore::cpu::prefetch_ahead<kGradBytes>(a.g, i, false);
+        statestore::cpu::prefetch_ahead<4>(mp, i, true);
+        statestore::cpu::prefetch_ahead<4>(vp, i, true);
+      }
       F w = V::load(wp + i);
       F g = VecIO<V, GD>::load(a.g, i);
       F m = V::load(mp + i);
