@@ -8,12 +8,14 @@ once, in turn; tables report medians):
 * ``NVMeStore``: the store itself: ``put`` of 64 MiB states then ``sync``; cold read through the
   pipeline (mode ``r``) within the default 256 MiB budget;
 * ``probe``: plain O_DIRECT ``pwrite``/``pread``, one thread, 4 KiB-aligned buffer;
-* ``fio``: Debian's fio, sequential 1 MiB direct io_uring, best of iodepth 8 and 32;
+* ``fio``: Debian's fio, sequential direct io_uring: 1 MiB blocks at iodepth 8 and 32, 8 MiB at 32;
 * ``torch.save``/``torch.load`` and ``safetensors`` ``save_file``/``load_file`` (+ fsync);
 * ``deepspeed-aio`` and ``tensornvme`` (DiskOffloader, write + fsync / cold read), when they
   import in ``benchmarks/.venv-peers`` (see ``docs/nvme.md``); run in a worker process there.
 
-Every write ends with fsync/fdatasync; every read is cold: the file's pages are dropped with
+Each repetition starts one contestant later than the last, so that none always runs first or
+after the same neighbour (figures here shift with what ran just before). Every write ends with
+fsync/fdatasync; every read is cold: the file's pages are dropped with
 ``posix_fadvise(DONTNEED)`` first. A first, unrecorded repetition lays out each contestant's
 file, so writes are measured overwriting an existing file, as a store does every step (and as
 fio does after laying out its file); torch.save, safetensors and TensorNVMe create their file
@@ -21,10 +23,13 @@ anew each time, as their APIs do. GB/s = 1e9 bytes per second.
 
     .venv/bin/python benchmarks/nvme_io.py                       # 64 MiB .. 2 GiB, 3 reps
     .venv/bin/python benchmarks/nvme_io.py --sizes 256M --reps 5 --sweep
+    .venv/bin/python benchmarks/nvme_io.py --sizes 256M,1G --reps 6 --no-peers \
+        --store-sweep 128x1,64x4,32x8,16x16            # the store's queue depth x block size
 """
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import shutil
@@ -205,6 +210,9 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also sweep queue depth, block size and "
                     "buffer kind at --sweep-size")
     ap.add_argument("--sweep-size", default="256M")
+    ap.add_argument("--store-sweep", default=None, metavar="QDxMiB,...",
+                    help="also measure NVMeStore at these queue depths x block sizes at each "
+                    "size, interleaved with the probe, e.g. 128x1,64x4,32x8,16x16")
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--peer-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -261,17 +269,24 @@ def main() -> None:
 
     stores = {}
 
-    def store(size):
+    def store(size, qd=None, bs=None, keep=False):
+        """NVMeStore at its defaults, or with queue_depth ``qd`` and block_size ``bs``. Stores
+        of other sizes are closed first unless ``keep`` (the store sweep keeps one open per
+        configuration)."""
         n = max(1, size // (64 << 20))
         per = size // n // 4
         src = torch.rand(per)
-        if size not in stores:
-            for s_ in stores.values():
-                s_.close()
-            stores.clear()
-            stores[size] = ss.NVMeStore(os.path.join(root, "store"))
-            stores[size].create_many([(f"p{i}/exp_avg", (per,), torch.float32, None) for i in range(n)])
-        st = stores[size]
+        key = (size, qd, bs)
+        if key not in stores:
+            if not keep:
+                for s_ in stores.values():
+                    s_.close()
+                stores.clear()
+            kw = {k: v for k, v in (("queue_depth", qd), ("block_size", bs)) if v is not None}
+            sub = "store" if not kw else f"store-qd{qd}-bs{bs >> 20}M"
+            stores[key] = ss.NVMeStore(os.path.join(root, sub), **kw)
+            stores[key].create_many([(f"p{i}/exp_avg", (per,), torch.float32, None) for i in range(n)])
+        st = stores[key]
         if True:
             t0 = time.perf_counter()
             for i in range(n):
@@ -320,11 +335,11 @@ def main() -> None:
             os.close(fd)
         return w, r
 
-    def fio_run(size, depth):
+    def fio_run(size, depth, bs="1M"):
         path = os.path.join(root, "fio.bin")
         out = {}
         for rw in ("write", "read"):
-            cmd = [fio, "--name=ss", f"--filename={path}", f"--rw={rw}", "--bs=1M", "--direct=1",
+            cmd = [fio, "--name=ss", f"--filename={path}", f"--rw={rw}", f"--bs={bs}", "--direct=1",
                    "--ioengine=io_uring", f"--iodepth={depth}", f"--size={size}",
                    "--end_fsync=1", "--output-format=json", "--invalidate=1"]
             res = subprocess.run(cmd, capture_output=True, text=True)
@@ -376,12 +391,15 @@ def main() -> None:
     contestants = []
     for e in engines:
         contestants.append((f"ss:{e} (qd32, 1 MiB, locked)", lambda s, e=e: ours(e, s)))
-    contestants.append(("NVMeStore (budget 256 MiB, qd128)", store))
+    dflt = inspect.signature(ss.NVMeStore).parameters
+    contestants.append((f"NVMeStore (defaults: budget 256 MiB, qd{dflt['queue_depth'].default} x "
+                        f"{dflt['block_size'].default >> 20} MiB)", store))
     contestants.append(("probe: O_DIRECT pwrite/pread, 1 thread", probe))
     if fio:
         for depth in (8, 32):
             contestants.append((f"fio io_uring direct 1 MiB iodepth {depth}",
                                 lambda s, d=depth: fio_run(s, d)))
+        contestants.append(("fio io_uring direct 8 MiB iodepth 32", lambda s: fio_run(s, 32, "8M")))
     else:
         notes.append("fio: not installed (apt-get install fio), skipped")
     contestants.append(("torch.save / torch.load", torch_io))
@@ -390,6 +408,8 @@ def main() -> None:
         for qd in (32, 128):
             contestants.append((f"deepspeed aio (qd{qd}, 1 MiB, locked)",
                                 lambda s, q=qd: peer("deepspeed", s, bs=1 << 20, qd=q, pinned=True)))
+        contestants.append(("deepspeed aio (qd32, 8 MiB, locked)",
+                            lambda s: peer("deepspeed", s, bs=8 << 20, qd=32, pinned=True)))
         contestants.append(("deepspeed aio (qd32, 1 MiB, plain)",
                             lambda s: peer("deepspeed", s, bs=1 << 20, qd=32, pinned=False)))
     elif peers is not None:
@@ -403,7 +423,9 @@ def main() -> None:
     try:
         for size in sizes:
             for rep in range(-1, args.reps):      # rep -1: warm-up, not recorded
-                for name, fn in contestants:
+                # each repetition starts one contestant later, so none always runs first
+                k = (rep + 1) % len(contestants)
+                for name, fn in contestants[k:] + contestants[:k]:
                     try:
                         w, r = fn(size)
                     except Exception as e:  # noqa: BLE001 - one contestant failing is reported
@@ -429,6 +451,31 @@ def main() -> None:
                 cells += [f"{statistics.median(ws):.2f}" if ws else "-",
                           f"{statistics.median(rs):.2f}" if rs else "-"]
             print(f"| {name} | " + " | ".join(cells) + " |")
+
+        if args.store_sweep:
+            cfgs = [tuple(int(x) for x in c.split("x")) for c in args.store_sweep.split(",")]
+            runs = [(f"NVMeStore qd{qd} x {mib} MiB",
+                     lambda sz, qd=qd, mib=mib: store(sz, qd, mib << 20, keep=True)) for qd, mib in cfgs]
+            runs.append(("probe: O_DIRECT pwrite/pread, 1 thread", probe))
+            for size in sizes:
+                res = {}
+                for rep in range(-1, args.reps):
+                    k = (rep + 1) % len(runs)
+                    for name, fn in runs[k:] + runs[:k]:
+                        w, r = fn(size)
+                        if rep >= 0:
+                            res.setdefault(name, ([], []))[0].append(w)
+                            res[name][1].append(r)
+                print(f"\n## NVMeStore queue depth x block size at {_fmt_size(size)} "
+                      f"(median of {args.reps}, interleaved, rotated; GB/s)")
+                print("| contestant | write | read |")
+                print("|---|---|---|")
+                for name, _ in runs:
+                    ws, rs = res[name]
+                    print(f"| {name} | {statistics.median(ws):.2f} | {statistics.median(rs):.2f} |")
+                for s_ in stores.values():
+                    s_.close()
+                stores.clear()
 
         if args.sweep:
             size = _parse_size(args.sweep_size)

@@ -112,8 +112,10 @@ class NVMeStore(StateStore):
         budget_bytes: RAM for the pipeline's host buffers (read-ahead, compute, write-behind);
             default 256 MiB. Nothing else of the states is held in RAM.
         queue_depth, block_size, io_threads: engine settings (requests in flight, bytes per
-            request, workers of the thread-pool engine). The default depth of 128 wrote
-            256 MiB of states at 2.64 GB/s here against 1.62 GB/s at depth 32.
+            request, workers of the thread-pool engine). The defaults, 32 blocks of 8 MiB
+            (256 MiB in flight), beat 128 blocks of 1 MiB here: 1 GiB of puts + ``sync`` at
+            3.59 against 2.97 GB/s, a cold pipeline read at 1.65 against 1.14 GB/s (medians of
+            6 interleaved rounds; the disk splits requests into 4 MiB).
         pinned: page-lock the host buffers (``cudaHostRegister`` with CUDA, else ``mlock``
             where permitted; ``stats()["buffer_kind"]`` says what was obtained).
         direct: ``None`` probes ``O_DIRECT`` (buffered with one warning where unsupported),
@@ -125,8 +127,8 @@ class NVMeStore(StateStore):
     alignment = _ALIGN
 
     def __init__(self, dir: Optional[str] = None, engine: Any = "auto", *,
-                 budget_bytes: Optional[int] = None, queue_depth: int = 128,
-                 block_size: int = 1 << 20, io_threads: int = 8, pinned: bool = True,
+                 budget_bytes: Optional[int] = None, queue_depth: int = 32,
+                 block_size: int = 8 << 20, io_threads: int = 8, pinned: bool = True,
                  direct: Optional[bool] = None, keep_files: bool = False):
         super().__init__(budget_bytes=budget_bytes)
         if self.budget_bytes < 4 * _ALIGN:
