@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 
 import pytest
 import torch
@@ -297,5 +298,45 @@ def test_states_written_in_order_are_saved_without_reading(tmp_path):
     assert store.stats()["bytes_read"] - before >= store.spec(k).nbytes
     assert verify_checkpoint(ck2) == []
     got = _ckpt_states(ck2)
+    assert all(torch.equal(got[key], expect[key]) for key in expect)
+    store.close()
+
+
+def test_background_checksums_follow_the_last_write(tmp_path, monkeypatch):
+    """Checksums are computed on a worker thread while writes go on. Slowed down here, so
+    that a state's first block is rewritten while the checksum of its previous, in-order
+    write is still being finished: the checkpoint must not carry that stale checksum (the
+    state is read back to hash it), and states written in order keep theirs."""
+    slow_chunk = ss.NVMeStore._hash_chunk
+
+    def slow(self, *args):
+        time.sleep(0.05)
+        return slow_chunk(self, *args)
+
+    monkeypatch.setattr(ss.NVMeStore, "_hash_chunk", slow)
+    # a ring large enough that no write waits for ring space (nor for an earlier hashing)
+    store = ss.NVMeStore(str(tmp_path / "store"), budget_bytes=4 << 20)
+    n = 5000
+    a, b = ss.StateKey("a", "exp_avg"), ss.StateKey("b", "exp_avg")
+    store.create_many([(a, (n,), torch.float32, None), (b, (n,), torch.float32, None)])
+    g = torch.Generator().manual_seed(0)
+
+    def write(units):
+        # mode "w" reads nothing; a write waits only for pending writes of its own blocks
+        with store.pipeline([[u] for u in units], mode="w", wait=False) as pipe:
+            for (t,) in pipe:
+                t.copy_(torch.randn(t.shape, generator=g))
+
+    write([Slice(a, 0, 4096), Slice(a, 4096, n)])
+    write([Slice(b, 0, 4096), Slice(b, 4096, n)])     # in order: its checksum is due ...
+    write([Slice(b, 0, 4096)])                         # ... when its first block changes
+    expect = _states(store)
+    before = store.stats()["bytes_read"]
+    ck = str(tmp_path / "ck")
+    store.save_checkpoint(ck)
+    read = store.stats()["bytes_read"] - before
+    assert store.spec(b).nbytes <= read < store.spec(a).nbytes + store.spec(b).nbytes
+    assert verify_checkpoint(ck) == []
+    got = _ckpt_states(ck)
     assert all(torch.equal(got[key], expect[key]) for key in expect)
     store.close()

@@ -22,9 +22,10 @@ from __future__ import annotations
 import atexit
 import errno
 import os
+import threading
 import uuid
 import weakref
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -81,6 +82,41 @@ def _done(value: int) -> Future:
     f: Future = Future()
     f.set_result(value)
     return f
+
+
+def _after(write: Future, other: Optional[Future]) -> Future:
+    """A future with ``write``'s outcome that completes once ``other`` has completed too (the
+    ring buffer of a write is reused only after its checksum job has read it)."""
+    if other is None:
+        return write
+    out: Future = Future()
+    left = [2]
+    lock = threading.Lock()
+
+    def one_done(_):
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        err = write.exception()
+        if err is not None:
+            out.set_exception(err)
+        else:
+            out.set_result(write.result())
+
+    write.add_done_callback(one_done)
+    other.add_done_callback(one_done)
+    return out
+
+
+class _Digest:
+    """An xxh3-64 in progress over one state written in order; ``ok`` turns False if a
+    chunk could not be hashed, and the digest is then never recorded."""
+    __slots__ = ("h", "ok")
+
+    def __init__(self):
+        self.h = xxhash.xxh3_64()
+        self.ok = True
 
 
 class _StateFile:
@@ -157,9 +193,13 @@ class NVMeStore(StateStore):
         self._nfiles = 0
         self._files: Dict[str, _StateFile] = {}
         self._where: Dict[StateKey, Tuple[_StateFile, int]] = {}   # key -> (file, data offset)
-        # xxh3-64 of states written in order since their last other write (_hash_written)
+        # xxh3-64 of states written in order since their last other write (_hash_written);
+        # the hashing itself runs on one worker thread, in submission order.
         self._digests: Dict[StateKey, str] = {}
-        self._hashing: Dict[StateKey, Tuple[Any, int]] = {}
+        self._hashing: Dict[StateKey, Tuple[_Digest, int]] = {}
+        self._finishing: Dict[StateKey, _Digest] = {}      # last chunk submitted, digest due
+        self._hash_lock = threading.Lock()
+        self._hash_pool: Optional[ThreadPoolExecutor] = None
         # States of a frozen file written in part since: key -> element ranges whose current
         # value is in the file's successor (the rest is still in the frozen file).
         self._cow: Dict[StateKey, List[List[int]]] = {}
@@ -242,8 +282,7 @@ class NVMeStore(StateStore):
         for k in keys:
             sf, _ = self._where.pop(k)
             self._cow.pop(k, None)
-            self._digests.pop(k, None)
-            self._hashing.pop(k, None)
+            self._forget_digest(k)
             self._leave(sf, k)
 
     def _leave(self, sf: _StateFile, k: StateKey) -> None:
@@ -311,7 +350,16 @@ class NVMeStore(StateStore):
         nbytes = s.numel * spec.itemsize
         if nbytes == 0:
             return _done(0)
-        self._hash_written(s, spec, src, nbytes)
+        hashed = self._hash_written(s, spec, src, nbytes)
+        try:
+            return _after(self._write_slice(s, spec, src, nbytes), hashed)
+        except BaseException:
+            if hashed is not None:
+                self._forget_digest(s.key)
+                hashed.result()     # the checksum job reads src: let it finish first
+            raise
+
+    def _write_slice(self, s: Slice, spec: StateSpec, src: torch.Tensor, nbytes: int) -> Future:
         sf, base = self._where[s.key]
         off = base + s.start * spec.itemsize
         end = off + nbytes
@@ -337,25 +385,55 @@ class NVMeStore(StateStore):
             return _done(nbytes)
         return self._engine.write(sf.file, self._bytes_view(src, n), off, n)
 
-    def _hash_written(self, s: Slice, spec: StateSpec, src: torch.Tensor, nbytes: int) -> None:
+    def _hash_written(self, s: Slice, spec: StateSpec, src: torch.Tensor,
+                      nbytes: int) -> Optional[Future]:
         """Checksum (the checkpoint's xxh3-64) of a state's bytes as they are written: a state
         written from its first to its last element in order (as every optimizer step, put and
         load does) gets its digest without the disk being read again; any other write order
-        forgets it (a save then reads the state to hash it)."""
+        forgets it (a save then reads the state to hash it). The hashing runs on a worker
+        thread while this thread goes on (it held the caller for as long as the copy into the
+        ring did); the returned future completes once it has read ``src``. Digests are
+        complete once :meth:`sync` returns, as every write is."""
         k = s.key
-        self._digests.pop(k, None)
-        if s.start == 0:
-            h = xxhash.xxh3_64()
-        else:
-            prev = self._hashing.pop(k, None)
-            if prev is None or prev[1] != s.start:
-                return
-            h = prev[0]
-        h.update(memoryview(self._bytes_view(src, nbytes).numpy()))
-        if s.stop == spec.numel:
-            self._digests[k] = h.hexdigest()
-        else:
-            self._hashing[k] = (h, s.stop)
+        with self._hash_lock:
+            self._digests.pop(k, None)
+            self._finishing.pop(k, None)
+            if s.start == 0:
+                self._hashing.pop(k, None)
+                d = _Digest()
+            else:
+                prev = self._hashing.pop(k, None)
+                if prev is None or prev[1] != s.start:
+                    return None
+                d = prev[0]
+            final = s.stop == spec.numel
+            if final:
+                self._finishing[k] = d
+            else:
+                self._hashing[k] = (d, s.stop)
+        if self._hash_pool is None:
+            self._hash_pool = ThreadPoolExecutor(1, thread_name_prefix="ss-hash")
+        view = memoryview(self._bytes_view(src, nbytes).numpy())
+        return self._hash_pool.submit(self._hash_chunk, k, d, view, final)
+
+    def _hash_chunk(self, k: StateKey, d: _Digest, view: memoryview, final: bool) -> None:
+        try:
+            if d.ok:
+                d.h.update(view)
+        except BaseException:
+            d.ok = False
+        if final:
+            with self._hash_lock:
+                if self._finishing.get(k) is d:
+                    del self._finishing[k]
+                    if d.ok:
+                        self._digests[k] = d.h.hexdigest()
+
+    def _forget_digest(self, k: StateKey) -> None:
+        with self._hash_lock:
+            self._digests.pop(k, None)
+            self._hashing.pop(k, None)
+            self._finishing.pop(k, None)
 
     # ------------------------------------------------------------------ copy-on-write
     def _successor(self, sf: _StateFile) -> _StateFile:
@@ -486,8 +564,13 @@ class NVMeStore(StateStore):
                 self._drop_file(sf, unlink=not self.keep_files)
             self._where.clear()
             self._cow.clear()
-            self._digests.clear()
-            self._hashing.clear()
+            if self._hash_pool is not None:
+                self._hash_pool.shutdown(wait=True)
+                self._hash_pool = None
+            with self._hash_lock:
+                self._digests.clear()
+                self._hashing.clear()
+                self._finishing.clear()
             self._buffer = None
             self._bounce = None
             self._copy_buf = None
@@ -521,8 +604,9 @@ class NVMeStore(StateStore):
                 continue
             rows = sorted(((k, self._where[k][1]) for k in sf.keys), key=lambda r: r[1])
             hashes = dict(sf.hashes)
-            hashes.update((k, self._digests[k]) for k in sf.keys
-                          if k in self._digests and k not in self._damaged)
+            with self._hash_lock:
+                hashes.update((k, self._digests[k]) for k in sf.keys
+                              if k in self._digests and k not in self._damaged)
             out.append(LinkableFile(rows, hashes, self._link_file(sf, hashes)))
         return out
 
