@@ -419,24 +419,34 @@ def main() -> None:
     elif peers is not None:
         notes.append(f"tensornvme: skipped ({peers.status.get('tensornvme')})")
 
+    def rounds(runs, size):
+        """Every contestant of ``runs`` once per repetition, after one unrecorded warm-up
+        round; each repetition starts one contestant later, so none always runs first.
+        Returns name -> ([write GB/s], [read GB/s]); a contestant that fails is noted."""
+        out = {}
+        for rep in range(-1, args.reps):
+            k = (rep + 1) % len(runs)
+            for name, fn in runs[k:] + runs[:k]:
+                try:
+                    w, r = fn(size)
+                except Exception as e:  # noqa: BLE001 - one contestant failing is reported
+                    notes.append(f"{name} at {_fmt_size(size)}: {type(e).__name__}: {e}")
+                    continue
+                if rep >= 0:
+                    ws, rs = out.setdefault(name, ([], []))
+                    ws.append(w)
+                    rs.append(r)
+            print(f"# {_fmt_size(size)} rep {rep + 1}/{args.reps} done", file=sys.stderr, flush=True)
+        return out
+
+    def med(xs):
+        return f"{statistics.median(xs):.2f}" if xs else "-"
+
     results = {}   # (name, size) -> ([w], [r])
     try:
         for size in sizes:
-            for rep in range(-1, args.reps):      # rep -1: warm-up, not recorded
-                # each repetition starts one contestant later, so none always runs first
-                k = (rep + 1) % len(contestants)
-                for name, fn in contestants[k:] + contestants[:k]:
-                    try:
-                        w, r = fn(size)
-                    except Exception as e:  # noqa: BLE001 - one contestant failing is reported
-                        notes.append(f"{name} at {_fmt_size(size)}: {type(e).__name__}: {e}")
-                        continue
-                    if rep < 0:
-                        continue
-                    ws, rs = results.setdefault((name, size), ([], []))
-                    ws.append(w)
-                    rs.append(r)
-                print(f"# {_fmt_size(size)} rep {rep + 1}/{args.reps} done", file=sys.stderr, flush=True)
+            for name, wr in rounds(contestants, size).items():
+                results[(name, size)] = wr
             for f in os.listdir(root):      # files of this size: the next size starts fresh
                 if f != "store":
                     _rm(os.path.join(root, f))
@@ -448,8 +458,7 @@ def main() -> None:
             cells = []
             for s in sizes:
                 ws, rs = results.get((name, s), ([], []))
-                cells += [f"{statistics.median(ws):.2f}" if ws else "-",
-                          f"{statistics.median(rs):.2f}" if rs else "-"]
+                cells += [med(ws), med(rs)]
             print(f"| {name} | " + " | ".join(cells) + " |")
 
         if args.store_sweep:
@@ -458,21 +467,14 @@ def main() -> None:
                      lambda sz, qd=qd, mib=mib: store(sz, qd, mib << 20, keep=True)) for qd, mib in cfgs]
             runs.append(("probe: O_DIRECT pwrite/pread, 1 thread", probe))
             for size in sizes:
-                res = {}
-                for rep in range(-1, args.reps):
-                    k = (rep + 1) % len(runs)
-                    for name, fn in runs[k:] + runs[:k]:
-                        w, r = fn(size)
-                        if rep >= 0:
-                            res.setdefault(name, ([], []))[0].append(w)
-                            res[name][1].append(r)
+                res = rounds(runs, size)
                 print(f"\n## NVMeStore queue depth x block size at {_fmt_size(size)} "
                       f"(median of {args.reps}, interleaved, rotated; GB/s)")
                 print("| contestant | write | read |")
                 print("|---|---|---|")
                 for name, _ in runs:
-                    ws, rs = res[name]
-                    print(f"| {name} | {statistics.median(ws):.2f} | {statistics.median(rs):.2f} |")
+                    ws, rs = res.get(name, ([], []))
+                    print(f"| {name} | {med(ws)} | {med(rs)} |")
                 for s_ in stores.values():
                     s_.close()
                 stores.clear()
