@@ -79,6 +79,12 @@ def _validate_hyper(lr, betas, eps, weight_decay) -> None:
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
 
 
+def _may_prefetch(store: StateStore) -> bool:
+    """Whether a step ends by starting the next step's reads on ``store``: disk stores,
+    unless ``STATESTORE_PREFETCH=0`` (for comparisons)."""
+    return not store.resident and os.environ.get("STATESTORE_PREFETCH", "1") != "0"
+
+
 class _StoreAdam(torch.optim.Optimizer):
     """Adam/AdamW over a state store. Use :class:`CPUAdam` or :class:`HybridAdam`.
 
@@ -598,7 +604,7 @@ class _StoreAdam(torch.optim.Optimizer):
         with store.pipeline(all_units, mode="rw", wait=False) as pipe:
             for tensors, (group, entries) in zip(pipe, meta):
                 self._update_unit(tensors, group, entries, grads, grad_scale, dev)
-        if not store.resident and os.environ.get("STATESTORE_PREFETCH", "1") != "0":
+        if _may_prefetch(store):
             # Start reading the next step's first units now (the same plan, as long as the
             # same parameters get gradients); gradient hooks pump more during backward.
             store.prefetch(all_units, mode="rw")
@@ -746,7 +752,7 @@ class _StoreAdam(torch.optim.Optimizer):
         self._next_plans = {}
         for store, items in work.items():
             self._next_plans[store] = self._plan(store, items, order)
-            if not store.resident and os.environ.get("STATESTORE_PREFETCH", "1") != "0":
+            if _may_prefetch(store):
                 store.prefetch(self._next_plans[store][0], mode="rw")
 
     def _update_unit(self, tensors: List[Tensor], group: dict, entries, grads, grad_scale,
