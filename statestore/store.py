@@ -33,6 +33,7 @@ from ._parquet_guard import MAX_NDIM
 from ._types import Slice, StateKey, StateSpec
 from .errors import (StateKeyError, StateStoreClosedError, StateStoreError, StateStoreIOError,
                      StateStoreValueError)
+from .kernels import stream_copy_
 from .pipeline import Pipeline, RingArena, unit_lists
 
 __all__ = ["StateStore", "DEFAULT_BUDGET_BYTES"]
@@ -325,10 +326,11 @@ class StateStore(ABC):
         chunks = self._chunks(spec)
         # Write-behind, as a step's: the value is copied into the ring before put returns;
         # a later read, sync(), a checkpoint or close() waits for the writes (and raises
-        # their errors), so consecutive puts keep the disk busy.
+        # their errors), so consecutive puts keep the disk busy. The copy uses streaming
+        # stores: the ring's bytes go to the disk, not back to this processor.
         with self.pipeline([[Slice(k, a, b)] for a, b in chunks], mode="w", wait=False) as pipe:
             for (a, b), (t,) in zip(chunks, pipe):
-                t.copy_(src[a:b])
+                stream_copy_(t, src[a:b])
 
     def _check_put(self, key, value) -> Tuple[StateKey, StateSpec]:
         """Validate :meth:`put`'s arguments; returns the key and its spec."""

@@ -415,3 +415,45 @@ def test_lowp_writeback_rounding_edges(simd, pdtype):
     run(K.adam_step, [case], step=1, lr=0.0, weight_decay=0.0, adamw_mode=True)
     assert torch.equal(case["master"], master)  # (== ignores the sign of zero, lr=0 may flip it)
     assert torch.equal(case["p"].view(torch.int16), case["master"].to(pdtype).view(torch.int16))
+
+
+# ---------------------------------------------------------------- stream_copy (ring fills)
+@needs_ext
+@pytest.mark.parametrize("simd", ALL_PATHS, indirect=True)
+@pytest.mark.parametrize("n", [0, 1, 31, 32, 33, 255, 256, 4096 + 7, 3 * 2 ** 20 + 5])
+@pytest.mark.parametrize("src_off,dst_off", [(0, 0), (1, 0), (0, 5), (3, 1)])
+def test_stream_copy_bytes(simd, n, src_off, dst_off):
+    """Every byte arrives and nothing around the destination is touched, whatever the
+    alignment of either end (the SIMD loop handles an unaligned head and a short tail)."""
+    gen = torch.Generator().manual_seed(n)
+    src = torch.randint(0, 256, (n + src_off,), dtype=torch.uint8, generator=gen)[src_off:]
+    buf = torch.zeros(n + dst_off + 64, dtype=torch.uint8)
+    ext.stream_copy(buf[dst_off:dst_off + n], src)
+    assert torch.equal(buf[dst_off:dst_off + n], src)
+    assert not buf[:dst_off].any() and not buf[dst_off + n:].any()
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_stream_copy_wrapper_matches_copy(dtype):
+    """stream_copy_ takes the streaming path for large same-dtype copies and falls back to
+    copy_ (with conversion) otherwise; the result is copy_'s either way."""
+    src = torch.randn(K._dispatch.STREAM_COPY_MIN_BYTES // 2 + 3).to(dtype)[1:]
+    for dst in (torch.empty_like(src), torch.empty(src.numel(), dtype=torch.float16),
+                torch.empty(src.numel() * 2, dtype=dtype)[::2]):
+        expect = dst.clone().copy_(src)
+        assert K.stream_copy_(dst, src) is dst
+        assert torch.equal(dst, expect)
+
+
+@needs_ext
+def test_stream_copy_rejects_mismatch():
+    a = torch.zeros(1 << 18)
+    with pytest.raises(RuntimeError, match="elements"):
+        ext.stream_copy(a[:10], a[20:31])
+    with pytest.raises(RuntimeError, match="does not convert"):
+        ext.stream_copy(a[:10].double(), a[20:30])
+    with pytest.raises(RuntimeError, match="overlap"):
+        ext.stream_copy(a[1:], a[:-1])
+    with pytest.raises(RuntimeError, match="contiguous"):
+        ext.stream_copy(a[:20:2], a[40:50])

@@ -57,6 +57,10 @@ struct Avx2Ops {
 
 STATESTORE_DEFINE_PROBE(avx2_probe)
 
+inline __m256i load256(const char* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline void stream256(char* p, __m256i x) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), x); }
+STATESTORE_DEFINE_STREAM_COPY(avx2_stream_copy, __m256i, 32, load256, stream256)
+
 void avx2_adam(const AdamTensorArgs& a, int64_t begin, int64_t end) {
   dispatch_adam_range<SimdAdam<Avx2Ops>>(a, begin, end);
 }
@@ -70,7 +74,7 @@ void avx2_adam(const AdamTensorArgs& a, int64_t begin, int64_t end) {
 namespace statestore {
 namespace cpu {
 const SimdKernels& avx2_kernels() {
-  static const SimdKernels k{"avx2", 256, &avx2_adam, &simd_finite, &avx2_probe};
+  static const SimdKernels k{"avx2", 256, &avx2_adam, &simd_finite, &avx2_probe, &avx2_stream_copy};
   return k;
 }
 }  // namespace cpu

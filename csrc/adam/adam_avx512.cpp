@@ -59,6 +59,10 @@ struct Avx512Ops {
 
 STATESTORE_DEFINE_PROBE(avx512_probe)
 
+inline __m512i load512(const char* p) { return _mm512_loadu_si512(p); }
+inline void stream512(char* p, __m512i x) { _mm512_stream_si512(reinterpret_cast<__m512i*>(p), x); }
+STATESTORE_DEFINE_STREAM_COPY(avx512_stream_copy, __m512i, 64, load512, stream512)
+
 void avx512_adam(const AdamTensorArgs& a, int64_t begin, int64_t end) {
   dispatch_adam_range<SimdAdam<Avx512Ops>>(a, begin, end);
 }
@@ -72,7 +76,7 @@ void avx512_adam(const AdamTensorArgs& a, int64_t begin, int64_t end) {
 namespace statestore {
 namespace cpu {
 const SimdKernels& avx512_kernels() {
-  static const SimdKernels k{"avx512", 512, &avx512_adam, &simd_finite, &avx512_probe};
+  static const SimdKernels k{"avx512", 512, &avx512_adam, &simd_finite, &avx512_probe, &avx512_stream_copy};
   return k;
 }
 }  // namespace cpu

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 #include "adam_math.h"
 
@@ -36,12 +37,19 @@ using FiniteRangeFn = bool (*)(const void* data, DType dtype, int64_t begin, int
 using ProbeRangeFn = void (*)(float* p, const float* g, float* m, float* v, int64_t begin,
                               int64_t end);
 
+// Copies n bytes with non-temporal (streaming) stores: for data headed to a device (a
+// store's ring buffer about to be written to disk), which the processor will not read again.
+// The destination bypasses the caches, so a copy moves 2n bytes over the memory bus instead
+// of 3n (no read-for-ownership), and leaves more of it to the disk's DMA that runs beside it.
+using StreamCopyFn = void (*)(void* dst, const void* src, int64_t n);
+
 struct SimdKernels {
   const char* name;   // "avx512", "avx2", "scalar"
   int width_bits;     // 512, 256, 32
   AdamRangeFn adam;
   FiniteRangeFn finite;
   ProbeRangeFn probe;
+  StreamCopyFn stream_copy;
 };
 
 // Software prefetch for the streaming loops: every 16 elements (one 64-byte line of fp32),
@@ -60,6 +68,35 @@ static inline void prefetch_ahead(const void* base, int64_t i, bool write) {
     __builtin_prefetch(q, 0, 3);
   }
 }
+
+// The streaming copy; instantiated by each SIMD file inside its target region. V is the
+// vector type of kVec bytes, LOAD(const char*) an unaligned load and STREAM(char*, V) a
+// non-temporal store to a kVec-aligned address. The destination's unaligned head and the tail
+// shorter than a vector go through memcpy.
+#define STATESTORE_DEFINE_STREAM_COPY(fn, V, kVec, LOAD, STREAM)                              \
+  void fn(void* dst, const void* src, int64_t n) {                                            \
+    char* d = static_cast<char*>(dst);                                                        \
+    const char* s = static_cast<const char*>(src);                                            \
+    int64_t head = static_cast<int64_t>((kVec - (reinterpret_cast<uintptr_t>(d) & (kVec - 1))) \
+                                        & (kVec - 1));                                        \
+    if (head > n) head = n;                                                                   \
+    std::memcpy(d, s, static_cast<size_t>(head));                                            \
+    d += head;                                                                                \
+    s += head;                                                                                \
+    n -= head;                                                                                \
+    int64_t i = 0;                                                                            \
+    for (; i + 4 * kVec <= n; i += 4 * kVec) {                                                \
+      const V a = LOAD(s + i), b = LOAD(s + i + kVec), c = LOAD(s + i + 2 * kVec),            \
+              e = LOAD(s + i + 3 * kVec);                                                     \
+      STREAM(d + i, a);                                                                       \
+      STREAM(d + i + kVec, b);                                                                \
+      STREAM(d + i + 2 * kVec, c);                                                            \
+      STREAM(d + i + 3 * kVec, e);                                                            \
+    }                                                                                         \
+    for (; i + kVec <= n; i += kVec) STREAM(d + i, LOAD(s + i));                              \
+    _mm_sfence(); /* streaming stores are weakly ordered: publish them before returning */    \
+    std::memcpy(d + i, s + i, static_cast<size_t>(n - i));                                    \
+  }
 
 // The probe loop; instantiated by each ISA file in its own anonymous namespace. It prefetches
 // as the Adam loop does, so the roofline is the best this code knows for 28 bytes an element.

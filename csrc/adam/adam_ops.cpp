@@ -267,6 +267,32 @@ void bandwidth_probe(const at::Tensor& p, const at::Tensor& g, const at::Tensor&
   });
 }
 
+// dst <- src, byte for byte, with the active path's streaming stores (stream_copy). For
+// buffers headed to a device; one thread, without the GIL: a copy into a store's ring runs
+// beside the disk's transfers, and a second thread took CPU from the I/O completions here
+// (benchmarks/nvme_io.py, docs/nvme.md "Copies into the ring").
+void stream_copy(const at::Tensor& dst, const at::Tensor& src) {
+  TORCH_CHECK(dst.device().is_cpu() && src.device().is_cpu(),
+              "stream_copy: dst and src must be CPU tensors, got ", dst.device(), " and ",
+              src.device());
+  TORCH_CHECK(dst.is_contiguous() && src.is_contiguous(),
+              "stream_copy: dst and src must be contiguous");
+  TORCH_CHECK(dst.scalar_type() == src.scalar_type(), "stream_copy: dst is ", dst.scalar_type(),
+              ", src is ", src.scalar_type(), "; the copy does not convert");
+  TORCH_CHECK(dst.numel() == src.numel(), "stream_copy: dst has ", dst.numel(),
+              " elements, src has ", src.numel());
+  const int64_t n = src.numel() * static_cast<int64_t>(src.element_size());
+  if (n == 0) return;
+  void* d = dst.data_ptr();
+  const void* s = src.data_ptr();
+  const auto db = reinterpret_cast<uintptr_t>(d), sb = reinterpret_cast<uintptr_t>(s);
+  TORCH_CHECK(db + static_cast<uintptr_t>(n) <= sb || sb + static_cast<uintptr_t>(n) <= db,
+              "stream_copy: dst and src overlap");
+  const SimdKernels& k = *active().load();
+  pybind11::gil_scoped_release nogil;
+  k.stream_copy(d, s, n);
+}
+
 }  // namespace
 }  // namespace cpu
 }  // namespace statestore
@@ -293,6 +319,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("simd", &statestore::cpu::simd_in_use, "(name, width in bits) of the CPU path in use");
   m.def("bandwidth_probe", &statestore::cpu::bandwidth_probe,
         "Roofline probe for benchmarks: p += g; m += g; v += g (28 bytes an element)");
+  m.def("stream_copy", &statestore::cpu::stream_copy, pybind11::arg("dst"), pybind11::arg("src"),
+        "dst <- src (contiguous CPU tensors of one dtype and size) with streaming stores");
   m.def("simd_supported", &statestore::cpu::simd_supported,
         "CPU paths this processor supports, widest first");
 #ifdef STATESTORE_WITH_CUDA

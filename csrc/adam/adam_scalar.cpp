@@ -14,6 +14,11 @@ struct ScalarAdam {
 
 STATESTORE_DEFINE_PROBE(scalar_probe)
 
+// No streaming stores without SIMD: a plain copy.
+void scalar_stream_copy(void* dst, const void* src, int64_t n) {
+  std::memcpy(dst, src, static_cast<size_t>(n));
+}
+
 void scalar_adam(const AdamTensorArgs& a, int64_t begin, int64_t end) {
   dispatch_adam_range<ScalarAdam>(a, begin, end);
 }
@@ -21,7 +26,7 @@ void scalar_adam(const AdamTensorArgs& a, int64_t begin, int64_t end) {
 }  // namespace
 
 const SimdKernels& scalar_kernels() {
-  static const SimdKernels k{"scalar", 32, &scalar_adam, &finite_range_scalar, &scalar_probe};
+  static const SimdKernels k{"scalar", 32, &scalar_adam, &finite_range_scalar, &scalar_probe, &scalar_stream_copy};
   return k;
 }
 

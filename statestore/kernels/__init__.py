@@ -2,11 +2,11 @@
 the vectorized torch reference as the fallback (see ``docs/kernels.md``).
 
 The optimizers call :func:`adam_step` and :func:`grads_finite` only; kernels never touch
-stores.
+stores. :func:`stream_copy_` is the copy stores use to fill a ring buffer bound for disk.
 """
 from __future__ import annotations
 
-from ._dispatch import _set_simd, adam_step, grads_finite, kernels_info
+from ._dispatch import _set_simd, adam_step, grads_finite, kernels_info, stream_copy_
 from ._reference import adam_step_reference
 
-__all__ = ["adam_step", "adam_step_reference", "grads_finite", "kernels_info"]
+__all__ = ["adam_step", "adam_step_reference", "grads_finite", "kernels_info", "stream_copy_"]

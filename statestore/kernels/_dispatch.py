@@ -25,7 +25,7 @@ from torch import Tensor
 
 from ._reference import adam_step_reference
 
-__all__ = ["adam_step", "grads_finite", "kernels_info", "_set_simd"]
+__all__ = ["adam_step", "grads_finite", "kernels_info", "stream_copy_", "_set_simd"]
 
 _SIMD_NAMES = ("avx512", "avx2", "scalar", "auto")
 _KERNEL_GRAD_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -320,3 +320,26 @@ def grads_finite(grads: Sequence[Tensor]) -> bool:
         flags = torch.stack([torch.isfinite(g).all() for g in other])
         return bool(flags.all())
     return True
+
+
+# Below this, the call's overhead outweighs what streaming stores save.
+STREAM_COPY_MIN_BYTES = 1 << 20
+
+
+def stream_copy_(dst: Tensor, src: Tensor) -> Tensor:
+    """``dst.copy_(src)`` for a host buffer headed to a device (a store's ring buffer about to
+    be written to disk): with the SIMD path's non-temporal stores, which leave the caches
+    alone and move 2 bytes over the memory bus per byte copied instead of 3. Falls back to
+    ``dst.copy_(src)`` (with its conversions and broadcasting) unless both are contiguous CPU
+    tensors of one dtype and size, at least ``STREAM_COPY_MIN_BYTES``, and the extension is
+    available. Returns ``dst``."""
+    ext = _load()
+    if (ext is not None and dst.dtype == src.dtype and dst.shape == src.shape
+            and dst.device.type == "cpu" and src.device.type == "cpu"
+            and dst.is_contiguous() and src.is_contiguous()
+            and not (src.is_conj() or src.is_neg())
+            and src.numel() * src.element_size() >= STREAM_COPY_MIN_BYTES):
+        ext.stream_copy(dst, src)
+    else:
+        dst.copy_(src)
+    return dst
