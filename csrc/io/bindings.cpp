@@ -21,18 +21,37 @@ using statestore::io::Queue;
 
 namespace {
 
-// Page-aligned anonymous memory returned to the OS on free (munmap), optionally mlock'ed.
+// Anonymous memory returned to the OS on free (munmap), optionally mlock'ed. Buffers of 2 MiB
+// or more are 2 MiB-aligned, rounded up to 2 MiB and marked MADV_HUGEPAGE (before anything
+// touches them): backed by transparent huge pages, each 2 MiB is physically contiguous, so a
+// direct-I/O request of several MiB is a handful of segments instead of one per 4 KiB page
+// (a virtio disk here takes 254 segments a request; a 1 GiB write from a freshly allocated
+// 4 KiB-page buffer ran at about half the speed of the same write from huge pages).
 // Returns (uint8 tensor, locked, note): note says why locking was not done.
 std::tuple<torch::Tensor, bool, std::string> alloc_aligned(int64_t nbytes, bool lock) {
   if (nbytes <= 0) throw std::invalid_argument("nbytes must be > 0, got " + std::to_string(nbytes));
-  const int64_t page = 4096;
-  int64_t len = (nbytes + page - 1) / page * page;
-  void* p = ::mmap(nullptr, static_cast<size_t>(len), PROT_READ | PROT_WRITE,
-                   MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (p == MAP_FAILED) {
+  const int64_t page = 4096, huge = int64_t(2) << 20;
+  const bool use_huge = nbytes >= huge;
+  const int64_t align = use_huge ? huge : page;
+  const int64_t len = (nbytes + align - 1) / align * align;
+  const int64_t maplen = use_huge ? len + huge : len;   // room to align the start
+  void* raw = ::mmap(nullptr, static_cast<size_t>(maplen), PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (raw == MAP_FAILED) {
     int e = errno;
     throw std::system_error(e, std::generic_category(),
                             "mmap of an aligned buffer of " + std::to_string(len) + " bytes");
+  }
+  char* p = static_cast<char*>(raw);
+  if (use_huge) {
+    const uintptr_t a = reinterpret_cast<uintptr_t>(raw);
+    char* start = reinterpret_cast<char*>((a + static_cast<uintptr_t>(huge) - 1) & ~static_cast<uintptr_t>(huge - 1));
+    const int64_t head = start - p, tail = maplen - head - len;
+    if (head > 0) ::munmap(p, static_cast<size_t>(head));
+    if (tail > 0) ::munmap(start + len, static_cast<size_t>(tail));
+    p = start;
+    // Advice only: where THP is off ("never") the buffer keeps 4 KiB pages and works the same.
+    (void)::madvise(p, static_cast<size_t>(len), MADV_HUGEPAGE);
   }
   bool locked = false;
   std::string note;

@@ -9,7 +9,11 @@
 * ``"plain"``: otherwise pageable memory; :attr:`AlignedBuffer.note` says why.
 
 The memory comes from an anonymous ``mmap`` and is returned to the OS when the last tensor
-viewing it is freed, so a freed buffer leaves nothing behind in RSS.
+viewing it is freed, so a freed buffer leaves nothing behind in RSS. Buffers of 2 MiB or more
+start on a 2 MiB boundary and are advised ``MADV_HUGEPAGE``: where transparent huge pages are
+allowed (``always`` or ``madvise``), each 2 MiB is physically contiguous and a direct-I/O
+request of several MiB needs a few scatter-gather segments instead of one per 4 KiB page
+(docs/nvme.md, "Huge-page buffers").
 """
 from __future__ import annotations
 
