@@ -13,8 +13,9 @@ once, in turn; tables report medians):
 * ``deepspeed-aio`` and ``tensornvme`` (DiskOffloader, write + fsync / cold read), when they
   import in ``benchmarks/.venv-peers`` (see ``docs/nvme.md``); run in a worker process there.
 
-Each repetition starts one contestant later than the last, so that none always runs first or
-after the same neighbour (figures here shift with what ran just before). Every write ends with
+Each repetition runs the contestants in a new random order (seeded, so runs are repeatable),
+so that none always runs first or after the same neighbour (figures here shift with what ran
+just before). Every write ends with
 fsync/fdatasync; every read is cold: the file's pages are dropped with
 ``posix_fadvise(DONTNEED)`` first. A first, unrecorded repetition lays out each contestant's
 file, so writes are measured overwriting an existing file, as a store does every step (and as
@@ -25,6 +26,7 @@ anew each time, as their APIs do. GB/s = 1e9 bytes per second.
     .venv/bin/python benchmarks/nvme_io.py --sizes 256M --reps 5 --sweep
     .venv/bin/python benchmarks/nvme_io.py --sizes 256M,1G --reps 6 --no-peers \
         --store-sweep 128x1,64x4,32x8,16x16            # the store's queue depth x block size
+    .venv/bin/python benchmarks/nvme_io.py --sizes 1G --only 'NVMeStore|deepspeed|probe'
 """
 from __future__ import annotations
 
@@ -32,6 +34,8 @@ import argparse
 import inspect
 import json
 import os
+import random
+import re
 import shutil
 import statistics
 import subprocess
@@ -213,6 +217,8 @@ def main() -> None:
     ap.add_argument("--store-sweep", default=None, metavar="QDxMiB,...",
                     help="also measure NVMeStore at these queue depths x block sizes at each "
                     "size, interleaved with the probe, e.g. 128x1,64x4,32x8,16x16")
+    ap.add_argument("--only", default=None, metavar="REGEX",
+                    help="run only the contestants whose name matches (re.search)")
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--peer-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -419,14 +425,19 @@ def main() -> None:
     elif peers is not None:
         notes.append(f"tensornvme: skipped ({peers.status.get('tensornvme')})")
 
+    if args.only:
+        contestants = [c for c in contestants if re.search(args.only, c[0])]
+
     def rounds(runs, size):
         """Every contestant of ``runs`` once per repetition, after one unrecorded warm-up
-        round; each repetition starts one contestant later, so none always runs first.
-        Returns name -> ([write GB/s], [read GB/s]); a contestant that fails is noted."""
+        round; each repetition in its own random order (seeded by size and repetition), so
+        none always runs first or after the same neighbour. Returns
+        name -> ([write GB/s], [read GB/s]); a contestant that fails is noted."""
         out = {}
         for rep in range(-1, args.reps):
-            k = (rep + 1) % len(runs)
-            for name, fn in runs[k:] + runs[:k]:
+            order = list(runs)
+            random.Random(size * 1000 + rep).shuffle(order)
+            for name, fn in order:
                 try:
                     w, r = fn(size)
                 except Exception as e:  # noqa: BLE001 - one contestant failing is reported
@@ -469,7 +480,7 @@ def main() -> None:
             for size in sizes:
                 res = rounds(runs, size)
                 print(f"\n## NVMeStore queue depth x block size at {_fmt_size(size)} "
-                      f"(median of {args.reps}, interleaved, rotated; GB/s)")
+                      f"(median of {args.reps}, interleaved, shuffled; GB/s)")
                 print("| contestant | write | read |")
                 print("|---|---|---|")
                 for name, _ in runs:
