@@ -22,6 +22,11 @@ file, so writes are measured overwriting an existing file, as a store does every
 fio does after laying out its file); torch.save, safetensors and TensorNVMe create their file
 anew each time, as their APIs do. GB/s = 1e9 bytes per second.
 
+A second table pairs NVMeStore with the best yardstick (probe, fio, DeepSpeed, TensorNVMe) of
+each repetition: the median of the per-repetition ratios, their range, and how many
+repetitions the store was at or above the best. The disk's slow swings move a whole
+repetition together and cancel in the ratio; the medians of the first table do not pair.
+
     .venv/bin/python benchmarks/nvme_io.py                       # 64 MiB .. 2 GiB, 3 reps
     .venv/bin/python benchmarks/nvme_io.py --sizes 256M --reps 5 --sweep
     .venv/bin/python benchmarks/nvme_io.py --sizes 256M,1G --reps 6 --no-peers \
@@ -205,6 +210,36 @@ class Peers:
 
 
 # ============================================================================ our contestants
+# The issue's yardsticks: the peers' engines, fio and the plain O_DIRECT probe (not statestore's
+# own engine rows, nor torch.save / safetensors, whose buffered reads ride the page cache).
+YARDSTICKS = ("probe", "fio", "deepspeed", "tensornvme")
+
+
+def print_paired(paired, store_name) -> None:
+    """NVMeStore against the best yardstick of the same repetition: per repetition the ratio
+    store / best, then the median of those ratios. Pairing within a repetition (all of whose
+    contestants ran within a minute or two) cancels the disk's slower swings, which move every
+    contestant of a repetition together."""
+    rows = []
+    for size, reps in paired.items():
+        cells = []
+        for i in (0, 1):
+            ratios = []
+            for rep in reps:
+                others = [v[i] for n, v in rep.items() if n.startswith(YARDSTICKS)]
+                if store_name in rep and others:
+                    ratios.append(rep[store_name][i] / max(others))
+            cells.append(f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}, "
+                         f"{sum(r >= 1 for r in ratios)}/{len(ratios)} >= 1)" if ratios else "-")
+        rows.append(f"| {_fmt_size(size)} | {cells[0]} | {cells[1]} |")
+    if rows:
+        print(f"\n## {store_name} / best of {', '.join(YARDSTICKS)} in the same repetition "
+              "(median of the repetitions' ratios, range, repetitions at or above 1)")
+        print("| size | write | read |")
+        print("|---|---|---|")
+        print("\n".join(rows))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="64M,256M,1G,2G")
@@ -400,6 +435,7 @@ def main() -> None:
     dflt = inspect.signature(ss.NVMeStore).parameters
     contestants.append((f"NVMeStore (defaults: budget 256 MiB, qd{dflt['queue_depth'].default} x "
                         f"{dflt['block_size'].default >> 20} MiB)", store))
+    store_name = contestants[-1][0]
     contestants.append(("probe: O_DIRECT pwrite/pread, 1 thread", probe))
     if fio:
         for depth in (8, 32):
@@ -428,15 +464,17 @@ def main() -> None:
     if args.only:
         contestants = [c for c in contestants if re.search(args.only, c[0])]
 
-    def rounds(runs, size):
+    def rounds(runs, size, per_rep=None):
         """Every contestant of ``runs`` once per repetition, after one unrecorded warm-up
         round; each repetition in its own random order (seeded by size and repetition), so
         none always runs first or after the same neighbour. Returns
-        name -> ([write GB/s], [read GB/s]); a contestant that fails is noted."""
+        name -> ([write GB/s], [read GB/s]); a contestant that fails is noted. ``per_rep``, a
+        list, receives one dict name -> (write, read) per repetition."""
         out = {}
         for rep in range(-1, args.reps):
             order = list(runs)
             random.Random(size * 1000 + rep).shuffle(order)
+            this = {}
             for name, fn in order:
                 try:
                     w, r = fn(size)
@@ -447,6 +485,9 @@ def main() -> None:
                     ws, rs = out.setdefault(name, ([], []))
                     ws.append(w)
                     rs.append(r)
+                    this[name] = (w, r)
+            if rep >= 0 and per_rep is not None:
+                per_rep.append(this)
             print(f"# {_fmt_size(size)} rep {rep + 1}/{args.reps} done", file=sys.stderr, flush=True)
         return out
 
@@ -454,9 +495,11 @@ def main() -> None:
         return f"{statistics.median(xs):.2f}" if xs else "-"
 
     results = {}   # (name, size) -> ([w], [r])
+    paired = {}    # size -> [{name: (w, r)} per repetition]
     try:
         for size in sizes:
-            for name, wr in rounds(contestants, size).items():
+            paired[size] = []
+            for name, wr in rounds(contestants, size, paired[size]).items():
                 results[(name, size)] = wr
             for f in os.listdir(root):      # files of this size: the next size starts fresh
                 if f != "store":
@@ -471,6 +514,7 @@ def main() -> None:
                 ws, rs = results.get((name, s), ([], []))
                 cells += [med(ws), med(rs)]
             print(f"| {name} | " + " | ".join(cells) + " |")
+        print_paired(paired, store_name)
 
         if args.store_sweep:
             cfgs = [tuple(int(x) for x in c.split("x")) for c in args.store_sweep.split(",")]
