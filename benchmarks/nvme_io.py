@@ -32,6 +32,8 @@ repetition together and cancel in the ratio; the medians of the first table do n
     .venv/bin/python benchmarks/nvme_io.py --sizes 256M,1G --reps 6 --no-peers \
         --store-sweep 128x1,64x4,32x8,16x16            # the store's queue depth x block size
     .venv/bin/python benchmarks/nvme_io.py --sizes 1G --only 'NVMeStore|deepspeed|probe'
+    .venv/bin/python benchmarks/nvme_io.py --sizes 1G --reps 5 --no-peers --only '^$' \
+        --offset-sweep 0,4,16,64,1024                    # unaligned data on this disk
 """
 from __future__ import annotations
 
@@ -252,6 +254,9 @@ def main() -> None:
     ap.add_argument("--store-sweep", default=None, metavar="QDxMiB,...",
                     help="also measure NVMeStore at these queue depths x block sizes at each "
                     "size, interleaved with the probe, e.g. 128x1,64x4,32x8,16x16")
+    ap.add_argument("--offset-sweep", default=None, metavar="KiB,...",
+                    help="also measure the probe with its data at these file offsets (KiB), "
+                    "each in its own file, interleaved: how the disk takes unaligned data")
     ap.add_argument("--only", default=None, metavar="REGEX",
                     help="run only the contestants whose name matches (re.search)")
     ap.add_argument("--no-peers", action="store_true")
@@ -344,10 +349,17 @@ def main() -> None:
                 for _ in pipe:
                     pass
             r = size / (time.perf_counter() - t0) / 1e9
+        stats = st.stats()
+        if stats["huge_page_bytes"] < stats["pinned_bytes"]:
+            note = (f"NVMeStore ring at {_fmt_size(size)}: {stats['huge_page_bytes'] >> 20} of "
+                    f"{stats['pinned_bytes'] >> 20} MiB on huge pages")
+            if note not in notes:
+                notes.append(note)
         return w, r
 
-    def probe(size):
-        path = os.path.join(root, "probe.bin")
+    def probe(size, at=0):
+        """``at``: file offset of the data (the offset sweep); the file is the probe's own."""
+        path = os.path.join(root, f"probe-{at}.bin" if at else "probe.bin")
         buf = buffer(size, False)
         mv = buf.tensor.numpy()
         chunk = 1 << 30
@@ -356,7 +368,7 @@ def main() -> None:
             t0 = time.perf_counter()
             done = 0
             while done < size:
-                done += os.pwrite(fd, mv[done:done + min(chunk, size - done)], done)
+                done += os.pwrite(fd, mv[done:done + min(chunk, size - done)], at + done)
             os.fdatasync(fd)
             w = size / (time.perf_counter() - t0) / 1e9
         finally:
@@ -367,7 +379,7 @@ def main() -> None:
             t0 = time.perf_counter()
             done = 0
             while done < size:
-                n = os.preadv(fd, [mv[done:done + min(chunk, size - done)]], done)
+                n = os.preadv(fd, [mv[done:done + min(chunk, size - done)]], at + done)
                 if n <= 0:
                     raise OSError("short read in probe")
                 done += n
@@ -533,6 +545,19 @@ def main() -> None:
                 for s_ in stores.values():
                     s_.close()
                 stores.clear()
+
+        if args.offset_sweep:
+            offs = [int(x) << 10 for x in args.offset_sweep.split(",")]
+            runs = [(f"probe, data at {o >> 10} KiB", lambda sz, o=o: probe(sz, o)) for o in offs]
+            for size in sizes:
+                res = rounds(runs, size)
+                print(f"\n## O_DIRECT probe by file offset of the data at {_fmt_size(size)} "
+                      f"(median of {args.reps}, interleaved, shuffled; GB/s)")
+                print("| contestant | write | read |")
+                print("|---|---|---|")
+                for name, _ in runs:
+                    ws, rs = res.get(name, ([], []))
+                    print(f"| {name} | {med(ws)} | {med(rs)} |")
 
         if args.sweep:
             size = _parse_size(args.sweep_size)

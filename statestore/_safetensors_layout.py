@@ -8,15 +8,16 @@ relative to the data start, contiguous, no holes) padded with spaces, then the d
 
 ``align`` pads the header so that data starts at a multiple of ``align`` bytes and, where
 ``pad_tensors`` is set, inserts ``__pad__/<n>`` U8 tensors so each tensor also starts at a
-multiple of ``align`` (direct I/O needs it). Stock ``safe_open`` reads such files; pad tensors
-are visible to it and ignored by statestore.
+multiple of ``align`` (direct I/O needs it), or of ``align_for(nbytes)`` when given (a
+multiple of ``align``: larger tensors may ask for coarser alignment). Stock ``safe_open``
+reads such files; pad tensors are visible to it and ignored by statestore.
 """
 from __future__ import annotations
 
 import json
 import struct
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -46,9 +47,11 @@ class Layout:
 
 
 def layout(tensors: Sequence[Tuple[str, torch.dtype, Sequence[int]]], align: int = 64,
-           pad_tensors: bool = False, metadata: Optional[Dict[str, str]] = None) -> Layout:
+           pad_tensors: bool = False, metadata: Optional[Dict[str, str]] = None,
+           align_for: Optional[Callable[[int], int]] = None) -> Layout:
     """Compute the header and tensor offsets of a safetensors file for ``tensors``
-    (``(name, dtype, shape)``, written in this order)."""
+    (``(name, dtype, shape)``, written in this order). With ``pad_tensors``, each tensor of
+    ``nbytes`` starts at a multiple of ``align_for(nbytes)`` (default: ``align``)."""
     header: Dict[str, object] = {}
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
@@ -69,8 +72,9 @@ def layout(tensors: Sequence[Tuple[str, torch.dtype, Sequence[int]]], align: int
             for d in shape_t:
                 n *= d
             nbytes = n * torch.empty((), dtype=dtype).element_size()
-            if pad_tensors and align > 1:
-                gap = (-(data_start_guess + pos)) % align
+            a = align_for(nbytes) if align_for is not None else align
+            if pad_tensors and a > 1:
+                gap = (-(data_start_guess + pos)) % a
                 if gap:
                     pname = f"{PAD_PREFIX}{npad}"
                     header_body[pname] = {"dtype": "U8", "shape": [gap],

@@ -624,7 +624,7 @@ def _read_states(store, keys: List[StateKey]):
             chunks = store._chunks(spec)
         else:
             item = spec.itemsize
-            align = max(1, store.alignment // item)
+            align = max(1, store.cut_alignment(store.unit_bytes) // item)
             step = max(align, (store.unit_bytes // item) // align * align)
             chunks = [(a, min(a + step, spec.numel)) for a in range(0, spec.numel, step)]
         units += [[Slice(k, a, b)] for a, b in chunks]

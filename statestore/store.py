@@ -101,6 +101,10 @@ class StateStore(ABC):
     resident: bool = True
     #: Byte alignment of buffer offsets and file offsets for non-resident stores.
     alignment: int = 1
+    #: Where callers cut a long state into pipeline slices: at multiples of this many bytes
+    #: (a multiple of :attr:`alignment`), so transfers start where the store aligned the
+    #: state's data (NVMeStore: 1 MiB; docs/nvme.md, "Alignment of the data").
+    transfer_alignment: int = 1
 
     def __init__(self, *, budget_bytes: Optional[int] = None):
         if budget_bytes is None:
@@ -353,8 +357,8 @@ class StateStore(ABC):
         the budget, and for non-resident stores at most ``CHUNK_BYTES``, so that copying one
         chunk overlaps the disk transfer of the previous (256 MiB of puts into an NVMeStore:
         3.7 GB/s with whole 64 MiB states as chunks, 5.0 GB/s with 16 MiB chunks, same run)."""
-        align = max(1, self.alignment // max(spec.itemsize, 1))
         limit = self.budget_bytes // 2 if self.resident else min(self.budget_bytes // 2, CHUNK_BYTES)
+        align = max(1, self.cut_alignment(limit) // max(spec.itemsize, 1))
         step = max(align, (limit // max(spec.itemsize, 1)) // align * align)
         if spec.numel == 0:
             return [(0, 0)]
@@ -409,6 +413,15 @@ class StateStore(ABC):
         p, self._prefetched = self._prefetched, None
         if p is not None:
             p[2]._abort()
+
+    def cut_alignment(self, max_bytes: Optional[int]) -> int:
+        """Bytes at whose multiples to cut a state into slices of at most ``max_bytes``:
+        :attr:`transfer_alignment`, halved while larger than ``max_bytes`` (small budgets),
+        never below :attr:`alignment`."""
+        a = max(self.transfer_alignment, self.alignment)
+        while max_bytes is not None and a > self.alignment and a > max_bytes and a % 2 == 0:
+            a //= 2
+        return a
 
     @property
     def unit_bytes(self) -> Optional[int]:

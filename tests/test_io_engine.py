@@ -306,3 +306,30 @@ def test_alloc_buffer_alignment(nbytes, pinned):
         t.fill_(7)
         assert int(t[0]) == 7 and int(t[-1]) == 7
         del b, t
+
+
+def _thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "unknown"
+
+
+def test_huge_bytes_reports_the_buffers_own_mapping():
+    """huge_bytes() counts only the buffer's own mapping: a small buffer (not advised) has
+    none under THP 'madvise'; a large advised one reports a whole number of 2 MiB pages, at
+    most its size (how many the kernel gave depends on free memory)."""
+    import statestore.io.buffers as B
+    if B.native is None:
+        pytest.skip("statestore._C_io not built")
+    big = alloc_buffer(16 << 20, pinned=False)
+    big.tensor.fill_(1)
+    small = alloc_buffer(1 << 20, pinned=False)
+    small.tensor.fill_(1)
+    h = big.huge_bytes()
+    assert 0 <= h <= big.nbytes and h % (2 << 20) == 0
+    if _thp_mode() == "madvise":
+        assert small.huge_bytes() == 0
+    if _thp_mode() == "never":
+        assert h == 0

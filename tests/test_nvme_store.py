@@ -94,6 +94,7 @@ def test_training_bit_exact_vs_ram_with_states_from_disk(d, engine):
         st = store.stats()
         assert st["direct"] is True and st["engine"] == engine
         assert st["bytes_read"] >= 2 * st["nbytes"]  # steps 2 and 3 read every state
+        assert 0 <= st["huge_page_bytes"] <= st["buffer_bytes"]
         sd = opt.state_dict()
     for a, b in zip(ref, got):
         assert torch.equal(a, b)
@@ -167,6 +168,54 @@ def test_files_are_valid_safetensors_with_aligned_tensors(d):
         for k in vals:
             p, off, nbytes = store.location(k)
             assert p == path and off % 4096 == 0
+
+
+def test_larger_states_start_at_coarser_alignment(d):
+    """A state's data starts at the largest power of two <= 1/32 of its bytes (4 KiB .. 1 MiB):
+    disks take data written in requests aligned to their own granularity faster."""
+    sizes = {"s/m": 1000, "m/m": 600_000, "l/m": 9 << 18, "xl/m": 10 << 20}   # elements
+    want = {"s/m": 4096, "m/m": 64 << 10, "l/m": 256 << 10, "xl/m": 1 << 20}
+    with ss.NVMeStore(d, budget_bytes=SMALL_BUDGET) as store:
+        vals = {k: torch.randn(n) for k, n in sizes.items()}
+        store.create_many([(k, v.shape, v.dtype, v) for k, v in vals.items()])
+        store.sync()
+        (path,) = store.files()
+        for k, v in vals.items():
+            _, off, nbytes = store.location(k)
+            assert off % want[k] == 0 and nbytes == v.numel() * 4, (k, off)
+        data = sum(v.numel() * 4 for v in vals.values())
+        assert os.path.getsize(path) <= data * (1 + 1 / 32) + 3 * 4096 + (1 << 20)
+        with safe_open(path, framework="pt") as f:
+            for k, v in vals.items():
+                assert torch.equal(f.get_tensor(k), v)
+
+
+def test_optimizer_cuts_long_states_at_the_transfer_alignment(d):
+    """Units of a state longer than a unit start at multiples of cut_alignment, so every
+    transfer starts where the store aligned the data."""
+    assert ss.NVMeStore.transfer_alignment == 1 << 20
+    with ss.NVMeStore(d) as store:
+        assert store.cut_alignment(store.unit_bytes // 4) == 1 << 20
+        assert store.cut_alignment(12 << 10) == 8 << 10
+        assert store.cut_alignment(100) == 4096           # never below the direct-I/O alignment
+    assert ss.DeviceStore("cpu").cut_alignment(1 << 20) == 1
+    with ss.NVMeStore(d, budget_bytes=10 << 20) as store:    # a state's share: 1.25 MiB
+        p = torch.nn.Parameter(torch.randn(1 << 20))
+        opt = CPUAdam([p], state_store=store)
+        seen = []
+        real = store.pipeline
+
+        def spy(units, *a, **kw):
+            seen.extend(s for u in units for s in u)
+            return real(units, *a, **kw)
+
+        store.pipeline = spy
+        p.grad = torch.randn_like(p)
+        opt.step()
+        cut = store.cut_alignment(store.unit_bytes // 4)
+        assert cut == 512 << 10
+        starts = sorted({s.start for s in seen})
+        assert len(starts) > 2 and all(a * 4 % cut == 0 for a in starts), starts
 
 
 def test_unaligned_slice_end_inside_a_state_keeps_neighbours(d):

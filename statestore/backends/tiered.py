@@ -83,6 +83,7 @@ class TieredStore(StateStore):
                                            f"{str(e).splitlines()[0]}") from None
         self.resident = all(s.resident and s.device == self._device for s in self.tiers)
         self.alignment = max(s.alignment for s in self.tiers)
+        self.transfer_alignment = max(s.transfer_alignment for s in self.tiers)
         self._tier_of_param: Dict[str, int] = {}
         self._tier_bytes = [0] * len(self.tiers)
 

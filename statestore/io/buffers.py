@@ -57,6 +57,26 @@ class AlignedBuffer:
     def data_ptr(self) -> int:
         return self.tensor.data_ptr()
 
+    def huge_bytes(self) -> int:
+        """Bytes of the buffer backed by transparent huge pages now (``AnonHugePages`` of
+        its mapping in ``/proc/self/smaps``; 0 where that cannot be read)."""
+        lo = self.tensor.data_ptr()
+        hi = lo + self.nbytes
+        total = 0
+        try:
+            with open("/proc/self/smaps") as f:
+                inside = False
+                for line in f:
+                    head = line.split(None, 1)[0]
+                    if "-" in head and not head.endswith(":"):
+                        a, b = (int(x, 16) for x in head.split("-"))
+                        inside = a < hi and lo < b
+                    elif inside and head == "AnonHugePages:":
+                        total += int(line.split()[1]) * 1024
+        except (OSError, ValueError):
+            return 0
+        return min(total, self.nbytes)
+
     def view(self, dtype: torch.dtype, numel: int, byte_offset: int = 0) -> torch.Tensor:
         """A ``dtype`` tensor of ``numel`` elements starting ``byte_offset`` bytes in."""
         size = numel * torch.empty((), dtype=dtype).element_size()

@@ -581,7 +581,8 @@ class _StoreAdam(torch.optim.Optimizer):
         parameter's gradient in the last backward), units come in the order backward
         finishes their gradients."""
         planned: List[Tuple[int, List[Slice], Tuple[dict, list]]] = []
-        align = max(1, store.alignment // 4)
+        # Cut points where the store aligned the states' data (a unit holds up to 4 states).
+        align = max(1, store.cut_alignment(store.unit_bytes and store.unit_bytes // 4) // 4)
         last = len(order) if order else 0
         for group, ps in items:
             if order:
