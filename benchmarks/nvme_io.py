@@ -273,6 +273,8 @@ def main() -> None:
     ap.add_argument("--only", default=None, metavar="REGEX",
                     help="run only the contestants whose name matches (re.search)")
     ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--json", default=None, metavar="PATH", help="also write every repetition's "
+                    "figures, in the order the contestants ran, to PATH")
     ap.add_argument("--peer-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.peer_worker:
@@ -540,6 +542,9 @@ def main() -> None:
                 cells += [med(ws), med(rs)]
             print(f"| {name} | " + " | ".join(cells) + " |")
         print_paired(paired, store_name, results)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({_fmt_size(s): reps for s, reps in paired.items()}, f, indent=1)
 
         if args.store_sweep:
             cfgs = [tuple(int(x) for x in c.split("x")) for c in args.store_sweep.split(",")]

@@ -157,9 +157,12 @@ class IOFile:
         self._allocated = size
 
     def fsync(self) -> None:
+        """Makes the data written so far durable: ``fdatasync``, which flushes the data and
+        the metadata needed to read it back (extents, size), not the timestamps a plain
+        ``fsync`` would also commit to the journal after every direct write."""
         self._check_open()
         try:
-            os.fsync(self.fd)
+            os.fdatasync(self.fd)
         except OSError as e:
             raise StateStoreIOError(e.errno, f"fsync of '{self.path}' failed: {e.strerror}",
                                     self.path) from e
