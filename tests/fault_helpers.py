@@ -642,9 +642,9 @@ def job_kill_in_step(engine: str, root: str, marker: str) -> None:
     submit = store._submit_write
     calls = [0]
 
-    def submit_then_hang(s, src):
+    def submit_then_hang(s, src, **kw):
         calls[0] += 1
-        fut = submit(s, src)
+        fut = submit(s, src, **kw)
         if calls[0] == 5:                       # mid-step: writes in flight, units unwritten
             open(marker, "w").close()
             while True:
