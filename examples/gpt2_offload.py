@@ -36,6 +36,18 @@ def _rss() -> int:
     return 0
 
 
+def _trimmed_rss() -> int:
+    """RSS after glibc's ``malloc_trim(0)`` gives freed heap memory back to the OS: what the
+    process holds live, without the allocator's retention of freed activations (which moves
+    the plain RSS by a few hundred MB from run to run here). 0 where glibc is absent."""
+    import ctypes
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        return 0
+    return _rss()
+
+
 def _cached() -> int:
     with open("/proc/meminfo") as f:
         for line in f:
@@ -102,17 +114,21 @@ def train(fraction: float, steps: int, directory: str, in_backward: bool = False
     print(f"{what}")
     print(f"Model numel: {numel / 1024 ** 3:.3f} B")
     cached0 = _cached()
-    step_times = []
+    step_times, phases = [], []
     start = time.time()
     for step in range(steps):
         t0 = time.perf_counter()
         ids = torch.randint(vocab, (4, 128))
         logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
         loss = loss_fn(logits[..., :-1, :].reshape(-1, logits.shape[-1]), ids[..., 1:].reshape(-1))
+        t1 = time.perf_counter()
         loss.backward()
+        t2 = time.perf_counter()
         opt.step()
         opt.zero_grad()
-        step_times.append(time.perf_counter() - t0)
+        t3 = time.perf_counter()
+        step_times.append(t3 - t0)
+        phases.append((t1 - t0, t2 - t1, t3 - t2))
         print(f"[{step}] loss: {loss.item():.3f}")
     for st in getattr(opt, "_owned_stores", []):   # the last write-behind counts
         st.sync()
@@ -120,8 +136,8 @@ def train(fraction: float, steps: int, directory: str, in_backward: bool = False
     rss = _rss()
     print(f"Time: {total:.3f} s")
     print(f"Mem usage: {rss / 1024 ** 2:.3f} MB")
-    return {"time": total, "rss": rss, "numel": numel, "steps": step_times,
-            "cache_growth": _cached() - cached0}
+    return {"time": total, "rss": rss, "rss_trimmed": _trimmed_rss(), "numel": numel,
+            "steps": step_times, "phases": phases, "cache_growth": _cached() - cached0}
 
 
 def main() -> None:
@@ -163,17 +179,24 @@ def main() -> None:
     if not runs:
         return
     med = statistics.median
+    def later(r, key):      # the steps after the first (or the only one)
+        return r[key][1:] or r[key]
+
     results = {name: {"time": med(r["time"] for r in rs), "rss": med(r["rss"] for r in rs),
+                      "rss_trimmed": med(r["rss_trimmed"] for r in rs),
                       "cache_growth": med(r["cache_growth"] for r in rs),
-                      "step": med(t for r in rs for t in (r["steps"][1:] or r["steps"])),
+                      "step": med(t for r in rs for t in later(r, "steps")),
+                      "phases": [med(p[i] for r in rs for p in later(r, "phases")) for i in range(3)],
                       "numel": rs[0]["numel"]} for name, rs in runs.items()}
     n = next(iter(results.values()))["numel"]
     print(f"\n| nvme_offload_fraction | time, {args.steps} steps (s) | median step after the first (s) "
-          f"| RSS (MB) | page cache grown (MB) |")
-    print("|---|---|---|---|---|")
+          f"| forward / backward / step() (s) | RSS (MB) | RSS after malloc_trim (MB) "
+          f"| page cache grown (MB) |")
+    print("|---|---|---|---|---|---|---|")
     for f, r in results.items():
-        print(f"| {f} | {r['time']:.3f} | {r['step']:.3f} | {r['rss'] / 2**20:.1f} | "
-              f"{r['cache_growth'] / 2**20:.1f} |")
+        ph = " / ".join(f"{x:.2f}" for x in r["phases"])
+        print(f"| {f} | {r['time']:.3f} | {r['step']:.3f} | {ph} | {r['rss'] / 2**20:.1f} | "
+              f"{r['rss_trimmed'] / 2**20:.1f} | {r['cache_growth'] / 2**20:.1f} |")
     if args.rounds > 1:
         print(f"(medians over {args.rounds} interleaved rounds)")
     if "0.0" in results:
@@ -184,9 +207,11 @@ def main() -> None:
                 continue
             sb = b["step"]
             saved = a["rss"] - b["rss"]
+            trimmed = a["rss_trimmed"] - b["rss_trimmed"]
             print(f"\nfull offload ({name}): step x{sb / sa:.2f} of no offload; RSS saved "
                   f"{saved / 2**20:.0f} MB = {saved / (8 * n) * 100:.0f}% of the states' 8N = "
-                  f"{8 * n / 2**20:.0f} MB")
+                  f"{8 * n / 2**20:.0f} MB (after malloc_trim: {trimmed / 2**20:.0f} MB = "
+                  f"{trimmed / (8 * n) * 100:.0f}%)")
         print(f"files left in the offload dir: {len(left)}")
 
 
