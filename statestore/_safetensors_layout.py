@@ -71,7 +71,7 @@ def layout(tensors: Sequence[Tuple[str, torch.dtype, Sequence[int]]], align: int
             n = 1
             for d in shape_t:
                 n *= d
-            nbytes = n * torch.empty((), dtype=dtype).element_size()
+            nbytes = n * dtype.itemsize
             a = align_for(nbytes) if align_for is not None else align
             if pad_tensors and a > 1:
                 gap = (-(data_start_guess + pos)) % a

@@ -79,7 +79,7 @@ class AlignedBuffer:
 
     def view(self, dtype: torch.dtype, numel: int, byte_offset: int = 0) -> torch.Tensor:
         """A ``dtype`` tensor of ``numel`` elements starting ``byte_offset`` bytes in."""
-        size = numel * torch.empty((), dtype=dtype).element_size()
+        size = numel * dtype.itemsize
         if byte_offset < 0 or byte_offset + size > self.nbytes:
             raise StateStoreValueError(
                 f"view of {size} bytes at byte_offset {byte_offset} exceeds the buffer's "
