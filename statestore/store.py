@@ -150,9 +150,10 @@ class StateStore(ABC):
     def _submit_write(self, s: Slice, src: torch.Tensor, *, in_caller: bool = False):
         """Non-resident stores: start writing ``src`` to slice ``s``; returns a Future.
         ``src`` stays untouched until the Future completes. ``in_caller``: the caller
-        computes between writes (an optimizer pass, mode ``"rw"``), so any extra work of the
-        write (NVMeStore: its checksum) is done in this thread once the write is submitted,
-        not on a helper thread that would take a core from the caller's compute threads."""
+        computes between writes (an optimizer pass, mode ``"rw"``), so the write does no extra
+        work in the caller's time or on a helper thread that would take a core from its
+        compute threads (NVMeStore: no checksum; a save reads the state back to hash it).
+        """
         raise NotImplementedError
 
     def _alloc_host_buffer(self, nbytes: int) -> torch.Tensor:

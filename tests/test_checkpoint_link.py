@@ -271,38 +271,56 @@ def test_removed_state_file_is_copied_not_linked(tmp_path):
     store.close()
 
 
-def test_states_written_in_order_are_saved_without_reading(tmp_path):
-    """The store hashes each state as a step writes it from first to last element, so a
-    linked save after a step reads nothing from disk; a state written out of order is read
-    back to hash it; either way the checksums are right (verify_checkpoint)."""
+def test_saves_hash_what_steps_wrote_and_remember_what_puts_hashed(tmp_path):
+    """An optimizer pass writes without hashing (nothing beside the step's compute): the first
+    linked save after a step reads each state back once to checksum it, on this thread, and
+    a save right after reads nothing. A state put from its first to its last element is
+    hashed as it is written, so a save reads nothing for it; a state written out of order is
+    read back. Either way the checksums are right (verify_checkpoint) and the states exact."""
     named = _params()
     store = _store("nvme", tmp_path)
     opt = CPUAdam(named, lr=1e-2, state_store=store)
     threads = set(threading.enumerate())
     _train(opt, named, 0, 2)
     store.sync()
-    # an optimizer pass hashes in its own thread (no helper competing with its compute)
     assert not [t for t in set(threading.enumerate()) - threads if t.name.startswith("ss-hash")]
+    total = sum(store.spec(k).nbytes for k in store.keys())
     before = store.stats()["bytes_read"]
     ck = str(tmp_path / "ck")
     store.save_checkpoint(ck)
-    assert store.stats()["bytes_read"] == before
+    read = store.stats()["bytes_read"] - before
+    assert total <= read < total + len(store.keys()) * 4096   # each state once (whole blocks)
     assert verify_checkpoint(ck) == []
-    # Out of order: the second half of a state, then its first half.
+    before = store.stats()["bytes_read"]
+    store.save_checkpoint(str(tmp_path / "ck1"))
+    assert store.stats()["bytes_read"] == before
+    assert verify_checkpoint(str(tmp_path / "ck1")) == []
+    # Puts in order: hashed as written, saved without reading.
     k = ss.StateKey("emb", "exp_avg")
-    n = store.spec(k).numel
-    half = 4096
-    with store.pipeline([[Slice(k, half, n)], [Slice(k, 0, half)]], mode="rw") as pipe:
-        for (t,) in pipe:
-            t.add_(1.0)
-    expect = _states(store)
+    for key in store.keys():
+        store.put(key, torch.randn(store.spec(key).shape))
     before = store.stats()["bytes_read"]
     ck2 = str(tmp_path / "ck2")
     store.save_checkpoint(ck2)
-    assert store.stats()["bytes_read"] - before >= store.spec(k).nbytes
+    assert store.stats()["bytes_read"] == before
     assert verify_checkpoint(ck2) == []
-    got = _ckpt_states(ck2)
+    # Out of order: the second half of a state, then its first half.
+    n = store.spec(k).numel
+    half = 4096
+    with store.pipeline([[Slice(k, half, n)], [Slice(k, 0, half)]], mode="w") as pipe:
+        for (t,) in pipe:
+            t.fill_(3.0)
+    expect = _states(store)
+    before = store.stats()["bytes_read"]
+    ck3 = str(tmp_path / "ck3")
+    store.save_checkpoint(ck3)
+    read = store.stats()["bytes_read"] - before
+    assert store.spec(k).nbytes <= read < 2 * store.spec(k).nbytes
+    assert verify_checkpoint(ck3) == []
+    got = _ckpt_states(ck3)
     assert all(torch.equal(got[key], expect[key]) for key in expect)
+    for path in (ck, ck2):
+        assert verify_checkpoint(path) == []
     store.close()
 
 

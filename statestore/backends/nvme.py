@@ -209,7 +209,7 @@ class NVMeStore(StateStore):
         self._nfiles = 0
         self._files: Dict[str, _StateFile] = {}
         self._where: Dict[StateKey, Tuple[_StateFile, int]] = {}   # key -> (file, data offset)
-        # xxh3-64 of states written in order since their last other write (_hash_written);
+        # xxh3-64 of states put or loaded in order since their last other write (_hash_written);
         # the hashing itself runs on one worker thread, in submission order.
         self._digests: Dict[StateKey, str] = {}
         self._hashing: Dict[StateKey, Tuple[_Digest, int]] = {}
@@ -367,17 +367,12 @@ class NVMeStore(StateStore):
         if nbytes == 0:
             return _done(0)
         if in_caller:
-            # An optimizer pass: the caller's threads compute, and on few cores a hashing
-            # thread beside them stalls them all (GPT-2 example, update_in_backward:
-            # backward 2.39 -> 2.32 s, step 3.78 -> 3.66 s with the hash here). The disk
-            # writes while this thread hashes.
-            try:
-                fut = self._write_slice(s, spec, src, nbytes)
-            except BaseException:
-                self._forget_digest(s.key)
-                raise
-            self._hash_written(s, spec, src, nbytes, inline=True)
-            return fut
+            # An optimizer pass: its threads compute between writes, and on few cores any
+            # work added here comes out of the training step (hashing 1 GB a step of the
+            # GPT-2 example took 0.05 s of backward's hooks). No checksum: a save that links
+            # the file reads the state back from disk to hash it (docs/nvme.md).
+            self._forget_digest(s.key)
+            return self._write_slice(s, spec, src, nbytes)
         hashed = self._hash_written(s, spec, src, nbytes)
         try:
             return _after(self._write_slice(s, spec, src, nbytes), hashed)
@@ -414,14 +409,15 @@ class NVMeStore(StateStore):
         return self._engine.write(sf.file, self._bytes_view(src, n), off, n)
 
     def _hash_written(self, s: Slice, spec: StateSpec, src: torch.Tensor,
-                      nbytes: int, inline: bool = False) -> Optional[Future]:
-        """Checksum (the checkpoint's xxh3-64) of a state's bytes as they are written: a state
-        written from its first to its last element in order (as every optimizer step, put and
-        load does) gets its digest without the disk being read again; any other write order
-        forgets it (a save then reads the state to hash it). The hashing runs on a worker
-        thread while this thread goes on (it held the caller for as long as the copy into the
-        ring did), or here with ``inline``; the returned future completes once it has read
-        ``src``. Digests are complete once :meth:`sync` returns, as every write is."""
+                      nbytes: int) -> Optional[Future]:
+        """Checksum (the checkpoint's xxh3-64) of a state's bytes as they are written by puts
+        and loads: a state written from its first to its last element in order (as every put
+        and checkpoint load does) gets its digest without the disk being read again; any
+        other write order, and any optimizer pass, forgets it (a save then reads the state to
+        hash it). The hashing runs on a worker thread while this thread goes on (it held the
+        caller for as long as the copy into the ring did); the returned future completes once
+        it has read ``src``. Digests are complete once :meth:`sync` returns, as every write
+        is."""
         k = s.key
         with self._hash_lock:
             self._digests.pop(k, None)
@@ -440,9 +436,6 @@ class NVMeStore(StateStore):
             else:
                 self._hashing[k] = (d, s.stop)
         view = memoryview(self._bytes_view(src, nbytes).numpy())
-        if inline:
-            self._hash_chunk(k, d, view, final)
-            return _done(0)
         if self._hash_pool is None:
             self._hash_pool = ThreadPoolExecutor(1, thread_name_prefix="ss-hash")
         return self._hash_pool.submit(self._hash_chunk, k, d, view, final)
