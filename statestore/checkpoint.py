@@ -620,13 +620,7 @@ def _read_states(store, keys: List[StateKey]):
         spec = store.spec(k)
         if spec.nbytes == 0:
             continue
-        if store.resident:
-            chunks = store._chunks(spec)
-        else:
-            item = spec.itemsize
-            align = max(1, store.cut_alignment(store.unit_bytes) // item)
-            step = max(align, (store.unit_bytes // item) // align * align)
-            chunks = [(a, min(a + step, spec.numel)) for a in range(0, spec.numel, step)]
+        chunks = store._chunks(spec, None if store.resident else store.unit_bytes)
         units += [[Slice(k, a, b)] for a, b in chunks]
     if not units:
         return

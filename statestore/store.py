@@ -356,12 +356,16 @@ class StateStore(ABC):
                                        f"expected {spec.shape}")
         return k, spec
 
-    def _chunks(self, spec: StateSpec) -> List[Tuple[int, int]]:
-        """Element ranges ``get``/``put`` and checkpoint loads move ``spec``'s state in: half
-        the budget, and for non-resident stores at most ``CHUNK_BYTES``, so that copying one
-        chunk overlaps the disk transfer of the previous (256 MiB of puts into an NVMeStore:
-        3.7 GB/s with whole 64 MiB states as chunks, 5.0 GB/s with 16 MiB chunks, same run)."""
-        limit = self.budget_bytes // 2 if self.resident else min(self.budget_bytes // 2, CHUNK_BYTES)
+    def _chunks(self, spec: StateSpec, limit: Optional[int] = None) -> List[Tuple[int, int]]:
+        """Element ranges of at most ``limit`` bytes, cut at :meth:`cut_alignment`, that
+        ``get``/``put``, checkpoint loads (default ``limit``) and saves move ``spec``'s state
+        in. The default is half the budget, and for non-resident stores at most
+        ``CHUNK_BYTES``, so that copying one chunk overlaps the disk transfer of the previous
+        (256 MiB of puts into an NVMeStore: 3.7 GB/s with whole 64 MiB states as chunks,
+        5.0 GB/s with 16 MiB chunks, same run)."""
+        if limit is None:
+            limit = (self.budget_bytes // 2 if self.resident
+                     else min(self.budget_bytes // 2, CHUNK_BYTES))
         align = max(1, self.cut_alignment(limit) // max(spec.itemsize, 1))
         step = max(align, (limit // max(spec.itemsize, 1)) // align * align)
         if spec.numel == 0:

@@ -220,11 +220,14 @@ class TieredStore(StateStore):
         for s in getattr(self, "tiers", ()):
             s.cancel_prefetch()
 
-    def _chunks(self, spec: StateSpec) -> List[Tuple[int, int]]:
-        # Chunks every tier's pipeline can take: cut by the smallest disk tier's budget.
+    def _chunks(self, spec: StateSpec, limit: Optional[int] = None) -> List[Tuple[int, int]]:
+        # By default, chunks every tier's pipeline can take: cut by the smallest disk tier's
+        # budget.
         tier = min((s for s in self.tiers if not s.resident), key=lambda s: s.budget_bytes,
                    default=None)
-        return super()._chunks(spec) if tier is None else tier._chunks(spec)
+        if limit is not None or tier is None:
+            return super()._chunks(spec, limit)
+        return tier._chunks(spec)
 
     @property
     def unit_bytes(self) -> Optional[int]:
