@@ -546,20 +546,24 @@ def main() -> None:
             with open(args.json, "w") as f:
                 json.dump({_fmt_size(s): reps for s, reps in paired.items()}, f, indent=1)
 
+        def sweep_table(title, runs, size):
+            """Run ``runs`` in interleaved rounds at ``size`` and print their medians."""
+            res = rounds(runs, size)
+            print(f"\n## {title} at {_fmt_size(size)} "
+                  f"(median of {args.reps}, interleaved, shuffled; GB/s)")
+            print("| contestant | write | read |")
+            print("|---|---|---|")
+            for name, _ in runs:
+                ws, rs = res.get(name, ([], []))
+                print(f"| {name} | {med(ws)} | {med(rs)} |")
+
         if args.store_sweep:
             cfgs = [tuple(int(x) for x in c.split("x")) for c in args.store_sweep.split(",")]
             runs = [(f"NVMeStore qd{qd} x {mib} MiB",
                      lambda sz, qd=qd, mib=mib: store(sz, qd, mib << 20, keep=True)) for qd, mib in cfgs]
             runs.append(("probe: O_DIRECT pwrite/pread, 1 thread", probe))
             for size in sizes:
-                res = rounds(runs, size)
-                print(f"\n## NVMeStore queue depth x block size at {_fmt_size(size)} "
-                      f"(median of {args.reps}, interleaved, shuffled; GB/s)")
-                print("| contestant | write | read |")
-                print("|---|---|---|")
-                for name, _ in runs:
-                    ws, rs = res.get(name, ([], []))
-                    print(f"| {name} | {med(ws)} | {med(rs)} |")
+                sweep_table("NVMeStore queue depth x block size", runs, size)
                 for s_ in stores.values():
                     s_.close()
                 stores.clear()
@@ -568,14 +572,7 @@ def main() -> None:
             offs = [int(x) << 10 for x in args.offset_sweep.split(",")]
             runs = [(f"probe, data at {o >> 10} KiB", lambda sz, o=o: probe(sz, o)) for o in offs]
             for size in sizes:
-                res = rounds(runs, size)
-                print(f"\n## O_DIRECT probe by file offset of the data at {_fmt_size(size)} "
-                      f"(median of {args.reps}, interleaved, shuffled; GB/s)")
-                print("| contestant | write | read |")
-                print("|---|---|---|")
-                for name, _ in runs:
-                    ws, rs = res.get(name, ([], []))
-                    print(f"| {name} | {med(ws)} | {med(rs)} |")
+                sweep_table("O_DIRECT probe by file offset of the data", runs, size)
 
         if args.sweep:
             size = _parse_size(args.sweep_size)
