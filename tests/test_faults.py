@@ -169,9 +169,10 @@ def test_read_eio_mid_step_stops_the_optimizer(kind, engine, tmp_path, monkeypat
 def test_read_eio_before_any_update_is_retryable(kind, engine, tmp_path):
     """A read that fails before the step changed anything leaves the optimizer as it was:
     the step raises naming the file, the same step retried succeeds, and the run is exact."""
-    # The step has one unit per param group: every read of the step fails, so the first
-    # unit's do and nothing is updated whichever block completes first (a single fault could
-    # hit the second unit's read after the first unit was updated: a failure part-way).
+    # The step has one unit per param group. Every read of the step fails, so the first
+    # unit's reads fail too and nothing is updated, whichever block completes first (a
+    # single fault could hit the second unit's read after the first unit was updated: a
+    # failure part-way).
     leaks = F.Leaks()
     store = F.make_store(kind, str(tmp_path / "s"), engine, budget=64 << 20)
     named = F.make_params()
