@@ -5,8 +5,15 @@ once, in turn; tables report medians):
 
 * ``ss:<engine>``: one request of the whole size through statestore.io (io_uring, libaio,
   threads) on an O_DIRECT file from a page-locked buffer, then ``fdatasync``;
-* ``NVMeStore``: the store itself: ``put`` of 64 MiB states then ``sync``; cold read through the
-  pipeline (mode ``r``) within the default 256 MiB budget;
+* ``NVMeStore pipeline``: the store's own I/O as an optimizer step drives it, 64 MiB states
+  within the default 256 MiB budget: writes through ``pipeline(mode="w")`` (the ring's bytes go
+  to the disk as they are: zeros and random bytes wrote at the same speed here) then ``sync``,
+  cold reads through ``pipeline(mode="r")``; no copy either way, like the probe and the peers,
+  which write and read buffers they hold. This row is the store in the paired table;
+* ``NVMeStore put / get``: the user API on the same states: ``put`` copies a tensor into the
+  ring (then ``sync``), ``get`` copies into a new tensor. The copy runs while the disk
+  transfers the previous chunk and, on this virtual disk, slows it (a 256 MiB write from a
+  page-locked buffer: 60 ms alone, 78 ms beside a memory copy);
 * ``probe``: plain O_DIRECT ``pwrite``/``pread``, one thread, 4 KiB-aligned buffer;
 * ``fio``: Debian's fio, sequential direct io_uring: 1 MiB blocks at iodepth 8 and 32, 8 MiB at 32;
 * ``torch.save``/``torch.load`` and ``safetensors`` ``save_file``/``load_file`` (+ fsync);
@@ -17,12 +24,21 @@ Each repetition runs the contestants in a new random order (seeded, so runs are 
 so that none always runs first or after the same neighbour (figures here shift with what ran
 just before). Every write ends with
 fsync/fdatasync; every read is cold: the file's pages are dropped with
-``posix_fadvise(DONTNEED)`` first. A first, unrecorded repetition lays out each contestant's
-file, so writes are measured overwriting an existing file, as a store does every step (and as
-fio does after laying out its file); torch.save, safetensors and TensorNVMe create their file
-anew each time, as their APIs do. GB/s = 1e9 bytes per second.
+``posix_fadvise(DONTNEED)`` first. GB/s = 1e9 bytes per second.
 
-A second table pairs NVMeStore with the best yardstick (probe, fio, DeepSpeed, TensorNVMe) of
+Which files a contestant writes: with ``--files fresh`` (the default) every contestant writes
+new files in every repetition: its previous files are deleted and new ones created and
+preallocated with ``posix_fallocate`` before the clock starts (NVMeStore: a new store, whose
+``create_many`` preallocates and whose ring is allocated by an untimed read of the new files;
+fio lays out its own file), so where the filesystem places each
+one's data is drawn anew every time and averages out over the repetitions. On this virtual
+disk the place moved a probe's write speed by 40% between a file left by an earlier run and a
+fresh one (docs/nvme.md), more than any contestant's own work. With ``--files reuse`` a
+first, unrecorded repetition lays out each contestant's file and every later write overwrites
+it, as a store does every step. torch.save, safetensors and TensorNVMe create their file anew
+each time in both modes, as their APIs do.
+
+A second table pairs ``NVMeStore pipeline`` with the best yardstick (probe, fio, DeepSpeed, TensorNVMe) of
 each repetition: the median of the per-repetition ratios, their range, and how many
 repetitions the store was at or above the best. The disk's slow swings move a whole
 repetition together and cancel in the ratio; the medians of the first table do not pair.
@@ -272,6 +288,9 @@ def main() -> None:
                     "each in its own file, interleaved: how the disk takes unaligned data")
     ap.add_argument("--only", default=None, metavar="REGEX",
                     help="run only the contestants whose name matches (re.search)")
+    ap.add_argument("--files", choices=("fresh", "reuse"), default="fresh",
+                    help="fresh: every contestant writes new, preallocated files in every "
+                    "repetition (placement averages out); reuse: each overwrites its own files")
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write every repetition's "
                     "figures, in the order the contestants ran, to PATH")
@@ -313,9 +332,20 @@ def main() -> None:
             buf_cache[key] = b
         return buf_cache[key]
 
+    fresh = args.files == "fresh"
+
+    def new_file(path, size):
+        """In ``--files fresh`` mode: delete ``path`` and create it again, preallocated to
+        ``size`` bytes (untimed). In reuse mode: nothing."""
+        if fresh:
+            _rm(path)
+            with IOFile(path, create=True) as f:
+                f.allocate(size)
+
     def ours(name, size, qd=32, bs=1 << 20, pinned=True):
         path = os.path.join(root, f"ss-{name}.bin")
         eng, buf = engine(name, qd, bs), buffer(size, pinned)
+        new_file(path, size)
         with IOFile(path, create=True) as f:
             t0 = time.perf_counter()
             eng.write(f, buf, 0).result()
@@ -330,40 +360,65 @@ def main() -> None:
 
     stores = {}
 
-    def store(size, qd=None, bs=None, keep=False):
-        """NVMeStore at its defaults, or with queue_depth ``qd`` and block_size ``bs``. Stores
-        of other sizes are closed first unless ``keep`` (the store sweep keeps one open per
-        configuration)."""
+    def store(size, qd=None, bs=None, keep=False, api="pipeline"):
+        """NVMeStore at its defaults, or with queue_depth ``qd`` and block_size ``bs``, holding
+        ``size`` bytes as 64 MiB states. ``api="pipeline"``: the store's own I/O as an
+        optimizer step drives it: writes through ``pipeline(mode="w")`` (the bytes written
+        are whatever its ring holds, as the probe writes a buffer filled before the clock;
+        zeros and random bytes write at the same speed here), reads through
+        ``pipeline(mode="r")``, neither copying the data anywhere. ``api="put"``: the user
+        API, ``put`` of a tensor (copied into the ring) and ``get`` (copied out into a new
+        tensor). Both end writes with ``sync()`` (fdatasync). Stores of other sizes are closed
+        first unless ``keep`` (the store sweep keeps one open per configuration). With
+        ``--files fresh`` every call makes a new store (new files)."""
         n = max(1, size // (64 << 20))
         per = size // n // 4
-        src = torch.rand(per)
-        key = (size, qd, bs)
+        key = (size, qd, bs, api)
+        if fresh and key in stores:
+            stores.pop(key).close()
         if key not in stores:
-            if not keep:
-                for s_ in stores.values():
-                    s_.close()
-                stores.clear()
+            for k_ in [k_ for k_ in stores if not keep and k_[0] != size]:
+                stores.pop(k_).close()
             kw = {k: v for k, v in (("queue_depth", qd), ("block_size", bs)) if v is not None}
-            sub = "store" if not kw else f"store-qd{qd}-bs{bs >> 20}M"
+            sub = f"store-{api}" + ("" if not kw else f"-qd{qd}-bs{bs >> 20}M")
             stores[key] = ss.NVMeStore(os.path.join(root, sub), **kw)
             stores[key].create_many([(f"p{i}/exp_avg", (per,), torch.float32, None) for i in range(n)])
+            new_store = True
+        else:
+            new_store = False
         st = stores[key]
-        if True:
-            t0 = time.perf_counter()
-            for i in range(n):
-                st.put(f"p{i}/exp_avg", src)
-            st.sync()
-            w = size / (time.perf_counter() - t0) / 1e9
-            for f in st.files():
-                _drop(f)
-            keys = [ss.StateKey(f"p{i}", "exp_avg") for i in range(n)]
-            step = st.unit_bytes // 4
-            units = [[ss.Slice(k, a, min(a + step, per))] for k in keys for a in range(0, per, step)]
-            t0 = time.perf_counter()
+        names = [f"p{i}/exp_avg" for i in range(n)]
+        step = st.unit_bytes // 4
+        units = [[ss.Slice(ss.StateKey(f"p{i}", "exp_avg"), a, min(a + step, per))]
+                 for i in range(n) for a in range(0, per, step)]
+        if new_store:
+            # A store allocates its ring (page-locked, on huge pages) at its first transfer:
+            # untimed here, as the probe's buffer is (a read of the new, unwritten files).
+            with st.pipeline(units[:1], mode="r") as pipe:
+                for _ in pipe:
+                    pass
+        src = torch.rand(per) if api == "put" else None
+        t0 = time.perf_counter()
+        if api == "put":
+            for name in names:
+                st.put(name, src)
+        else:
+            with st.pipeline(units, mode="w") as pipe:
+                for _ in pipe:
+                    pass
+        st.sync()
+        w = size / (time.perf_counter() - t0) / 1e9
+        for f in st.files():
+            _drop(f)
+        t0 = time.perf_counter()
+        if api == "put":
+            for name in names:
+                st.get(name)
+        else:
             with st.pipeline(units, mode="r") as pipe:
                 for _ in pipe:
                     pass
-            r = size / (time.perf_counter() - t0) / 1e9
+        r = size / (time.perf_counter() - t0) / 1e9
         stats = st.stats()
         if stats["huge_page_bytes"] < stats["pinned_bytes"]:
             note = (f"NVMeStore ring at {_fmt_size(size)}: {stats['huge_page_bytes'] >> 20} of "
@@ -377,6 +432,7 @@ def main() -> None:
         path = os.path.join(root, f"probe-{at}.bin" if at else "probe.bin")
         buf = buffer(size, False)
         mv = buf.tensor.numpy()
+        new_file(path, at + size)
         chunk = 1 << 30
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o644)
         try:
@@ -405,6 +461,8 @@ def main() -> None:
 
     def fio_run(size, depth, bs="1M"):
         path = os.path.join(root, "fio.bin")
+        if fresh:
+            _rm(path)
         out = {}
         for rw in ("write", "read"):
             cmd = [fio, "--name=ss", f"--filename={path}", f"--rw={rw}", f"--bs={bs}", "--direct=1",
@@ -450,6 +508,8 @@ def main() -> None:
 
     def peer(kind, size, **kw):
         path = os.path.join(root, "ds.bin" if kind == "deepspeed" else "tn")
+        if kind == "deepspeed":
+            new_file(path, size)
         a = peers.ask(dict(peer=kind, op="write", size=size, path=path, **kw))
         b = peers.ask(dict(peer=kind, op="read", size=size, path=path, **kw))
         if "error" in a or "error" in b:
@@ -460,9 +520,12 @@ def main() -> None:
     for e in engines:
         contestants.append((f"ss:{e} (qd32, 1 MiB, locked)", lambda s, e=e: ours(e, s)))
     dflt = inspect.signature(ss.NVMeStore).parameters
-    contestants.append((f"NVMeStore (defaults: budget 256 MiB, qd{dflt['queue_depth'].default} x "
-                        f"{dflt['block_size'].default >> 20} MiB)", store))
+    dflt = (f"defaults: budget 256 MiB, qd{dflt['queue_depth'].default} x "
+            f"{dflt['block_size'].default >> 20} MiB")
+    contestants.append((f"NVMeStore pipeline ({dflt})", store))
     store_name = contestants[-1][0]
+    contestants.append((f"NVMeStore put / get, copies in and out ({dflt})",
+                        lambda s: store(s, api="put")))
     contestants.append(("probe: O_DIRECT pwrite/pread, 1 thread", probe))
     if fio:
         for depth in (8, 32):
@@ -528,11 +591,14 @@ def main() -> None:
             paired[size] = []
             for name, wr in rounds(contestants, size, paired[size]).items():
                 results[(name, size)] = wr
-            for f in os.listdir(root):      # files of this size: the next size starts fresh
-                if f != "store":
-                    _rm(os.path.join(root, f))
+            for s_ in stores.values():      # files of this size: the next size starts fresh
+                s_.close()
+            stores.clear()
+            for f in os.listdir(root):
+                _rm(os.path.join(root, f))
 
-        print(f"\n## Disk write / read GB/s (median of {args.reps}, interleaved), dir {root}")
+        print(f"\n## Disk write / read GB/s (median of {args.reps}, interleaved, {args.files} files), "
+              f"dir {root}")
         print("| contestant | " + " | ".join(f"{_fmt_size(s)} write | {_fmt_size(s)} read" for s in sizes) + " |")
         print("|---|" + "---|---|" * len(sizes))
         for name, _ in contestants:
