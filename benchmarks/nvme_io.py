@@ -360,6 +360,11 @@ def main() -> None:
 
     stores = {}
 
+    def close_stores():
+        for s_ in stores.values():
+            s_.close()
+        stores.clear()
+
     def store(size, qd=None, bs=None, keep=False, api="pipeline"):
         """NVMeStore at its defaults, or with queue_depth ``qd`` and block_size ``bs``, holding
         ``size`` bytes as 64 MiB states. ``api="pipeline"``: the store's own I/O as an
@@ -376,17 +381,21 @@ def main() -> None:
         key = (size, qd, bs, api)
         if fresh and key in stores:
             stores.pop(key).close()
-        if key not in stores:
+        new_store = key not in stores
+        if new_store:
             for k_ in [k_ for k_ in stores if not keep and k_[0] != size]:
                 stores.pop(k_).close()
             kw = {k: v for k, v in (("queue_depth", qd), ("block_size", bs)) if v is not None}
             sub = f"store-{api}" + ("" if not kw else f"-qd{qd}-bs{bs >> 20}M")
             stores[key] = ss.NVMeStore(os.path.join(root, sub), **kw)
             stores[key].create_many([(f"p{i}/exp_avg", (per,), torch.float32, None) for i in range(n)])
-            new_store = True
-        else:
-            new_store = False
         st = stores[key]
+
+        def drain(units, mode):
+            with st.pipeline(units, mode=mode) as pipe:
+                for _ in pipe:
+                    pass
+
         names = [f"p{i}/exp_avg" for i in range(n)]
         step = st.unit_bytes // 4
         units = [[ss.Slice(ss.StateKey(f"p{i}", "exp_avg"), a, min(a + step, per))]
@@ -394,18 +403,14 @@ def main() -> None:
         if new_store:
             # A store allocates its ring (page-locked, on huge pages) at its first transfer:
             # untimed here, as the probe's buffer is (a read of the new, unwritten files).
-            with st.pipeline(units[:1], mode="r") as pipe:
-                for _ in pipe:
-                    pass
+            drain(units[:1], "r")
         src = torch.rand(per) if api == "put" else None
         t0 = time.perf_counter()
         if api == "put":
             for name in names:
                 st.put(name, src)
         else:
-            with st.pipeline(units, mode="w") as pipe:
-                for _ in pipe:
-                    pass
+            drain(units, "w")
         st.sync()
         w = size / (time.perf_counter() - t0) / 1e9
         for f in st.files():
@@ -415,9 +420,7 @@ def main() -> None:
             for name in names:
                 st.get(name)
         else:
-            with st.pipeline(units, mode="r") as pipe:
-                for _ in pipe:
-                    pass
+            drain(units, "r")
         r = size / (time.perf_counter() - t0) / 1e9
         stats = st.stats()
         if stats["huge_page_bytes"] < stats["pinned_bytes"]:
@@ -519,9 +522,9 @@ def main() -> None:
     contestants = []
     for e in engines:
         contestants.append((f"ss:{e} (qd32, 1 MiB, locked)", lambda s, e=e: ours(e, s)))
-    dflt = inspect.signature(ss.NVMeStore).parameters
-    dflt = (f"defaults: budget 256 MiB, qd{dflt['queue_depth'].default} x "
-            f"{dflt['block_size'].default >> 20} MiB")
+    params = inspect.signature(ss.NVMeStore).parameters
+    dflt = (f"defaults: budget 256 MiB, qd{params['queue_depth'].default} x "
+            f"{params['block_size'].default >> 20} MiB")
     contestants.append((f"NVMeStore pipeline ({dflt})", store))
     store_name = contestants[-1][0]
     contestants.append((f"NVMeStore put / get, copies in and out ({dflt})",
@@ -591,9 +594,7 @@ def main() -> None:
             paired[size] = []
             for name, wr in rounds(contestants, size, paired[size]).items():
                 results[(name, size)] = wr
-            for s_ in stores.values():      # files of this size: the next size starts fresh
-                s_.close()
-            stores.clear()
+            close_stores()                  # files of this size: the next size starts fresh
             for f in os.listdir(root):
                 _rm(os.path.join(root, f))
 
@@ -630,9 +631,7 @@ def main() -> None:
             runs.append(("probe: O_DIRECT pwrite/pread, 1 thread", probe))
             for size in sizes:
                 sweep_table("NVMeStore queue depth x block size", runs, size)
-                for s_ in stores.values():
-                    s_.close()
-                stores.clear()
+                close_stores()
 
         if args.offset_sweep:
             offs = [int(x) << 10 for x in args.offset_sweep.split(",")]
@@ -680,8 +679,7 @@ def main() -> None:
         for n in notes:
             print(f"note: {n}")
     finally:
-        for s_ in stores.values():
-            s_.close()
+        close_stores()
         for e in eng_cache.values():
             e.close()
         if peers is not None:

@@ -313,9 +313,9 @@ class Pipeline:
         if self._mode in ("rw", "w"):
             futs = []
             try:
-                in_caller = self._mode == "rw"
+                optimizer_pass = self._mode == "rw"
                 for s, t in zip(unit.slices, unit.tensors):
-                    futs.append((s, self._store._submit_write(s, t, in_caller=in_caller)))
+                    futs.append((s, self._store._submit_write(s, t, optimizer_pass=optimizer_pass)))
             except BaseException as e:
                 # The unit's new values are not (all) written: they are lost, so its states
                 # are stale until rewritten; reading them raises (StateStore._check_damaged).

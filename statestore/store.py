@@ -147,10 +147,10 @@ class StateStore(ABC):
         writable); returns a Future."""
         raise NotImplementedError
 
-    def _submit_write(self, s: Slice, src: torch.Tensor, *, in_caller: bool = False):
+    def _submit_write(self, s: Slice, src: torch.Tensor, *, optimizer_pass: bool = False):
         """Non-resident stores: start writing ``src`` to slice ``s``; returns a Future.
-        ``src`` stays untouched until the Future completes. ``in_caller``: the caller
-        computes between writes (an optimizer pass, mode ``"rw"``), so the write does no extra
+        ``src`` stays untouched until the Future completes. ``optimizer_pass``: an optimizer
+        pass (pipeline mode ``"rw"``) computes between writes, so the write does no extra
         work in the caller's time or on a helper thread that would take a core from its
         compute threads (NVMeStore: no checksum; a save reads the state back to hash it).
         """

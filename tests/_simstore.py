@@ -129,7 +129,7 @@ class SimDiskStore(StateStore):
             return b - a
         return self._pool.submit(run)
 
-    def _submit_write(self, s: Slice, src: torch.Tensor, *, in_caller: bool = False):
+    def _submit_write(self, s: Slice, src: torch.Tensor, *, optimizer_pass: bool = False):
         self.io_log.append(("write", s.key, s.start, s.stop))
         if not self._inside_budget(src):
             self.out_of_budget.append(("write", s))

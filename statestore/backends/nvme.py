@@ -361,12 +361,12 @@ class NVMeStore(StateStore):
         n = _round_up(nbytes)
         return self._engine.read(sf.file, self._bytes_view(out, n), off, n)
 
-    def _submit_write(self, s: Slice, src: torch.Tensor, *, in_caller: bool = False):
+    def _submit_write(self, s: Slice, src: torch.Tensor, *, optimizer_pass: bool = False):
         spec = self._specs[s.key]
         nbytes = s.numel * spec.itemsize
         if nbytes == 0:
             return _done(0)
-        if in_caller:
+        if optimizer_pass:
             # An optimizer pass: its threads compute between writes, and on few cores any
             # work added here comes out of the training step (hashing 1 GB a step of the
             # GPT-2 example took 0.05 s of backward's hooks). No checksum: a save that links
