@@ -66,6 +66,31 @@ def rss_mib() -> float:
     return float("nan")
 
 
+def _fmt(value) -> str:
+    if isinstance(value, bool) or not isinstance(value, int):
+        return str(value)
+    return f"{value / 2**20:,.1f} MiB" if value >= 1 << 20 else f"{value:,}"
+
+
+# The figures of store.stats() a user reads first; every other key is printed after them.
+_STATS_ROWS = (("nbytes", "state bytes held"), ("ntensors", "state tensors"),
+               ("budget_bytes", "RAM budget"), ("buffer_bytes", "RAM buffers held"),
+               ("pinned_bytes", "page-locked bytes"), ("disk_bytes", "bytes on disk"),
+               ("bytes_read", "bytes read so far"), ("bytes_written", "bytes written so far"),
+               ("engine", "I/O engine"), ("direct", "direct I/O"))
+
+
+def print_stats(stats: dict) -> None:
+    """``store.stats()`` as a short two-column table (nested figures left out)."""
+    rows = [(label, _fmt(stats[key])) for key, label in _STATS_ROWS if key in stats]
+    shown = {key for key, _ in _STATS_ROWS} | {"backend", "dir", "resident", "device"}
+    rows += [(key, _fmt(v)) for key, v in stats.items()
+             if key not in shown and not isinstance(v, (dict, list, tuple))]
+    width = max(len(label) for label, _ in rows)
+    for label, value in rows:
+        print(f"  {label:<{width}}  {value:>14}")
+
+
 def resume(work: str) -> None:
     """Second process: a new store, the checkpoint loaded, training continued."""
     model = make_model()
@@ -116,8 +141,7 @@ def main() -> None:
             print(f"  step {i + 1:3d}  {l:.6f}" + (f"  | {r:.6f}" if r is not None else ""))
         held = stats.get("buffer_bytes", stats["nbytes"]) if not stats["resident"] else stats["nbytes"]
         print(f"\nwhere states live: {type(store).__name__} in {stats.get('dir', work)}")
-        print(f"  state bytes: {stats['nbytes'] / 2**20:.1f} MiB in {stats['ntensors']} tensors; "
-              f"store stats: {stats}")
+        print_stats(stats)
         if stats["resident"]:
             print(f"  RAM saved: none by design of {type(store).__name__} "
                   f"(states mapped from files; the page cache holds them)")
