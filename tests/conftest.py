@@ -13,6 +13,7 @@ import warnings
 from typing import Callable, List, Tuple
 
 import pytest
+import torch
 
 import statestore as ss
 
@@ -52,8 +53,50 @@ if hasattr(ss, "TieredStore"):
     BACKENDS.append(("tiered-nvme", lambda tmp: ss.TieredStore.from_fraction(
         0.5, str(tmp / "tiered"), budget_bytes=1 << 20)))
 
+#: Lines that need a CUDA device. Their tests are marked ``cuda`` (``pytest -m cuda``, run by
+#: ``make gpu-test``) and skip where CUDA is absent (``STATESTORE_REQUIRE_CUDA=1``: fail instead).
+CUDA_BACKENDS: List[Tuple[str, Factory]] = [
+    ("device-cuda", lambda tmp: ss.DeviceStore("cuda")),
+    ("pinned-locked", lambda tmp: _page_locked()),
+]
+BACKENDS += CUDA_BACKENDS
+
 BACKEND_NAMES = [name for name, _ in BACKENDS]
+CUDA_BACKEND_NAMES = [name for name, _ in CUDA_BACKENDS]
 _FACTORIES = dict(BACKENDS)
+
+
+def cuda_usable() -> bool:
+    try:
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def _page_locked():
+    """A PinnedCPUStore whose memory is page-locked for real (never the pageable fallback)."""
+    s = ss.PinnedCPUStore()
+    if not s.stats().get("pinned"):
+        s.close()
+        pytest.fail("PinnedCPUStore fell back to pageable memory although CUDA is available")
+    return s
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests over a CUDA line of BACKENDS get the ``cuda`` mark; ``cuda`` tests skip without
+    CUDA (fail with STATESTORE_REQUIRE_CUDA=1, as ``make gpu-test`` sets)."""
+    cuda_names = set(CUDA_BACKEND_NAMES)
+    have = cuda_usable()
+    require = os.environ.get("STATESTORE_REQUIRE_CUDA", "") not in ("", "0")
+    if require and not have:
+        pytest.exit("STATESTORE_REQUIRE_CUDA=1 but torch.cuda.is_available() is False "
+                    f"(torch {torch.__version__}, CUDA {torch.version.cuda})", returncode=1)
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if any(isinstance(v, str) and v in cuda_names for v in params.values()):
+            item.add_marker(pytest.mark.cuda)
+        if item.get_closest_marker("cuda") is not None and not have:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
 
 
 def wait_for_prefetch(store: ss.StateStore, timeout: float = 30.0) -> None:

@@ -29,6 +29,7 @@ from ..kernels import adam_step, grads_finite
 from ..distributed import group_info, partition
 from ..pipeline import plan_units
 from ..store import StateStore
+from . import _offload_path
 
 __all__ = ["CPUAdam", "HybridAdam", "OPTIMIZER_METADATA_VERSION"]
 
@@ -196,6 +197,10 @@ class _StoreAdam(torch.optim.Optimizer):
         self._pass: Optional[List[list]] = None
         self._early_done: Dict[Tensor, Tuple[Tensor, int]] = {}
         self._pump_hooks: list = []
+        #: CUDA parameters over host or disk stores: page-locked staging on a side stream
+        #: (docs/gpu.md); None while no parameter takes that path
+        self._offload: Optional[_offload_path.OffloadPath] = None
+        _offload_path.attach(self, self._params)
         self._register_pump_hooks(self._params)
 
     # ------------------------------------------------------------------ set-up
@@ -288,6 +293,9 @@ class _StoreAdam(torch.optim.Optimizer):
                              and (self.update_in_backward or not self._stores[p].resident)]
 
     def __del__(self) -> None:
+        off = getattr(self, "_offload", None)
+        if off is not None:
+            off.remove_hooks()
         for h in getattr(self, "_pump_hooks", ()):
             try:
                 h.remove()
@@ -313,6 +321,7 @@ class _StoreAdam(torch.optim.Optimizer):
                 self._stores = stores
             raise
         if hasattr(self, "_pump_hooks"):
+            _offload_path.attach(self, self.param_groups[-1]["params"])
             self._register_pump_hooks(self.param_groups[-1]["params"])
 
     def _add_param_group_after_init(self) -> None:
@@ -518,8 +527,18 @@ class _StoreAdam(torch.optim.Optimizer):
         grad_scale = float(div_scale) if div_scale is not None and div_scale > 0 else 1.0
         for store, items in work.items():
             self._ensure_states(store, [p for _, ps in items for p in ps])
+        if self._offload is not None:
+            try:
+                self._offload.before_step(grads)
+            except BaseException:
+                self._offload.after_step()
+                raise
         if self.update_in_backward:
-            self._finish_backward_step(work, grads, div_scale)
+            try:
+                self._finish_backward_step(work, grads, div_scale)
+            finally:
+                if self._offload is not None:
+                    self._offload.after_step()
             return loss
         before = dict(self._steps)
         for p in grads:
@@ -528,8 +547,12 @@ class _StoreAdam(torch.optim.Optimizer):
                 self._steps[k] = self._steps.get(k, 0) + 1
         self._touched = False
         try:
-            for store, items in work.items():
-                self._step_store(store, items, grads, grad_scale)
+            try:
+                for store, items in work.items():
+                    self._step_store(store, items, grads, grad_scale)
+            finally:
+                if self._offload is not None:
+                    self._offload.after_step()
         except BaseException as e:
             if self._touched:
                 # Some parameters and states hold this step, others the previous one: refuse
@@ -759,21 +782,28 @@ class _StoreAdam(torch.optim.Optimizer):
     def _update_unit(self, tensors: List[Tensor], group: dict, entries, grads, grad_scale,
                      dev: torch.device) -> None:
         params, gs, m, v, vmax, masters, steps, writeback = [], [], [], [], [], [], [], []
+        off, uploads = self._offload, []
         pos = 0
         for p, a, b, names in entries:
             st = dict(zip(names, tensors[pos:pos + len(names)]))
             pos += len(names)
             whole = a == 0 and b == p.numel()        # the common case: no slicing
             pflat = p.view(-1) if p.is_contiguous() else None
-            if pflat is None or p.device != dev:
-                src = p.detach().reshape(-1)[a:b]
-                w = src.to(dev, copy=True)
-                writeback.append((p, a, b, w))
+            if off is not None and off.handles(p):
+                # CUDA parameter, host states: page-locked staging, side stream (docs/gpu.md)
+                g = off.grad_host(p, grads[p])[a:b]
+                w = off.param_host(p)[a:b]
+                uploads.append((p, a, b))
             else:
-                w = pflat if whole else pflat[a:b]
-            g = grads[p].view(-1) if whole else grads[p].view(-1)[a:b]
-            if g.device != dev:
-                g = g.to(dev)
+                if pflat is None or p.device != dev:
+                    src = p.detach().reshape(-1)[a:b]
+                    w = src.to(dev, copy=True)
+                    writeback.append((p, a, b, w))
+                else:
+                    w = pflat if whole else pflat[a:b]
+                g = grads[p].view(-1) if whole else grads[p].view(-1)[a:b]
+                if g.device != dev:
+                    g = g.to(dev)
             params.append(w)
             gs.append(g)
             m.append(st["exp_avg"])
@@ -792,6 +822,8 @@ class _StoreAdam(torch.optim.Optimizer):
                   max_exp_avg_sqs=vmax if group["amsgrad"] else None,
                   masters=masters if any(x is not None for x in masters) else None,
                   maximize=group["maximize"], grad_scale=grad_scale)
+        for p, a, b in uploads:
+            off.upload(p, a, b)
         for p, a, b, w in writeback:
             if p.is_contiguous():
                 p.detach().view(-1)[a:b].copy_(w)
@@ -961,6 +993,10 @@ class _StoreAdam(torch.optim.Optimizer):
         for s in self._owned_stores:
             s.close()
         self._owned_stores = []
+        if self._offload is not None:
+            self._offload.after_step()
+            self._offload.close()
+            self._offload = None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({len(self._params)} params, store={self.state_store!r})"
