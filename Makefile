@@ -1,11 +1,14 @@
 # The README's two commands: `make demo` and `make test`. Both set everything up first
 # (idempotent: a second run reuses .venv and only rebuilds when sources changed).
+# `make gpu-test` (a machine with an NVIDIA GPU) is separate: its own interpreter with a CUDA
+# build of torch 2.13.0 (.venv-gpu, or GPU_PYTHON=...) and its own build tree (build/gpu);
+# it never touches .venv or the extensions `make test` uses. See scripts/gpu_test.sh, docs/gpu.md.
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.stamp-install
 SOURCES := pyproject.toml setup.py $(shell find csrc -type f 2>/dev/null)
 
-.PHONY: setup demo test cuda-check clean
+.PHONY: setup demo test cuda-check gpu-test clean
 
 setup: $(STAMP)
 
@@ -27,5 +30,9 @@ test: setup
 cuda-check:
 	bash scripts/check_cuda.sh
 
+# every CUDA test (pytest -m cuda) and benchmarks/gpu_step.py --quick, built with CUDA
+gpu-test:
+	bash scripts/gpu_test.sh
+
 clean:
-	rm -rf build *.egg-info statestore/*.so $(VENV)
+	rm -rf build *.egg-info statestore/*.so $(VENV) .venv-gpu

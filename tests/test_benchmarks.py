@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -28,3 +29,27 @@ def test_nvme_io_prints_store_and_probe_rows(tmp_path, files):
     failed = re.findall(r"^note: .* at 8 MiB: \w*(?:Error|Exception)\b.*$", res.stdout, re.M)
     assert not failed, failed      # a contestant that raises is only noted by the benchmark
     assert os.listdir(tmp_path) == ["reps.json"]     # the bench directory is removed
+
+
+def _gpu_step(*args, timeout=600):
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "gpu_step.py"), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def test_gpu_step_without_cuda_says_so():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here: test_gpu_step_prints_both_tables runs instead")
+    res = _gpu_step("--quick")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "CUDA is not available" in res.stdout and "|" not in res.stdout
+
+
+@pytest.mark.cuda
+def test_gpu_step_prints_both_tables(tmp_path):
+    res = _gpu_step("--sizes", "4M", "--reps", "1", "--tensors", "3", "--dir", str(tmp_path))
+    assert res.returncode == 0, res.stderr[-2000:]
+    ours = re.findall(r"^\| 4M \| (fp32|bf16) \| ([0-9.]+) \| ([0-9.]+) \| ([0-9.]+)x \|", res.stdout, re.M)
+    assert len(ours) == 2, res.stdout
+    off = re.findall(r"^\| 4M \| (fp32|bf16) \| (pinned|nvme) \| ([0-9.]+) \|", res.stdout, re.M)
+    assert len(off) == 4, res.stdout
+    assert os.listdir(tmp_path) == []       # the NVMe directories are removed

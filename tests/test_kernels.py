@@ -366,7 +366,7 @@ def test_torch_fused_fallback_matches_reference():
 
 
 # ---------------------------------------------------------------- CUDA
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+cuda = pytest.mark.cuda   # skipped without CUDA by conftest.py; run by make gpu-test
 
 
 @cuda

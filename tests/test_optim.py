@@ -345,7 +345,7 @@ def test_sparse_grad_raises(store):
         torch.optim.AdamW(emb.parameters()).step()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_cuda_params_against_torch(store):
     params = [nn.Parameter(p.detach().cuda()) for p in make_params()]
     ref = clone_params(params)
@@ -356,7 +356,7 @@ def test_cuda_params_against_torch(store):
         close(p, r)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_grad_on_other_device_raises():
     p = nn.Parameter(torch.randn(4))
     opt = CPUAdam([p])

@@ -59,7 +59,7 @@ class TestCatalogue:
         assert store.spec("w/exp_avg") == ss.StateSpec((3, 5), torch.float32)
         t = store.get("w/exp_avg")
         assert t.shape == (3, 5) and t.dtype == torch.float32
-        assert torch.equal(t, torch.zeros(3, 5))
+        assert torch.equal(t.cpu(), torch.zeros(3, 5))
 
     def test_create_with_init_and_put(self, store):
         init = _rand((4, 6), torch.float32)

@@ -1,0 +1,300 @@
+"""GPU step: HybridAdam on CUDA against torch's fused AdamW, and an offloaded step against its
+floors (PCIe, disk, CPU Adam).
+
+Table 1, states on the GPU (``DeviceStore("cuda")``, the fused CUDA kernel): HybridAdam's
+``step()`` against ``torch.optim.AdamW(fused=True)`` on the same parameters and gradients, and
+the HBM floor: the bytes a step must move (fp32 params: read p, g, m, v, write p, m, v = 28 B a
+parameter; bf16/fp16 params with fp32 masters: 2 + 2 + 12 read, 2 + 12 written = 30 B; torch
+runs on the fp32 masters with fp32 gradients) over the device's copy bandwidth, measured here
+with a device-to-device copy.
+
+Table 2, CUDA parameters with states in host memory or on NVMe (the offload data path,
+docs/gpu.md): ``step()`` with the gradients already on the GPU (the copies of a real backward
+would overlap it; here they are all inside the step), the same step through synchronous
+pageable copies (the path it replaced), and its floors, each measured alone in the same run:
+
+* PCIe: D2H of the gradients (+ the fp32 parameters) and H2D of the updated parameters, pinned
+  copies of the same byte counts (copy engines run both ways at once: the floor is the larger);
+* CPU Adam: ``statestore.kernels.adam_step`` on host tensors of the same dtypes;
+* disk (NVMe only): the store's own pipeline reading and writing every state, no compute.
+
+floor = max(PCIe, CPU Adam, disk): a step that overlapped its parts perfectly. Contestants run
+interleaved, ``--reps`` times; medians are printed. Without CUDA the script says so and exits 0.
+
+    python benchmarks/gpu_step.py                      # 64M and 256M parameters
+    python benchmarks/gpu_step.py --quick              # 32M, 3 reps (make gpu-test)
+    python benchmarks/gpu_step.py --dir /nvme/bench    # NVMeStore's directory
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+DEV = "cuda"
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _parse_size(s: str) -> int:
+    s = s.strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(float(s[:-1]) * mult[s[-1]]) if s[-1] in mult else int(float(s) * (1 << 20))
+
+
+def _split(n: int, ntensors: int):
+    base = n // ntensors
+    return [base + (1 if i < n - base * ntensors else 0) for i in range(ntensors)]
+
+
+def _sync():
+    torch.cuda.synchronize()
+
+
+def _timed(fn) -> float:
+    _sync()
+    t0 = time.perf_counter()
+    fn()
+    _sync()
+    return time.perf_counter() - t0
+
+
+def _interleaved(contestants, reps):
+    """``{name: median seconds}``; one warm-up call each, then ``reps`` rounds."""
+    for fn in contestants.values():
+        fn()
+    _sync()
+    times = {k: [] for k in contestants}
+    for _ in range(reps):
+        for k, fn in contestants.items():
+            times[k].append(_timed(fn))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _params(sizes, dtype, device=None):
+    device = device or DEV
+    ps = [nn.Parameter(torch.randn(s, device=device).to(dtype)) for s in sizes]
+    for p in ps:
+        p.grad = torch.randn_like(p) * 1e-2
+    return ps
+
+
+def _pinned_empty(nbytes: int):
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.2f}"
+
+
+def _gbs(nbytes: int, s: float) -> str:
+    return f"{nbytes / s / 1e9:.1f} GB/s"
+
+
+# ------------------------------------------------------------------ table 1: on the GPU
+def device_table(n_list, ntensors, dtypes, reps):
+    import statestore as ss
+    from statestore.optim import HybridAdam
+
+    buf = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
+    dst = torch.empty_like(buf)
+    bw_s = _interleaved({"copy": lambda: dst.copy_(buf)}, reps)["copy"]
+    hbm = 2 * buf.numel() / bw_s            # bytes read + written per second
+    del buf, dst
+    rows = []
+    for n in n_list:
+        sizes = _split(n, ntensors)
+        for name in dtypes:
+            dtype = _DTYPES[name]
+            params = _params(sizes, dtype)
+            store = ss.DeviceStore(DEV)
+            ours = HybridAdam(params, lr=1e-3, weight_decay=0.01, state_store=store)
+            ref = [nn.Parameter(p.detach().float().clone()) for p in params]
+            for r, p in zip(ref, params):
+                r.grad = p.grad.float()
+            theirs = torch.optim.AdamW(ref, lr=1e-3, weight_decay=0.01, fused=True)
+            t = _interleaved({"ours": ours.step, "torch": theirs.step}, reps)
+            per = 28 if dtype == torch.float32 else 30
+            floor = per * n / hbm
+            rows.append((f"{n / (1 << 20):.0f}M", name, _ms(t["ours"]), _ms(t["torch"]),
+                         f"{t['torch'] / t['ours']:.2f}x", _ms(floor),
+                         f"{floor / t['ours'] * 100:.0f}%"))
+            store.close()
+            del params, ref, ours, theirs
+            torch.cuda.empty_cache()
+    print(f"\n### HybridAdam on CUDA vs torch.optim.AdamW(fused=True), {ntensors} tensors "
+          f"(device copy bandwidth {hbm / 1e9:.0f} GB/s)\n")
+    print("| params | param dtype | HybridAdam step (ms) | torch fused AdamW (ms) | "
+          "speed-up (torch / ours) | HBM floor (ms) | floor / ours |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
+
+
+# ------------------------------------------------------------------ table 2: offloaded
+def _pcie_floor(n, dtype, reps):
+    """(d2h s, h2d s, d2h bytes, h2d bytes) for one offloaded step of ``n`` params."""
+    item = torch.empty((), dtype=dtype).element_size()
+    d2h_bytes = n * item * (2 if dtype == torch.float32 else 1)   # grads (+ fp32 params)
+    h2d_bytes = n * item
+    dev = torch.empty(max(d2h_bytes, h2d_bytes), dtype=torch.uint8, device=DEV)
+    host = _pinned_empty(dev.numel())
+    t = _interleaved({
+        "d2h": lambda: host[:d2h_bytes].copy_(dev[:d2h_bytes], non_blocking=True),
+        "h2d": lambda: dev[:h2d_bytes].copy_(host[:h2d_bytes], non_blocking=True)}, reps)
+    return t["d2h"], t["h2d"], d2h_bytes, h2d_bytes
+
+
+def _cpu_adam_floor(sizes, dtype, reps):
+    from statestore.kernels import adam_step
+    ps = [torch.randn(s).to(dtype) for s in sizes]
+    gs = [torch.randn(s).to(dtype) for s in sizes]
+    ms = [torch.zeros(s) for s in sizes]
+    vs = [torch.zeros(s) for s in sizes]
+    masters = [p.float() for p in ps] if dtype != torch.float32 else None
+    count = [0]
+
+    def step():
+        count[0] += 1
+        adam_step(ps, gs, ms, vs, steps=[count[0]] * len(ps), lr=1e-3, beta1=0.9, beta2=0.999,
+                  eps=1e-8, weight_decay=0.01, adamw_mode=True, masters=masters)
+    step()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _disk_floor(store, reps):
+    """The store's pipeline over every state, read and written back, no compute."""
+    from statestore import Slice
+    units = [[Slice(k, a, b)] for k in store.keys() for a, b in store._chunks(store.spec(k))]
+
+    def rw():
+        with store.pipeline(units, mode="rw") as pipe:
+            for _ in pipe:
+                pass
+        store.sync()
+    rw()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        rw()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def offload_table(n_list, ntensors, dtypes, reps, directory, stores):
+    import statestore as ss
+    from statestore.optim import HybridAdam
+
+    rows, staged = [], {}
+    for n in n_list:
+        sizes = _split(n, ntensors)
+        for name in dtypes:
+            dtype = _DTYPES[name]
+            d2h, h2d, d2h_b, h2d_b = _pcie_floor(n, dtype, reps)
+            cpu = _cpu_adam_floor(sizes, dtype, reps)
+            for kind in stores:
+                tmp = None
+                if kind == "pinned":
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore", RuntimeWarning)
+                        store = ss.PinnedCPUStore()
+                else:
+                    tmp = tempfile.mkdtemp(prefix="gpu_step-", dir=directory)
+                    store = ss.NVMeStore(tmp)
+                params = _params(sizes, dtype)
+                opt = HybridAdam(params, lr=1e-3, weight_decay=0.01, state_store=store)
+                opt.step()                      # creates the states
+                sync_store = None
+                if kind == "pinned":
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore", RuntimeWarning)
+                        sync_store = ss.PinnedCPUStore()
+                    sparams = _params(sizes, dtype)
+                    sopt = HybridAdam(sparams, lr=1e-3, weight_decay=0.01, state_store=sync_store)
+                    if sopt._offload is not None:
+                        sopt._offload.close()
+                        sopt._offload = None    # the synchronous pageable copies
+                    contest = {"ours": opt.step, "sync": sopt.step}
+                else:
+                    contest = {"ours": opt.step}
+                t = _interleaved(contest, reps)
+                disk = _disk_floor(store, reps) if kind == "nvme" else None
+                pcie = max(d2h, h2d)
+                floor = max(pcie, cpu, disk or 0.0)
+                rows.append((f"{n / (1 << 20):.0f}M", name, kind, _ms(t["ours"]),
+                             _ms(t["sync"]) if "sync" in t else "-",
+                             f"{_ms(d2h)} / {_ms(h2d)} ({_gbs(d2h_b, d2h)} / {_gbs(h2d_b, h2d)})",
+                             _ms(cpu), _ms(disk) if disk is not None else "-", _ms(floor),
+                             f"{t['ours'] / floor:.2f}x"))
+                staged = opt._offload.stats() if opt._offload is not None else {}
+                opt.close()
+                store.close()
+                if sync_store is not None:
+                    sync_store.close()
+                if tmp:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                del params, opt
+                torch.cuda.empty_cache()
+    print(f"\n### Offloaded step: CUDA parameters, states in host memory / NVMe, {ntensors} "
+          f"tensors ({torch.get_num_threads()} CPU threads; staging {staged})\n")
+    print("| params | param dtype | store | step (ms) | synchronous copies (ms) | "
+          "PCIe D2H / H2D (ms) | CPU Adam (ms) | disk (ms) | floor (ms) | step / floor |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", default="64M,256M", help="parameters per step (M = 2^20)")
+    ap.add_argument("--tensors", type=int, default=50, help="tensors the parameters are cut in")
+    ap.add_argument("--dtypes", default="fp32,bf16", help="parameter dtypes")
+    ap.add_argument("--stores", default="pinned,nvme", help="offloaded stores: pinned,nvme")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--dir", default=None, help="NVMeStore directory (default: a temp dir)")
+    ap.add_argument("--quick", action="store_true", help="32M parameters, 3 reps")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print(f"gpu_step: CUDA is not available (torch {torch.__version__}, CUDA "
+              f"{torch.version.cuda}); nothing measured")
+        return 0
+    if args.quick:
+        args.sizes, args.reps = "32M", 3
+    from statestore import kernels_info
+    info = kernels_info()
+    print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__} (CUDA "
+          f"{torch.version.cuda}); statestore kernels: cuda={info['cuda']}, cpu={info['cpu']} "
+          f"({info['simd']}), {info['threads']} threads")
+    print(f"command: {' '.join([os.path.basename(sys.executable)] + sys.argv)}")
+    n_list = [_parse_size(s) for s in args.sizes.split(",") if s]
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    for d in dtypes:
+        if d not in _DTYPES:
+            ap.error(f"--dtypes: unknown dtype {d!r} (fp32, bf16, fp16)")
+    stores = [s for s in args.stores.split(",") if s]
+    for s in stores:
+        if s not in ("pinned", "nvme"):
+            ap.error(f"--stores: unknown store {s!r} (pinned, nvme)")
+    torch.manual_seed(0)
+    device_table(n_list, args.tensors, dtypes, args.reps)
+    offload_table(n_list, args.tensors, dtypes, args.reps, args.dir, stores)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
