@@ -54,7 +54,10 @@ class CudaLane:
     def __init__(self, device: torch.device):
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
-        self._finalizers: List[weakref.finalize] = []
+        self._buffers: List[Tensor] = []     # the page-locked buffers, kept alive here
+        self._ptrs: List[int] = []
+        # unregistered when the lane goes away, even where close() is never called
+        self._finalizer = weakref.finalize(self, _unregister_all, self._ptrs, device)
 
     def alloc(self, nbytes: int) -> Tuple[Tensor, bool]:
         """A host buffer of ``nbytes`` bytes and whether it is page-locked (registered with
@@ -69,9 +72,8 @@ class CudaLane:
                               f"pageable memory (synchronous copies)", RuntimeWarning,
                               stacklevel=4)
             return buf, False
-        # unregistered before the memory is freed, even where close() is never called
-        self._finalizers.append(weakref.finalize(buf, _unregister, buf.data_ptr(),
-                                                 self.device))
+        self._buffers.append(buf)
+        self._ptrs.append(buf.data_ptr())
         return buf, True
 
     def copy(self, dst: Tensor, src: Tensor):
@@ -101,20 +103,21 @@ class CudaLane:
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
     def close(self) -> None:
-        """Wait for the side stream, then unregister the page-locked buffers (they stay
-        usable as pageable memory)."""
+        """Wait for the side stream, then unregister the page-locked buffers (views still
+        held elsewhere stay usable, as pageable memory)."""
         self.stream.synchronize()
-        for f in self._finalizers:
-            f()
-        self._finalizers = []
+        self._finalizer()
+        self._buffers = []
 
 
-def _unregister(ptr: int, device: torch.device) -> None:
+def _unregister_all(ptrs: List[int], device: torch.device) -> None:
     try:
-        torch.cuda.synchronize(device)      # no copy may still be reading or writing it
-        torch.cuda.cudart().cudaHostUnregister(ptr)
+        torch.cuda.synchronize(device)      # no copy may still be reading or writing them
+        for ptr in ptrs:
+            torch.cuda.cudart().cudaHostUnregister(ptr)
     except Exception:       # interpreter shutdown: the process is leaving anyway
         pass
+    ptrs.clear()
 
 
 class _Staging:
@@ -154,6 +157,7 @@ class OffloadPath:
         self._staging: Dict[Tensor, _Staging] = {}     # keyed by identity (a plain dict)
         self._used: Dict[torch.device, object] = {}
         self._hooks: list = []
+        self._watched: List[Tensor] = []     # parameters with a hook, in order
         self.pinned_bytes = 0
         self.pageable_bytes = 0
 
@@ -179,6 +183,7 @@ class OffloadPath:
         for p in params:
             if p.requires_grad and self._select(p):
                 self._hooks.append(p.register_post_accumulate_grad_hook(hook))
+                self._watched.append(p)
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
@@ -226,8 +231,8 @@ class OffloadPath:
         """Queue the D2H copies of ``p``'s gradient ``g`` (and of ``p`` itself when it is
         fp32: no master in the store) into its staging buffers."""
         st = self._staging.get(p)
-        if st is None:
-            self._prepare([p])
+        if st is None:      # first use: one slab for every watched parameter still without
+            self._prepare([p] + [q for q in self._watched if q is not p])
             st = self._staging[p]
         lane = st.lane
         if g.dtype != st.grad.dtype:        # a gradient of another dtype than the parameter
@@ -308,6 +313,7 @@ class OffloadPath:
 
     def close(self) -> None:
         self.remove_hooks()
+        self._watched = []
         self._staging = {}
         for lane in self._lanes.values():
             lane.close()
