@@ -33,6 +33,7 @@ See ``docs/gpu.md``.
 """
 from __future__ import annotations
 
+import threading
 import warnings
 import weakref
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
@@ -158,6 +159,8 @@ class OffloadPath:
         self._used: Dict[torch.device, object] = {}
         self._hooks: list = []
         self._watched: List[Tensor] = []     # parameters with a hook, in order
+        # backward runs the hooks of each device on that device's autograd thread
+        self._lock = threading.RLock()
         self.pinned_bytes = 0
         self.pageable_bytes = 0
 
@@ -178,7 +181,8 @@ class OffloadPath:
             if opt is None or me is None or getattr(opt, "_offload", None) is not me:
                 return
             if param.grad is not None and not param.grad.is_sparse:
-                me.stage(param, param.grad)
+                with me._lock:
+                    me.stage(param, param.grad)
 
         for p in params:
             if p.requires_grad and self._select(p):

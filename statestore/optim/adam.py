@@ -1050,5 +1050,8 @@ class CPUAdam(_StoreAdam):
 
 class HybridAdam(_StoreAdam):
     """Adam/AdamW for CPU and GPU parameters, states in any store: the C++ SIMD kernel for
-    CPU parameters, the fused CUDA kernel for GPU ones. ColossalAI's arguments
-    (``nvme_offload_fraction``, ``nvme_offload_dir``, ``adamw_mode``) keep working."""
+    CPU parameters, the fused CUDA kernel for GPU ones. GPU parameters whose states are in
+    host memory or on disk are updated by the SIMD kernel, their gradients and new values
+    moving through page-locked buffers on a side stream, overlapped with backward
+    (``docs/gpu.md``). ColossalAI's arguments (``nvme_offload_fraction``,
+    ``nvme_offload_dir``, ``adamw_mode``) keep working."""
