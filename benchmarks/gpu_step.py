@@ -18,8 +18,15 @@ pageable copies (the path it replaced), and its floors, each measured alone in t
 * CPU Adam: ``statestore.kernels.adam_step`` on host tensors of the same dtypes;
 * disk (NVMe only): the store's own pipeline reading and writing every state, no compute.
 
-floor = max(PCIe, CPU Adam, disk): a step that overlapped its parts perfectly. Contestants run
-interleaved, ``--reps`` times; medians are printed. Without CUDA the script says so and exits 0.
+floor = max(PCIe, CPU Adam, disk): a step that overlapped its parts perfectly.
+
+Table 3, overlap with backward: a stack of bf16 linear layers (``--layers`` x ``--width``^2,
+``--tokens`` rows) over a ``PinnedCPUStore``: backward alone, backward + ``step()`` on the offload
+path (gradients copied by the hook while backward runs), the same through synchronous copies,
+and backward + ``step()`` with states on the GPU (fused kernel), for scale.
+
+Contestants run interleaved, ``--reps`` times; medians are printed. Without CUDA the script
+says so and exits 0.
 
     python benchmarks/gpu_step.py                      # 64M and 256M parameters
     python benchmarks/gpu_step.py --quick              # 32M, 3 reps (make gpu-test)
@@ -259,6 +266,58 @@ def offload_table(n_list, ntensors, dtypes, reps, directory, stores):
         print("| " + " | ".join(r) + " |")
 
 
+# ------------------------------------------------------------------ table 3: with backward
+def backward_table(layers, width, tokens, reps):
+    import statestore as ss
+    from statestore.optim import HybridAdam
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(layers)]
+                             ).to(DEV, torch.bfloat16)
+
+    x = torch.randn(tokens, width, device=DEV, dtype=torch.bfloat16)
+    models, opts, stores = {}, {}, []
+    for kind in ("offload", "sync", "gpu"):
+        m = make()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            store = ss.DeviceStore(DEV) if kind == "gpu" else ss.PinnedCPUStore()
+        stores.append(store)
+        opt = HybridAdam(m.parameters(), lr=1e-4, state_store=store)
+        if kind == "sync" and opt._offload is not None:
+            opt._offload.close()
+            opt._offload = None
+        models[kind], opts[kind] = m, opt
+    plain = make()
+
+    def backward_only():
+        plain(x).float().square().mean().backward()
+        plain.zero_grad()
+
+    def train(kind):
+        def run():
+            models[kind](x).float().square().mean().backward()
+            opts[kind].step()
+            opts[kind].zero_grad()
+        return run
+
+    t = _interleaved({"backward": backward_only, "offload": train("offload"),
+                      "sync": train("sync"), "gpu": train("gpu")}, reps)
+    n = layers * width * width
+    print(f"\n### Overlap with backward: {layers} x Linear({width}, {width}) bf16 "
+          f"({n / 1e6:.1f}M params), {tokens} rows; states in PinnedCPUStore unless said\n")
+    print("| forward + backward (ms) | + step, offload path (ms) | + step, synchronous copies "
+          "(ms) | + step, states on the GPU (ms) | step's share, offload path (ms) |")
+    print("|---|---|---|---|---|")
+    print(f"| {_ms(t['backward'])} | {_ms(t['offload'])} | {_ms(t['sync'])} | {_ms(t['gpu'])} | "
+          f"{_ms(t['offload'] - t['backward'])} |")
+    for o in opts.values():
+        o.close()
+    for st in stores:
+        st.close()
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="64M,256M", help="parameters per step (M = 2^20)")
@@ -267,6 +326,10 @@ def main(argv=None):
     ap.add_argument("--stores", default="pinned,nvme", help="offloaded stores: pinned,nvme")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--dir", default=None, help="NVMeStore directory (default: a temp dir)")
+    ap.add_argument("--layers", type=int, default=8, help="table 3: linear layers")
+    ap.add_argument("--width", type=int, default=4096, help="table 3: layer width")
+    ap.add_argument("--tokens", type=int, default=8192, help="table 3: rows of the input")
+    ap.add_argument("--no-backward", action="store_true", help="leave table 3 out")
     ap.add_argument("--quick", action="store_true", help="32M parameters, 3 reps")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -274,7 +337,7 @@ def main(argv=None):
               f"{torch.version.cuda}); nothing measured")
         return 0
     if args.quick:
-        args.sizes, args.reps = "32M", 3
+        args.sizes, args.reps, args.layers, args.width = "32M", 3, 4, 2048
     from statestore import kernels_info
     info = kernels_info()
     print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__} (CUDA "
@@ -293,6 +356,8 @@ def main(argv=None):
     torch.manual_seed(0)
     device_table(n_list, args.tensors, dtypes, args.reps)
     offload_table(n_list, args.tensors, dtypes, args.reps, args.dir, stores)
+    if not args.no_backward:
+        backward_table(args.layers, args.width, args.tokens, args.reps)
     return 0
 
 
