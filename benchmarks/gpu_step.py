@@ -4,9 +4,9 @@ floors (PCIe, disk, CPU Adam).
 Table 1, states on the GPU (``DeviceStore("cuda")``, the fused CUDA kernel): HybridAdam's
 ``step()`` against ``torch.optim.AdamW(fused=True)`` on the same parameters and gradients, and
 the HBM floor: the bytes a step must move (fp32 params: read p, g, m, v, write p, m, v = 28 B a
-parameter; bf16/fp16 params with fp32 masters: 2 + 2 + 12 read, 2 + 12 written = 30 B; torch
-runs on the fp32 masters with fp32 gradients) over the device's copy bandwidth, measured here
-with a device-to-device copy.
+parameter; bf16/fp16 params with fp32 masters: read g 2, master, m, v 12, write master, m, v 12,
+p 2 = 28 B too; torch runs on the fp32 masters with fp32 gradients: 28 B) over the device's
+copy bandwidth, measured here with a device-to-device copy.
 
 Table 2, CUDA parameters with states in host memory or on NVMe (the offload data path,
 docs/gpu.md): ``step()`` with the gradients already on the GPU (the copies of a real backward
@@ -131,8 +131,7 @@ def device_table(n_list, ntensors, dtypes, reps):
                 r.grad = p.grad.float()
             theirs = torch.optim.AdamW(ref, lr=1e-3, weight_decay=0.01, fused=True)
             t = _interleaved({"ours": ours.step, "torch": theirs.step}, reps)
-            per = 28 if dtype == torch.float32 else 30
-            floor = per * n / hbm
+            floor = 28 * n / hbm
             rows.append((f"{n / (1 << 20):.0f}M", name, _ms(t["ours"]), _ms(t["torch"]),
                          f"{t['torch'] / t['ours']:.2f}x", _ms(floor),
                          f"{floor / t['ours'] * 100:.0f}%"))
