@@ -99,7 +99,7 @@ if git -C "$ROOT" rev-parse --is-inside-work-tree >/dev/null 2>&1; then
   git -C "$ROOT" ls-files -z --cached --others --exclude-standard \
     | grep -zv '\.so$' | (cd "$ROOT" && tar --null -cf - -T -) | tar -xf - -C "$SRC"
 else
-  (cd "$ROOT" && tar --exclude='*.so' --exclude='__pycache__' --exclude='.venv*' \
+  (cd "$ROOT" && tar --exclude='*.so' --exclude='__pycache__' --exclude='.venv*' --exclude=./.git \
      --exclude='./build' -cf - .) | tar -xf - -C "$SRC"
 fi
 say "building the extensions with CUDA in $SRC"
