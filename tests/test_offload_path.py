@@ -242,3 +242,25 @@ def test_cpu_parameters_take_the_ordinary_path():
     for cls in (CPUAdam, HybridAdam):
         opt = cls([p], state_store=ss.DeviceStore("cpu"))
         assert opt._offload is None
+
+
+def test_make_gpu_test_selects_the_cuda_lines():
+    """``pytest -m cuda`` (what make gpu-test runs) collects the conformance suite's CUDA lines
+    and no CPU line; with STATESTORE_REQUIRE_CUDA=1 and no CUDA it stops instead of skipping."""
+    import os
+    import subprocess
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only",
+           "-m", "cuda", os.path.join(here, "test_store_conformance.py")]
+    env = {k: v for k, v in os.environ.items() if k != "STATESTORE_REQUIRE_CUDA"}
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env,
+                         cwd=os.path.dirname(here))
+    ids = [line for line in res.stdout.splitlines() if "::" in line]
+    assert any("[device-cuda" in i for i in ids) and any("[pinned-locked" in i for i in ids)
+    assert all("device-cuda" in i or "pinned-locked" in i for i in ids), ids[:5]
+    if not torch.cuda.is_available():
+        res = subprocess.run(cmd[:-1] + [os.path.join(here, "test_gpu.py")], capture_output=True,
+                             text=True, timeout=300, env={**env, "STATESTORE_REQUIRE_CUDA": "1"},
+                             cwd=os.path.dirname(here))
+        assert res.returncode != 0 and "STATESTORE_REQUIRE_CUDA=1" in res.stdout + res.stderr
