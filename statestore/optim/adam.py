@@ -27,9 +27,9 @@ from ..errors import (CheckpointMismatchError, StateStoreClosedError, StateStore
                       StateStoreValueError)
 from ..kernels import adam_step, grads_finite
 from ..distributed import group_info, partition
+from . import _offload_path
 from ..pipeline import plan_units
 from ..store import StateStore
-from . import _offload_path
 
 __all__ = ["CPUAdam", "HybridAdam", "OPTIMIZER_METADATA_VERSION"]
 
@@ -782,8 +782,8 @@ class _StoreAdam(torch.optim.Optimizer):
     def _update_unit(self, tensors: List[Tensor], group: dict, entries, grads, grad_scale,
                      dev: torch.device) -> None:
         params, gs, m, v, vmax, masters, steps, writeback = [], [], [], [], [], [], [], []
-        off, uploads = self._offload, []
         pos = 0
+        off, uploads = self._offload, []
         for p, a, b, names in entries:
             st = dict(zip(names, tensors[pos:pos + len(names)]))
             pos += len(names)
@@ -822,8 +822,6 @@ class _StoreAdam(torch.optim.Optimizer):
                   max_exp_avg_sqs=vmax if group["amsgrad"] else None,
                   masters=masters if any(x is not None for x in masters) else None,
                   maximize=group["maximize"], grad_scale=grad_scale)
-        for p, a, b in uploads:
-            off.upload(p, a, b)
         for p, a, b, w in writeback:
             if p.is_contiguous():
                 p.detach().view(-1)[a:b].copy_(w)
@@ -831,6 +829,8 @@ class _StoreAdam(torch.optim.Optimizer):
                 flat = p.detach().reshape(-1).clone()
                 flat[a:b].copy_(w.to(p.device))
                 p.detach().copy_(flat.view(p.shape))
+        for p, a, b in uploads:
+            off.upload(p, a, b)
 
     # ------------------------------------------------------------------ torch's state_dict
     def state_dict(self) -> Dict[str, Any]:
