@@ -3,8 +3,11 @@
 The real lane (``CudaLane``) queues copies on a side CUDA stream: each reads its source and
 writes its destination at some moment between the call and the completion of the event
 recorded after it. This one queues them in a list and writes the destinations only when an
-event is waited on (``wait_host``: every copy up to that event) or the side stream is joined
-(``join``: all of them), the latest moment the real one may. The source is read at the call
+event is waited on (``wait_host``: every copy up to that event) or the current stream is made
+to wait for the side stream (``join``: the copies into tensors other than the staging buffers,
+i.e. the uploads the host reads next as "device" memory; copies into staging buffers stay
+queued until a wait, since the host reads those only after one), the latest moment the real
+one may. The source is read at the call
 (``read="early"``, the default: a copy that ran at once, so a source changed afterwards must
 be copied again) or with the write (``read="late"``: a source overwritten before the copy ran is
 what gets copied). Code that reads a staging buffer without waiting for its copy, uses a copy
@@ -33,11 +36,14 @@ class DeferredLane:
         self.copies = 0          # copies performed
         self.queued = 0          # copies queued
         self.allocated = 0       # bytes handed out by alloc
+        self._staging: set = set()   # data pointers of the buffers handed out by alloc
         self.closed = False
 
     def alloc(self, nbytes: int):
         self.allocated += max(int(nbytes), 1)
-        return torch.full((max(int(nbytes), 1),), 0xFF, dtype=torch.uint8), True
+        buf = torch.full((max(int(nbytes), 1),), 0xFF, dtype=torch.uint8)
+        self._staging.add(buf.untyped_storage().data_ptr())
+        return buf, True
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> int:
         assert dst.shape == src.shape and dst.dtype == src.dtype, (dst.shape, src.shape)
@@ -57,8 +63,16 @@ class DeferredLane:
             self._run(event)
 
     def join(self) -> None:
-        self._run(self.seq)
+        keep = []
+        for item in self.queue:
+            _, dst, src = item
+            if dst.untyped_storage().data_ptr() in self._staging:
+                keep.append(item)
+            else:
+                dst.copy_(src)
+                self.copies += 1
+        self.queue = keep
 
     def close(self) -> None:
-        self.join()
+        self._run(self.seq)
         self.closed = True

@@ -14,8 +14,9 @@ CPU: ``PinnedCPUStore``, ``DeviceStore("cpu")``, ``FileStore``, ``NVMeStore``, t
    the CPU Adam kernel on the staging buffers and the store's states (the fp32 master, or the
    staged fp32 parameter), and queues the host-to-device copy of the updated parameter on the
    side stream. Units further on are computed while earlier ones are uploaded.
-3. **At the end of step()** the current stream waits (``wait_event``, on the device) for the
-   side stream, so the next forward reads the updated parameters; the host does not wait.
+3. **Each upload** is followed by the current stream waiting (on the device) for the side
+   stream, so whatever reads the parameter afterwards (the next forward, a copy to the host)
+   sees the update; the host does not wait.
 
 A gradient staged by the hook is used only when it is still the parameter's gradient, unchanged
 (same tensor, same ``_version``): clipping, unscaling, accumulation over several backward calls
@@ -294,9 +295,12 @@ class OffloadPath:
         return st.param
 
     def upload(self, p: Tensor, a: int, b: int) -> None:
-        """Queue the H2D copy of elements ``[a, b)`` of ``p``'s updated value."""
+        """Queue the H2D copy of elements ``[a, b)`` of ``p``'s updated value; work queued
+        on the current stream from now on (on the device: the host does not wait) runs after
+        it, so anything that reads ``p`` later in the step sees the update."""
         st = self._staging[p]
         st.upload_event = st.lane.copy(p.detach().view(-1)[a:b], st.param[a:b])
+        st.lane.join()
         st.updated = True
         self._used[p.device] = st.lane
 
