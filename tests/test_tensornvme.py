@@ -288,6 +288,23 @@ def test_flush_fsyncs_and_drops_the_page_cache(tmp_path, monkeypatch):
 
 
 @needs
+def test_page_cache_share_of_the_file_is_bounded(tmp_path):
+    """Between flushes the adapter writes back and drops the file every ``cache_bytes``
+    written, so the page cache never holds much more of it than that."""
+    with _engine(tmp_path, cache_bytes=4 * BLOCK) as eng:
+        most = 0
+        for i in range(32):
+            eng.write(f"k{i}", _bytes(BLOCK, i)).result(timeout=60)
+            most = max(most, _resident_pages(eng.path))
+        assert os.path.getsize(eng.path) == 32 * BLOCK
+        assert most * mmap.PAGESIZE <= 5 * BLOCK and eng.stats()["cache_drops"] >= 7
+        out = torch.empty(BLOCK, dtype=torch.uint8)
+        for i in range(32):
+            eng.read(f"k{i}", out).result(timeout=60)
+            assert torch.equal(out, _bytes(BLOCK, i))
+
+
+@needs
 @pytest.mark.skipif("aio" not in _backends(), reason="tensornvme built without libaio")
 def test_aio_backend_never_gets_more_requests_than_its_queue(tmp_path):
     """Its libaio backend ignores io_submit failures: a request past ``n_entries`` would

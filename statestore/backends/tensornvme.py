@@ -15,7 +15,12 @@ not pretend it does:
 * :meth:`sync` waits for every write, ``fdatasync``\\ s TensorNVMe's file and drops it from the
   page cache (TensorNVMe has neither ``fsync`` nor ``O_DIRECT``): after it, the states are on
   the disk and the next reads come from there. Between syncs the page cache holds what was
-  written since.
+  written since, up to ``max(4 * budget_bytes, 1 GiB)`` (then the adapter writes back and
+  drops it);
+* RAM: the pipeline's ``budget_bytes``, plus one block of bounce buffer and the adapter's 8 MiB
+  scratch buffer (where a block's old bytes are read to free them before it is rewritten);
+* a block read is written back under its key (TensorNVMe frees what it reads): a read-only
+  pass (``get``, a checkpoint save) also rewrites what it reads, in the page cache.
 
 The file is ``<dir>/states-<store id>-tensornvme``, present while the store holds a written
 block; a lock file marks it as in use, and a store started later in ``dir`` removes it if this
@@ -134,7 +139,8 @@ class TensorNVMeStore(StateStore):
         self._lock = StoreLock(dir, self._id)
         try:
             self._engine = TensorNVMeEngine(os.path.join(dir, f"states-{self._id}-tensornvme"),
-                                            queue_depth=queue_depth, backend=backend)
+                                            queue_depth=queue_depth, backend=backend,
+                                            cache_bytes=max(4 * self.budget_bytes, 1 << 30))
         except BaseException:
             self._lock.release()
             if self._finalizer is not None:

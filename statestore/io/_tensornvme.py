@@ -27,7 +27,8 @@ used. Facts about tensornvme 0.1.0 (read from its source release) that shape thi
 * **No ``O_DIRECT``, no ``fsync``.** I/O goes through the page cache. :meth:`flush` runs
   ``fdatasync`` on a descriptor of its file the adapter opens itself, and drops the file's
   pages from the cache (``posix_fadvise(DONTNEED)``), so data is durable and the next reads
-  come from the disk.
+  come from the disk; so does the worker each time ``cache_bytes`` were written since, which
+  bounds how much of the file the page cache holds.
 * **``sync_read_events`` waits for write events** (the binding maps it to
   ``sync_write_events``), so reads it should wait for may still be in flight when it returns:
   the adapter only ever waits with ``synchronize()``.
@@ -125,6 +126,9 @@ class TensorNVMeEngine:
         path: the file TensorNVMe keeps (created; it must not exist; removed at :meth:`close`).
         queue_depth: most TensorNVMe requests in flight (its ``n_entries``).
         backend: ``"uring"`` or ``"aio"`` (default: ``uring`` where built).
+        cache_bytes: after this many bytes written since the last :meth:`flush`, the file is
+            written back and dropped from the page cache (its I/O is buffered), so the cache
+            holds about that much of it at most (default 1 GiB).
 
     Calls (any thread; they run in order on one worker thread): :meth:`write` (replaces the
     key's bytes), :meth:`read` (non-destructive, verified), :meth:`discard`, :meth:`flush`,
@@ -138,7 +142,8 @@ class TensorNVMeEngine:
     #: Writes land where TensorNVMe chooses, keyed: never at a (file, offset) of ours.
     writes_in_place = False
 
-    def __init__(self, path: str, *, queue_depth: int = 32, backend: Optional[str] = None):
+    def __init__(self, path: str, *, queue_depth: int = 32, backend: Optional[str] = None,
+                 cache_bytes: int = 1 << 30):
         reason = unavailable_reason()
         if reason is not None:
             raise StateStoreIOError(errno.ENOSYS, f"engine 'tensornvme' unavailable: {reason}")
@@ -146,6 +151,8 @@ class TensorNVMeEngine:
 
         if isinstance(queue_depth, bool) or not isinstance(queue_depth, int) or queue_depth < 2:
             raise StateStoreValueError(f"queue_depth must be an int >= 2, got {queue_depth!r}")
+        if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int) or cache_bytes <= 0:
+            raise StateStoreValueError(f"cache_bytes must be a positive int, got {cache_bytes!r}")
         backends = get_backends()
         if backend is None:
             backend = "uring" if "uring" in backends else sorted(backends)[0]
@@ -156,6 +163,10 @@ class TensorNVMeEngine:
         self.path = path
         self.backend = backend
         self.queue_depth = queue_depth
+        #: bytes written (writes and put-backs) after which the file is written back and
+        #: dropped from the page cache (TensorNVMe has no O_DIRECT)
+        self.cache_bytes = cache_bytes
+        self._dirty = 0
         self._closed = False
         self._off = None            # TensorNVMe's Offloader: its file exists only while keys do
         self._fd = -1
@@ -164,7 +175,8 @@ class TensorNVMeEngine:
         self._faults: List[list] = []                   # [op, skip, count, kind, err]
         self._lock = threading.Lock()
         self._stats = {"requests": 0, "bytes_read": 0, "bytes_written": 0, "put_back": 0,
-                       "freed": 0, "fsyncs": 0, "errors": 0, "checksum_errors": 0}
+                       "freed": 0, "fsyncs": 0, "cache_drops": 0, "errors": 0,
+                       "checksum_errors": 0}
         self._q: "queue.Queue[Optional[_Req]]" = queue.Queue()
         self._worker = threading.Thread(target=self._run, name="statestore-tensornvme", daemon=True)
         self._worker.start()
@@ -429,6 +441,22 @@ class TensorNVMeEngine:
             self._sums[r.key] = (r.nbytes, r.digest)
             self._count("bytes_read", r.nbytes, put_back=1)
             r.fut.set_result(r.nbytes)
+        self._dirty += sum(r.nbytes for r in started if r.op == "w") + \
+            sum(r.nbytes for r in put_back)
+        if self._dirty >= self.cache_bytes:
+            self._write_back()
+
+    def _write_back(self) -> None:
+        """Bound the page cache's share of the file: write it back and drop it (an error
+        here surfaces at the next flush, whose fdatasync reports it)."""
+        self._dirty = 0
+        try:
+            os.fdatasync(self._fd)
+            os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            return
+        with self._lock:
+            self._stats["cache_drops"] += 1
 
     def _count(self, what: str, n: int, freed: bool = False, put_back: int = 0) -> None:
         with self._lock:
@@ -461,6 +489,7 @@ class TensorNVMeEngine:
                     self._stats["fsyncs"] += 1
                 if r.op == "f":
                     os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    self._dirty = 0
             r.fut.set_result(0)
         except StateStoreIOError as e:
             r.fut.set_exception(e)
