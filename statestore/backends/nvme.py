@@ -202,6 +202,14 @@ class NVMeStore(StateStore):
                                        f"got {self.budget_bytes}")
         if direct not in (None, True, False):
             raise StateStoreValueError(f"NVMeStore: direct must be None, True or False, got {direct!r}")
+        if not getattr(engine, "writes_in_place", True):
+            # Its reads of slices and hard links of named files need every write to land at
+            # the (file, offset) asked: a keyed engine would leave the files unwritten.
+            raise StateStoreValueError(
+                f"NVMeStore: engine {getattr(engine, 'name', engine)!r} does not write in place "
+                "(writes_in_place is False), and NVMeStore reads slices of its named files and "
+                "links them into checkpoints; use NVMeStore(dir, engine='tensornvme'), a "
+                "TensorNVMeStore, for TensorNVMe")
         if not isinstance(engine, IOEngine):
             for arg, v in (("queue_depth", queue_depth), ("block_size", block_size),
                            ("io_threads", io_threads)):
@@ -235,14 +243,6 @@ class NVMeStore(StateStore):
         self._buffer = None          # the pipeline ring's AlignedBuffer
         self._bounce = None          # 4 KiB buffer for read-modify-write of partial blocks
         self._copy_buf = None        # bounce buffer of copy-on-write copies
-        if not getattr(engine, "writes_in_place", True):
-            # Its reads of slices and hard links of named files need every write to land at
-            # the (file, offset) asked: a keyed engine would leave the files unwritten.
-            raise StateStoreValueError(
-                f"NVMeStore: engine {getattr(engine, 'name', engine)!r} does not write in place "
-                "(writes_in_place is False), and NVMeStore reads slices of its named files and "
-                "links them into checkpoints; use NVMeStore(dir, engine='tensornvme'), a "
-                "TensorNVMeStore, for TensorNVMe")
         if isinstance(engine, IOEngine):
             self._engine, self._own_engine = engine, False
         elif isinstance(engine, str):
