@@ -50,7 +50,7 @@ constraint=$work/constraint.txt
 echo "$TORCH_PIN" >"$constraint"
 pip() { "$PY" -m pip --disable-pip-version-check "$@"; }
 
-say "building tensornvme $VERSION from its source release (about a minute)"
+say "building tensornvme $VERSION from its source release (a few minutes)"
 need=(packaging wheel setuptools click)
 command -v cmake >/dev/null 2>&1 || need+=(cmake)
 pip install -q -c "$constraint" "${need[@]}" >>"$log" 2>&1 \
