@@ -402,9 +402,10 @@ def _mlp_params(seed, dtype=torch.float32):
 @pytest.mark.parametrize("backend", _backends())
 def test_training_reads_states_from_disk_matches_torch(tmp_path, backend):
     """HybridAdam over a TensorNVMe store with the page cache of its file empty at every step
-    (``sync()`` drops it; mincore confirms): every state is read from the disk, as where
-    ColossalAI's optimizer on TensorNVMe crashed 4 times out of 4. Parameters and states
-    match torch.optim.AdamW to float32 rounding and a DeviceStore run bit for bit."""
+    (the prefetch cancelled, then ``sync()`` drops the cache; mincore confirms): every state
+    is read from the disk in every step, as where ColossalAI's optimizer on TensorNVMe crashed
+    4 times out of 4. Parameters and states match torch.optim.AdamW to float32 rounding and a
+    DeviceStore run bit for bit."""
     steps = 6
     grads = [[torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * s + i))
               for i, p in enumerate(_mlp_params(0))] for s in range(steps)]
@@ -413,14 +414,21 @@ def test_training_reads_states_from_disk_matches_torch(tmp_path, backend):
     def run(store, opt_cls, cold=False):
         params = _mlp_params(0)
         opt = opt_cls(params, **hp, **({"state_store": store} if store is not None else {}))
-        for gs in grads:
+        for step, gs in enumerate(grads):
             if cold:
+                # The next step's prefetch (started at the end of a step) would read before
+                # the cache is dropped: drop it, so that every read of the step comes after.
+                store.cancel_prefetch()
                 store.sync()
                 assert _resident_pages(store.engine.path) == 0
+                before = store.engine.stats()["bytes_read"]
             for p, g in zip(params, gs):
                 p.grad = g.clone()
             opt.step()
             opt.zero_grad()
+            if cold and step:       # every state was read back from the disk in this step
+                state_bytes = sum(store.spec(k).nbytes for k in store.keys())
+                assert store.engine.stats()["bytes_read"] - before >= state_bytes
         return params
 
     ref = run(None, lambda ps, **kw: torch.optim.AdamW(ps, foreach=False, **kw))
