@@ -10,6 +10,10 @@ once, in turn; tables report medians):
   to the disk as they are: zeros and random bytes wrote at the same speed here) then ``sync``,
   cold reads through ``pipeline(mode="r")``; no copy either way, like the probe and the peers,
   which write and read buffers they hold. This row is the store in the paired table;
+* ``TensorNVMe store pipeline``: ``NVMeStore(dir, engine="tensornvme")`` (a TensorNVMeStore)
+  driven the same way: its writes end with its ``sync`` (fdatasync of TensorNVMe's file, page
+  cache dropped); its reads are cold and each read block is written back under its key (the
+  adapter's non-destructive read, docs/nvme.md "TensorNVMe"), into the page cache;
 * ``NVMeStore put / get``: the user API on the same states: ``put`` copies a tensor into the
   ring (then ``sync``), ``get`` copies into a new tensor. The copy runs while the disk
   transfers the previous chunk and, on this virtual disk, slows it (a 256 MiB write from a
@@ -19,6 +23,8 @@ once, in turn; tables report medians):
 * ``torch.save``/``torch.load`` and ``safetensors`` ``save_file``/``load_file`` (+ fsync);
 * ``deepspeed-aio`` and ``tensornvme`` (DiskOffloader, write + fsync / cold read), when they
   import in ``benchmarks/.venv-peers`` (see ``docs/nvme.md``); run in a worker process there.
+  Without that environment, TensorNVMe's DiskOffloader runs in this process when it imports
+  here (``make setup`` builds it).
 
 Each repetition runs the contestants in a new random order (seeded, so runs are repeatable),
 so that none always runs first or after the same neighbour (figures here shift with what ran
@@ -365,7 +371,7 @@ def main() -> None:
             s_.close()
         stores.clear()
 
-    def store(size, qd=None, bs=None, keep=False, api="pipeline"):
+    def store(size, qd=None, bs=None, keep=False, api="pipeline", engine=None):
         """NVMeStore at its defaults, or with queue_depth ``qd`` and block_size ``bs``, holding
         ``size`` bytes as 64 MiB states. ``api="pipeline"``: the store's own I/O as an
         optimizer step drives it: writes through ``pipeline(mode="w")`` (the bytes written
@@ -378,7 +384,7 @@ def main() -> None:
         ``--files fresh`` every call makes a new store (new files)."""
         n = max(1, size // (64 << 20))
         per = size // n // 4
-        key = (size, qd, bs, api)
+        key = (size, qd, bs, api, engine)
         if fresh and key in stores:
             stores.pop(key).close()
         new_store = key not in stores
@@ -387,6 +393,9 @@ def main() -> None:
                 stores.pop(k_).close()
             kw = {k: v for k, v in (("queue_depth", qd), ("block_size", bs)) if v is not None}
             sub = f"store-{api}" + ("" if not kw else f"-qd{qd}-bs{bs >> 20}M")
+            if engine is not None:
+                kw["engine"] = engine
+                sub += f"-{engine}"
             stores[key] = ss.NVMeStore(os.path.join(root, sub), **kw)
             stores[key].create_many([(f"p{i}/exp_avg", (per,), torch.float32, None) for i in range(n)])
         st = stores[key]
@@ -423,7 +432,7 @@ def main() -> None:
             drain(units, "r")
         r = size / (time.perf_counter() - t0) / 1e9
         stats = st.stats()
-        if stats["huge_page_bytes"] < stats["pinned_bytes"]:
+        if stats.get("huge_page_bytes", stats["pinned_bytes"]) < stats["pinned_bytes"]:
             note = (f"NVMeStore ring at {_fmt_size(size)}: {stats['huge_page_bytes'] >> 20} of "
                     f"{stats['pinned_bytes'] >> 20} MiB on huge pages")
             if note not in notes:
@@ -509,6 +518,30 @@ def main() -> None:
         _rm(path)
         return w, r
 
+    def tensornvme_raw(size, qd=32):
+        """TensorNVMe's DiskOffloader in this process (no peers environment): one tensor
+        written (+ fsync, which it does not do itself) and read back cold."""
+        from tensornvme import DiskOffloader
+        d = os.path.join(root, "tn-raw")
+        _rm(d)
+        os.makedirs(d)
+        off = DiskOffloader(d, n_entries=qd, backend="uring")
+        t = torch.empty(size // 4, dtype=torch.float32).uniform_()
+        t0 = time.perf_counter()
+        off.async_write(t)
+        off.synchronize()
+        (fname,) = os.listdir(d)
+        _fsync(os.path.join(d, fname))
+        w = size / (time.perf_counter() - t0) / 1e9
+        _drop(os.path.join(d, fname))
+        t0 = time.perf_counter()
+        off.async_read(t)
+        off.synchronize()      # its sync_read_events() waits for write events only
+        r = size / (time.perf_counter() - t0) / 1e9
+        del off, t
+        _rm(d)
+        return w, r
+
     def peer(kind, size, **kw):
         path = os.path.join(root, "ds.bin" if kind == "deepspeed" else "tn")
         if kind == "deepspeed":
@@ -527,6 +560,13 @@ def main() -> None:
             f"{params['block_size'].default >> 20} MiB")
     contestants.append((f"NVMeStore pipeline ({dflt})", store))
     store_name = contestants[-1][0]
+    tn_reason = ss.io.probe_engine("tensornvme")
+    if tn_reason is None:
+        contestants.append(("TensorNVMe store pipeline (NVMeStore engine=\"tensornvme\", "
+                            "budget 256 MiB, 1 MiB blocks)",
+                            lambda s: store(s, engine="tensornvme")))
+    else:
+        notes.append(f"TensorNVMe store: skipped ({tn_reason})")
     contestants.append((f"NVMeStore put / get, copies in and out ({dflt})",
                         lambda s: store(s, api="put")))
     contestants.append(("probe: O_DIRECT pwrite/pread, 1 thread", probe))
@@ -551,6 +591,8 @@ def main() -> None:
         notes.append(f"deepspeed aio: skipped ({peers.status.get('deepspeed')})")
     if peers is not None and peers.status.get("tensornvme") is None:
         contestants.append(("tensornvme DiskOffloader (uring)", lambda s: peer("tensornvme", s, qd=32)))
+    elif tn_reason is None:
+        contestants.append(("tensornvme DiskOffloader (uring), in process", tensornvme_raw))
     elif peers is not None:
         notes.append(f"tensornvme: skipped ({peers.status.get('tensornvme')})")
 
@@ -609,6 +651,9 @@ def main() -> None:
                 cells += [med(ws), med(rs)]
             print(f"| {name} | " + " | ".join(cells) + " |")
         print_paired(paired, store_name, results)
+        for name, _ in contestants:
+            if name.startswith("TensorNVMe store"):
+                print_paired(paired, name, results)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({_fmt_size(s): reps for s, reps in paired.items()}, f, indent=1)

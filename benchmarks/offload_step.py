@@ -1,4 +1,5 @@
-"""Optimizer step time and peak RSS with states in RAM, fully on disk, and half on disk.
+"""Optimizer step time and peak RSS with states in RAM, fully on disk, and half on disk (and
+fully on disk through TensorNVMe, ``NVMeStore(dir, engine="tensornvme")``, when it is installed).
 
 A GPT-2-small-shaped set of fp32 parameters (124M, built here from the model's shapes; no
 transformers needed), CPUAdam, fixed gradients. Each configuration runs in its own process (so
@@ -90,6 +91,8 @@ def worker(cfg: dict) -> None:
         opt = CPUAdam(params, lr=1e-4)
     else:
         kw = {"budget_bytes": cfg["budget"]} if cfg.get("budget") else {}
+        if cfg.get("engine"):
+            kw["engine"] = cfg["engine"]
         store = (ss.TieredStore.from_fraction(frac, cfg["dir"], **kw) if frac < 1.0
                  else ss.NVMeStore(cfg["dir"], **kw))
         opt = CPUAdam(params, lr=1e-4, state_store=store)
@@ -176,17 +179,21 @@ def main() -> None:
         worker(json.loads(args.worker))
         return
     root = tempfile.mkdtemp(prefix="offload-step-", dir=args.dir or HERE)
-    configs = [("states in RAM", None), ("fully on disk (NVMeStore)", 1.0),
-               ("fraction 0.5 (TieredStore)", 0.5)]
-    res = {name: [] for name, _ in configs}
+    configs = [("states in RAM", None, None), ("fully on disk (NVMeStore)", 1.0, None),
+               ("fraction 0.5 (TieredStore)", 0.5, None)]
+    sys.path.insert(0, os.path.dirname(HERE))
+    from statestore.io import probe_engine
+    if probe_engine("tensornvme") is None:
+        configs.append(("fully on disk (TensorNVMe store)", 1.0, "tensornvme"))
+    res = {name: [] for name, _, _ in configs}
     probes = []
     try:
         for rnd in range(args.rounds):
             probes.append(probe(root))
-            for name, frac in configs:
+            for name, frac, engine in configs:
                 d = os.path.join(root, f"s{rnd}")
                 os.makedirs(d, exist_ok=True)
-                cfg = dict(fraction=frac, dir=d, scale=args.scale, steps=args.steps,
+                cfg = dict(fraction=frac, engine=engine, dir=d, scale=args.scale, steps=args.steps,
                            threads=args.threads, budget=_parse_size(args.budget) if args.budget else None)
                 p = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker",
                                     json.dumps(cfg)], capture_output=True, text=True)
@@ -218,7 +225,7 @@ def main() -> None:
     print("| states | step (s) | step() returns (s) | peak RSS (MiB) | page cache grown (MiB) | "
           "read/step (MB) | written/step (MB) | I/O floor (s) | step / floor | overlap eff. |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for name, _ in configs:
+    for name, _, _ in configs:
         if not res[name]:
             print(f"| {name} | failed | | | | | | | | |")
             continue

@@ -4,6 +4,7 @@ Public API::
 
     import statestore as ss
     ss.DeviceStore, ss.PinnedCPUStore, ss.FileStore, ss.NVMeStore   # stores
+    ss.TensorNVMeStore (= NVMeStore(dir, engine="tensornvme")), ss.TieredStore
     ss.StateStore, ss.StateKey, ss.Slice                             # the interface
     ss.StateStoreError (and subclasses in statestore.errors)
     from statestore.optim import CPUAdam, HybridAdam
@@ -24,6 +25,11 @@ __all__ = ["StateStore", "StateKey", "StateSpec", "Slice", "DEFAULT_BUDGET_BYTES
 try:  # backends that land separately register here when present
     from .backends.nvme import NVMeStore  # noqa: F401
     __all__.append("NVMeStore")
+except ImportError:  # pragma: no cover
+    pass
+try:  # NVMeStore(dir, engine="tensornvme") builds one; importable without tensornvme
+    from .backends.tensornvme import TensorNVMeStore  # noqa: F401
+    __all__.append("TensorNVMeStore")
 except ImportError:  # pragma: no cover
     pass
 try:

@@ -46,6 +46,12 @@ BACKENDS: List[Tuple[str, Factory]] = [
 # one line each. Budgets are kept small so tests stay fast and exercise chunking.
 if hasattr(ss, "NVMeStore"):
     BACKENDS.append(("nvme", lambda tmp: ss.NVMeStore(str(tmp / "nvme"), budget_bytes=1 << 20)))
+# TensorNVMe (built by `make setup`): NVMeStore(dir, engine="tensornvme") is a TensorNVMeStore.
+# `make test` sets STATESTORE_REQUIRE_TENSORNVME=1, and then its absence fails the run
+# (tests/test_tensornvme.py) instead of leaving this line out.
+if hasattr(ss, "TensorNVMeStore") and ss.io.probe_engine("tensornvme") is None:
+    BACKENDS.append(("tensornvme", lambda tmp: ss.NVMeStore(str(tmp / "tnvme"), engine="tensornvme",
+                                                            budget_bytes=1 << 20)))
 if hasattr(ss, "TieredStore"):
     BACKENDS.append(("tiered", lambda tmp: ss.TieredStore(
         [(ss.DeviceStore("cpu"), 0.5), (SimDiskStore(budget_bytes=SIM_BUDGET), 0.5)])))

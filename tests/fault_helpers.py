@@ -40,12 +40,15 @@ STORE_KINDS = ["file", "nvme", "tiered"]
 
 def make_store(kind: str, directory: str, engine: str = "auto",
                budget: int = NVME_BUDGET) -> ss.StateStore:
-    """``file``: FileStore; ``nvme``: NVMeStore; ``tiered``: half in RAM, half in an
-    NVMeStore (ColossalAI's ``nvme_offload_fraction=0.5``). Files under ``directory``."""
+    """``file``: FileStore; ``nvme``: NVMeStore; ``tensornvme``: NVMeStore(engine="tensornvme"),
+    a TensorNVMeStore; ``tiered``: half in RAM, half in an NVMeStore (ColossalAI's
+    ``nvme_offload_fraction=0.5``). Files under ``directory``."""
     if kind == "file":
         return ss.FileStore(directory)
     if kind == "nvme":
         return ss.NVMeStore(directory, engine=engine, budget_bytes=budget)
+    if kind == "tensornvme":        # a TensorNVMeStore (its engine is always TensorNVMe)
+        return ss.NVMeStore(directory, engine="tensornvme", budget_bytes=budget)
     if kind == "tiered":
         return ss.TieredStore([(ss.DeviceStore("cpu"), 0.5),
                                (ss.NVMeStore(directory, engine=engine, budget_bytes=budget),

@@ -241,6 +241,23 @@ def _cli(*argv) -> Tuple[int, str]:
     return code, err.getvalue()
 
 
+class _KeyedEngine(ss.io.IOEngine):
+    """An engine that does not write at the offsets asked (as TensorNVMe's keyed bytes)."""
+    name = "keyed"
+    writes_in_place = False
+
+    def _submit(self, *a):      # pragma: no cover - never reached
+        raise AssertionError("a keyed engine got a (file, offset) request")
+
+    def _close(self):
+        pass
+
+
+def _no_tensornvme() -> Optional[str]:
+    reason = ss.io.probe_engine("tensornvme")
+    return None if reason is None else f"tensornvme: {reason}"
+
+
 def _no_cuda() -> Optional[str]:
     return "CUDA is available here" if torch.cuda.is_available() else None
 
@@ -478,6 +495,23 @@ def _stores() -> List[Row]:
             ("budget_bytes", "100"), lambda c: ss.NVMeStore(c.path("n"), budget_bytes=100)),
         Row("nvme-direct", 'NVMeStore(direct="yes")', StateStoreValueError, ("direct",),
             lambda c: ss.NVMeStore(c.path("n"), direct="yes")),
+        Row("nvme-engine-keyed", "NVMeStore(engine=an IOEngine with writes_in_place=False)",
+            StateStoreValueError, ("does not write in place", "tensornvme"),
+            lambda c: ss.NVMeStore(c.path("n"), engine=_KeyedEngine())),
+        Row("tensornvme-direct", 'NVMeStore(engine="tensornvme", direct=True)',
+            StateStoreValueError, ("direct", "O_DIRECT"),
+            lambda c: ss.NVMeStore(c.path("n"), engine="tensornvme", direct=True),
+            skip=_no_tensornvme),
+        Row("tensornvme-keep-files", 'NVMeStore(engine="tensornvme", keep_files=True)',
+            StateStoreValueError, ("keep_files",),
+            lambda c: ss.NVMeStore(c.path("n"), engine="tensornvme", keep_files=True),
+            skip=_no_tensornvme),
+        Row("tensornvme-block-bytes", "TensorNVMeStore(block_bytes=5000)", StateStoreValueError,
+            ("block_bytes", "5000"), lambda c: ss.TensorNVMeStore(c.path("n"), block_bytes=5000),
+            skip=_no_tensornvme),
+        Row("io-make-engine-tensornvme", 'statestore.io.make_engine("tensornvme")',
+            StateStoreValueError, ("keyed", "TensorNVMeStore"),
+            lambda c: ss.io.make_engine("tensornvme")),
         Row("tiered-not-sequence", "TieredStore(None)", StateStoreValueError, ("tiers",),
             lambda c: ss.TieredStore(None)),
         Row("tiered-empty", "TieredStore([])", StateStoreValueError, ("tiers",),

@@ -275,18 +275,11 @@ def test_sync_write_and_drop_cache(d):
         assert f.size() == 4096 * 4
 
 
-@pytest.mark.skipif(probe_engine("tensornvme") is not None, reason="tensornvme not installed")
-def test_tensornvme_adapter(d):
-    with make_engine("tensornvme", directory=d) as eng, IOFile(os.path.join(d, "t"), create=True) as f:
-        assert not eng.writes_in_place
-        src = alloc_buffer(4096 * 3)
-        src.tensor.copy_(_rand_bytes(4096 * 3, 5))
-        dst = alloc_buffer(4096 * 3)
-        eng.write(f, src, 8192).result(timeout=30)
-        eng.read(f, dst, 8192).result(timeout=30)
-        assert torch.equal(src.tensor, dst.tensor)
-        with pytest.raises(StateStoreIOError):
-            eng.read(f, dst, 0).result(timeout=30)
+def test_make_engine_refuses_keyed_tensornvme():
+    """TensorNVMe cannot serve (file, offset) requests: make_engine says so and points at the
+    store and the keyed interface made for it (tests/test_tensornvme.py tests those)."""
+    with pytest.raises(StateStoreValueError, match="keyed.*TensorNVMeStore"):
+        make_engine("tensornvme")
 
 
 @pytest.mark.parametrize("nbytes", [1, 4096, (2 << 20) - 1, 2 << 20, (8 << 20) + 4097])

@@ -1,4 +1,4 @@
-"""Directory set-up shared by the file-backed backends (FileStore, NVMeStore).
+"""Directory set-up shared by the file-backed backends (FileStore, NVMeStore, TensorNVMeStore).
 
 **Files of stores that never closed.** A store that dies without ``close()`` (``kill -9``, a
 crash, an out-of-memory kill) leaves its state files behind: as large as the optimizer states,
@@ -6,7 +6,8 @@ and nothing would ever remove them, so a job that restarts after each crash fill
 Each open store therefore holds a lock file ``<dir>/.statestore-<store id>.lock`` (an
 exclusive ``flock``, released by the kernel when the process dies, whatever the cause), and
 every new store first reclaims what dead ones left in its directory: the files
-``states-<id>-*.safetensors`` of every lock file nobody holds, then the lock file (a
+``states-<id>-*.safetensors`` (a TensorNVMeStore's: ``states-<id>-tensornvme``) of every lock
+file nobody holds, then the lock file (a
 ``RuntimeWarning`` says what was removed). Temporary directories (``dir=None``) of dead
 stores are removed likewise. Never touched: files of live stores (their lock is held), and
 anything without a lock file: files of ``keep_files=True`` stores (which take no lock),
@@ -122,7 +123,8 @@ def reclaim_stale(directory: str) -> Tuple[int, int]:
             continue
         try:
             if not m.group(2):      # a complete lock file: its store's files go
-                for f in glob.glob(os.path.join(directory, f"states-{m.group(1)}-*.safetensors")):
+                for f in (glob.glob(os.path.join(directory, f"states-{m.group(1)}-*.safetensors"))
+                          + glob.glob(os.path.join(directory, f"states-{m.group(1)}-tensornvme"))):
                     try:
                         size = os.stat(f).st_size
                         os.unlink(f)

@@ -1,7 +1,9 @@
 """Asynchronous direct I/O for statestore's disk stores.
 
 * :func:`make_engine` / :func:`available_engines` / :class:`IOEngine`: io_uring, libaio and a
-  thread pool (``statestore._C_io``), plus TensorNVMe when it is installed;
+  thread pool (``statestore._C_io``);
+* :class:`TensorNVMeEngine`: TensorNVMe (when installed) behind a keyed interface that contains
+  its defects (the engine of ``TensorNVMeStore``);
 * :class:`IOFile`: O_DIRECT where the filesystem supports it, buffered with one warning and the
   page cache dropped otherwise;
 * :func:`alloc_buffer`: 4096-aligned, optionally page-locked host buffers.
@@ -20,6 +22,7 @@ from .engine import (
     probe_engine,
 )
 from .files import DIRECT_ALIGNMENT, IOFile, drop_page_cache
+from ._tensornvme import TensorNVMeEngine
 
 __all__ = [
     "ALIGNMENT",
@@ -28,6 +31,7 @@ __all__ = [
     "ENGINE_NAMES",
     "IOEngine",
     "IOFuture",
+    "TensorNVMeEngine",
     "NativeEngine",
     "PyThreadsEngine",
     "available_engines",

@@ -11,9 +11,12 @@ Order of calls on an :class:`IOEngine`:
 2) ``close()``: waits for every request, then releases the engine. Also a context manager.
 
 Engines: ``io_uring`` (liburing), ``libaio`` (Linux native AIO) and ``threads`` (a pool of
-pread/pwrite workers), all in ``statestore._C_io``; ``tensornvme`` when that package is
-installed (see :mod:`statestore.io._tensornvme`); ``pythreads``, a pure-Python pool that stands in
-for ``threads`` when the extension is not built.
+pread/pwrite workers), all in ``statestore._C_io``; ``pythreads``, a pure-Python pool that
+stands in for ``threads`` when the extension is not built. ``tensornvme`` (when that package is
+installed) is probed and listed here too, but it is a *keyed* engine, not an ``IOEngine``: it
+cannot write at a file's offsets (see :mod:`statestore.io._tensornvme`), so
+:func:`make_engine` refuses it and ``NVMeStore(dir, engine="tensornvme")`` builds the store
+made for it, :class:`~statestore.backends.tensornvme.TensorNVMeStore`.
 
 Large requests are split into ``block_size`` blocks with at most ``queue_depth`` in flight;
 short transfers are retried, and a read past the end of the file fails with ``ENODATA``.
@@ -87,8 +90,8 @@ class IOEngine(abc.ABC):
     """Reads into / writes from host buffers at file offsets, asynchronously."""
 
     name: str = "?"
-    #: True when writes land at (file, offset) as asked; False for keyed engines (tensornvme),
-    #: whose data lives in the engine's own file and can only be read back through it.
+    #: True when writes land at (file, offset) as asked. NVMeStore reads slices of its named
+    #: files and hard-links them into checkpoints: it refuses an engine where this is False.
     writes_in_place: bool = True
 
     def __init__(self) -> None:
@@ -418,8 +421,10 @@ def make_engine(name: str = "auto", *, queue_depth: int = DEFAULT_QUEUE_DEPTH,
                 directory: str | None = None) -> IOEngine:
     """Builds engine ``name``: ``"auto"`` (the first of io_uring, libaio, threads that works
     here, overridable with the environment variable ``STATESTORE_IO_ENGINE``), ``"io_uring"``,
-    ``"libaio"``, ``"threads"`` or ``"tensornvme"`` (which needs ``directory``, where it keeps its
-    own file). Raises :class:`StateStoreIOError` with the reason when the engine cannot work."""
+    ``"libaio"`` or ``"threads"``. Raises :class:`StateStoreIOError` with the reason when the
+    engine cannot work, and :class:`StateStoreValueError` for ``"tensornvme"``, a keyed engine
+    that cannot serve file offsets (``NVMeStore(dir, engine="tensornvme")`` is the store built
+    on it). ``directory`` is accepted for compatibility and unused."""
     if not isinstance(name, str):
         raise StateStoreValueError(f"engine must be a str, got {type(name).__name__}")
     for arg, v in (("queue_depth", queue_depth), ("block_size", block_size), ("threads", threads)):
@@ -441,8 +446,11 @@ def make_engine(name: str = "auto", *, queue_depth: int = DEFAULT_QUEUE_DEPTH,
     if name not in ENGINE_NAMES:
         raise StateStoreValueError(f"engine must be one of {('auto',) + ENGINE_NAMES}, got {name!r}")
     if name == "tensornvme":
-        from . import _tensornvme
-        return _tensornvme.TensorNVMeEngine(directory=directory, queue_depth=queue_depth)
+        raise StateStoreValueError(
+            "engine 'tensornvme' is keyed: TensorNVMe stores bytes under keys at offsets of its "
+            "own choosing and cannot read or write a file's offsets, so it is no IOEngine; "
+            "NVMeStore(dir, engine='tensornvme') builds a TensorNVMeStore on it, and "
+            "statestore.io.TensorNVMeEngine is its keyed interface")
     if name == "threads" and native is None:
         warnings.warn(f"statestore: {native_error}; engine 'threads' uses the pure-Python pool",
                       RuntimeWarning, stacklevel=2)
