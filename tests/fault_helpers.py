@@ -681,17 +681,39 @@ def _linked(ck: str, sdir: str) -> bool:
                for n in os.listdir(ck) if n.startswith("shard-"))
 
 
-def job_disk_full_after_linked_save(kind: str, root: str, out: str) -> None:
-    """Issue 18.1 / 20.2 on a real full filesystem (a private tmpfs, which links and
-    reserves like ext4): after a linked save, the disk fills; the next step must fail before
-    it changes anything (naming bytes needed and free), and succeed once space is freed,
-    exactly. A linked save whose copy-on-write would not fit is refused up front, writing
-    nothing; with room again it succeeds and training goes on exactly."""
+def mount_ext4_loop(path: str, nbytes: int) -> Optional[str]:
+    """A fresh ext4 filesystem of ``nbytes`` in a file, loop-mounted at ``path`` (inside a
+    private mount namespace: it vanishes with the process). No blocks reserved for root, so
+    "full" means full for root too. ``None`` when done, else why not."""
+    import subprocess
+    img = path + ".img"
+    os.makedirs(path, exist_ok=True)
+    with open(img, "wb") as f:
+        f.truncate(nbytes)
+    for cmd in (["mkfs.ext4", "-q", "-F", "-m", "0", img], ["mount", "-o", "loop", img, path]):
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.SubprocessError) as e:
+            return f"{cmd[0]}: {e}"
+        if r.returncode != 0:
+            return f"{' '.join(cmd[:2])}: {r.stderr.strip()[:200]}"
+    return None
+
+
+def job_disk_full_after_linked_save(kind: str, root: str, out: str, fs: str = "tmpfs") -> None:
+    """Issue 18.1 / 20.2 on a real full filesystem (a private tmpfs, or an ext4 loop mount):
+    after a linked save, the disk fills; the next step must fail before it changes anything
+    (naming bytes needed and free), and succeed once space is freed, exactly. A linked save
+    whose copy-on-write would not fit is refused up front, writing nothing; with room again
+    it succeeds and training goes on exactly."""
     torch.set_num_threads(1)
     res: Dict[str, Any] = {}
     why = private_mounts()
     mnt = os.path.join(root, "mnt")
-    why = why or mount_tmpfs(mnt, 8 << 20)
+    if fs == "ext4":
+        why = why or mount_ext4_loop(mnt, 16 << 20)
+    else:
+        why = why or mount_tmpfs(mnt, 8 << 20)
     if why:
         _dump(out, {"skip": why})
         return

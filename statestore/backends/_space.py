@@ -18,14 +18,18 @@ __all__ = ["free_bytes", "no_space", "check_space", "reclaimable_bytes"]
 
 
 def free_bytes(path: str) -> Optional[int]:
-    """Bytes that may still be allocated on the filesystem of ``path`` (root may use the
-    blocks reserved for it); None where ``statvfs`` fails."""
-    try:
-        st = os.statvfs(path)
-    except OSError:
-        return None
-    blocks = st.f_bfree if os.geteuid() == 0 else st.f_bavail
-    return blocks * st.f_frsize
+    """Bytes that may still be allocated on the filesystem of ``path`` (or of its directory,
+    when ``path`` is a file that does not exist); None where ``statvfs`` fails. Counted as
+    for an unprivileged user (``f_bavail``): blocks a filesystem keeps back (ext4's root
+    reserve, and the clusters it reserves for itself, which ``f_bfree`` still counts) are
+    not promised, so the check never passes where the reservation then fails."""
+    for p in (path, os.path.dirname(path)):
+        try:
+            st = os.statvfs(p)
+        except OSError:
+            continue
+        return st.f_bavail * st.f_frsize
+    return None
 
 
 def _human(n: int) -> str:
