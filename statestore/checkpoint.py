@@ -101,10 +101,20 @@ def _commit(fs, f, tmp: str, final: str) -> None:
     fs.mv(tmp, final)
 
 
+class _Bar(tqdm):
+    """tqdm with a lock of this process only. tqdm's default lock includes a multiprocessing
+    semaphore that forked processes share: one killed (``kill -9``) while it held it, in the
+    middle of creating a bar, left it held forever, and every sibling's next save or load then
+    hung creating its own bar (seen in ``benchmarks/soak.py``)."""
+
+
+_Bar.set_lock(threading.RLock())
+
+
 def _progress(total: int, desc: str, enabled: Optional[bool]):
     """A byte progress bar: ``enabled=True`` at once, ``None`` only for work over a second,
     ``False`` never."""
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True,
+    return _Bar(total=total, desc=desc, unit="B", unit_scale=True,
                 delay=0.0 if enabled is True else 1.0, disable=(enabled is False), leave=False)
 
 
