@@ -149,7 +149,7 @@ def weights_path(ck: str, step: int) -> str:
     return f"{ck}.weights-{step}.safetensors"
 
 
-def save(store, named, ck: str, step: int) -> None:
+def save(store, named, ck: str, step: int, link: bool = True) -> None:
     """The model weights (atomically: temporary name, fsync, rename) then the optimizer
     checkpoint; the checkpoint's step counts name the weights file that goes with it."""
     from safetensors.torch import save_file
@@ -159,7 +159,7 @@ def save(store, named, ck: str, step: int) -> None:
     os.fsync(fd)
     os.close(fd)
     os.replace(w + ".tmp", w)
-    store.save_checkpoint(ck, progress=False)
+    store.save_checkpoint(ck, progress=False, link=link)
 
 
 def checkpoint_step(ck: str) -> int:
@@ -389,7 +389,10 @@ def job_fsize_step(kind: str, root: str, out: str) -> None:
     opt.step()                                   # the same gradients: step 0 again
     opt.zero_grad()
     train(opt, named, 1, 2)
-    save(store, named, ck, 3)
+    # Copied, not linked: the steps below then write inside the store's existing files (after
+    # a linked save, the first write reserves new files and fails before changing anything:
+    # tests/test_reliability.py).
+    save(store, named, ck, 3, link=False)
     _limit_file_size(16 << 10)
     errors = []
     try:
@@ -674,9 +677,102 @@ def job_hold_stores(root: str, marker: str) -> None:
         time.sleep(1)
 
 
+def _linked(ck: str, sdir: str) -> bool:
+    """Whether some shard of ``ck`` is a hard link of a file of the store in ``sdir``."""
+    inodes = {os.stat(os.path.join(sdir, n)).st_ino for n in state_files(sdir)}
+    return any(os.stat(os.path.join(ck, n)).st_ino in inodes
+               for n in os.listdir(ck) if n.startswith("shard-"))
+
+
+def mount_ext4_loop(path: str, nbytes: int) -> Optional[str]:
+    """A fresh ext4 filesystem of ``nbytes`` in a file, loop-mounted at ``path`` (inside a
+    private mount namespace: it vanishes with the process). No blocks reserved for root, so
+    "full" means full for root too. ``None`` when done, else why not."""
+    import subprocess
+    img = path + ".img"
+    os.makedirs(path, exist_ok=True)
+    with open(img, "wb") as f:
+        f.truncate(nbytes)
+    for cmd in (["mkfs.ext4", "-q", "-F", "-m", "0", img], ["mount", "-o", "loop", img, path]):
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.SubprocessError) as e:
+            return f"{cmd[0]}: {e}"
+        if r.returncode != 0:
+            return f"{' '.join(cmd[:2])}: {r.stderr.strip()[:200]}"
+    return None
+
+
+def job_disk_full_after_linked_save(kind: str, root: str, out: str, fs: str = "tmpfs") -> None:
+    """Issue 18.1 / 20.2 on a real full filesystem (a private tmpfs, or an ext4 loop mount):
+    after a linked save, the disk fills; the next step must fail before it changes anything
+    (naming bytes needed and free), and succeed once space is freed, exactly. A linked save
+    whose copy-on-write would not fit is refused up front, writing nothing; with room again
+    it succeeds and training goes on exactly."""
+    torch.set_num_threads(1)
+    res: Dict[str, Any] = {}
+    why = private_mounts()
+    mnt = os.path.join(root, "mnt")
+    if fs == "ext4":
+        why = why or mount_ext4_loop(mnt, 16 << 20)
+    else:
+        why = why or mount_tmpfs(mnt, 8 << 20)
+    if why:
+        _dump(out, {"skip": why})
+        return
+    warm_up(root)
+    sdir, ck, ck2 = (os.path.join(mnt, n) for n in ("store", "ck", "ck2"))
+    ballast = os.path.join(mnt, "ballast")
+    store = make_store(kind, sdir)
+    named = make_params()
+    opt = make_opt(named, store)
+    train(opt, named, 0, 2)
+    store.save_checkpoint(ck, progress=False)
+    res["linked"] = _linked(ck, sdir)
+    fill(ballast, 64 << 10)
+    before = {n: p.detach().clone() for n, p in named}
+    files_before = state_files(sdir)
+    set_grads(named, 2)
+    try:
+        opt.step()
+        res["step_error"] = None
+    except BaseException as e:  # noqa: BLE001
+        res["step_error"] = describe(e)
+    res["params_unchanged"] = all(torch.equal(p, before[n]) for n, p in named)
+    res["files_unchanged"] = state_files(sdir) == files_before
+    os.unlink(ballast)
+    try:
+        opt.step()                      # the same step 2, now with room
+        opt.zero_grad()
+        train(opt, named, 3, 1)
+        res["retry_error"] = None
+    except BaseException as e:  # noqa: BLE001
+        res["retry_error"] = describe(e)
+    res["differences"] = differences(snapshot(named, store), reference(4))
+    res["ck_verify"] = verify_checkpoint(ck, progress=False)
+    res["ck_differences"] = differences(states_of_checkpoint(ck), reference(2), "state:")
+    # A linked save into a new path: copy-on-write will need a new file per linked file.
+    fill(ballast, 64 << 10)
+    try:
+        store.save_checkpoint(ck2, progress=False)
+        res["save_error"] = None
+    except BaseException as e:  # noqa: BLE001
+        res["save_error"] = describe(e)
+    res["ck2_listing"] = _listing(ck2)
+    os.unlink(ballast)
+    store.save_checkpoint(ck2, progress=False)
+    train(opt, named, 4, 1)
+    res["ck2_verify"] = verify_checkpoint(ck2, progress=False)
+    res["ck2_differences"] = differences(states_of_checkpoint(ck2), reference(4), "state:")
+    res["final_differences"] = differences(snapshot(named, store), reference(5))
+    store.close()
+    _dump(out, res)
+
+
 JOBS = {"hold_stores": job_hold_stores, "fsize_step": job_fsize_step, "fsize_save": job_fsize_save,
         "disk_full": job_disk_full, "read_only": job_read_only, "truncate": job_truncate,
-        "kill_in_step": job_kill_in_step}
+        "kill_in_step": job_kill_in_step,
+        "disk_full_after_linked_save": job_disk_full_after_linked_save}
 
 
 class Zygote(H.Zygote):

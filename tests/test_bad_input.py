@@ -181,7 +181,10 @@ def _rewrite_manifest(path: str, rows_fn=None, meta_fn=None) -> None:
         table = pa.Table.from_pylist(rows_fn(table.to_pylist()), schema=table.schema)
     if meta_fn is not None:
         meta_fn(meta)
-    pq.write_table(table.replace_schema_metadata(meta), mpath)
+    # Resealed: the manifest's own checksum is recomputed, so each row reaches the check it
+    # is about (an altered manifest that is not resealed is refused by its checksum).
+    from statestore._manifest_digest import sealed
+    pq.write_table(sealed(table.replace_schema_metadata(meta)), mpath)
 
 
 def _set_metadata(path: str, meta_obj) -> None:

@@ -70,6 +70,10 @@ class FileStore(SlabStore):
                     os.unlink(path)
                 except OSError:
                     pass
+            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+                from ._space import no_space     # bytes needed and free
+                raise no_space(f"FileStore: cannot create {path}", path, size,
+                               code=e.errno) from e
             if isinstance(e, OSError):
                 raise StateStoreIOError(e.errno, f"FileStore: cannot create {path} ({size} bytes): "
                                         f"{e.strerror}", path) from e

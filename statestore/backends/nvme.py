@@ -39,6 +39,7 @@ from ..errors import StateStoreIOError, StateStoreValueError
 from ..io import IOEngine, IOFile, alloc_buffer, make_engine
 from ..store import LinkableFile, StateStore
 from ._dirs import StoreLock, create_laid_out, prepare_dir
+from ._space import check_space, no_space, reclaimable_bytes
 
 __all__ = ["NVMeStore"]
 
@@ -262,26 +263,40 @@ class NVMeStore(StateStore):
     def _allocate(self, entries: Sequence[Tuple[StateKey, StateSpec]]) -> None:
         # Files of at most _MAX_FILE_DATA bytes of states (a larger state gets a file of its
         # own): the bound of a checkpoint shard, so a checkpoint can link them (docs/nvme.md).
-        batch: List[Tuple[StateKey, StateSpec]] = []
+        batches: List[List[Tuple[StateKey, StateSpec]]] = []
         size = 0
         for k, spec in entries:
-            if batch and size + spec.nbytes > _MAX_FILE_DATA:
-                self._allocate_file(batch)
-                batch, size = [], 0
-            batch.append((k, spec))
+            if not batches or (batches[-1] and size + spec.nbytes > _MAX_FILE_DATA):
+                batches.append([])
+                size = 0
+            batches[-1].append((k, spec))
             size += spec.nbytes
-        if batch:
-            self._allocate_file(batch)
+        lays = [self._layout_file(b) for b in batches]
+        # Every file's size is known before the first is created: a filesystem that cannot
+        # hold them all refuses now, naming bytes needed and free, with nothing written.
+        first = os.path.join(self.dir, f"states-{self._id}-{self._nfiles:05d}.safetensors")
+        more = f" and {len(lays) - 1} more state file(s)" if len(lays) > 1 else ""
+        check_space(f"NVMeStore: creating {first}{more} for {len(entries)} state(s)", self.dir,
+                    sum(_round_up(lay.file_size) for lay in lays))
+        created: List[_StateFile] = []
+        try:
+            for lay in lays:
+                created.append(self._new_file(lay.header, _round_up(lay.file_size)))
+        except BaseException:
+            for sf in created:          # all or nothing: no file of this batch stays
+                self._drop_file(sf, unlink=True)
+            raise
+        for batch, lay, sf in zip(batches, lays, created):
+            for k, _ in batch:
+                self._where[k] = (sf, lay.entries[str(k)].offset)
+                sf.keys.add(k)
 
-    def _allocate_file(self, entries: Sequence[Tuple[StateKey, StateSpec]]) -> None:
+    @staticmethod
+    def _layout_file(entries: Sequence[Tuple[StateKey, StateSpec]]):
         names = [(str(k), spec.dtype, spec.shape) for k, spec in entries]
         names.append((f"{PAD_PREFIX}end", torch.uint8, (0,)))
-        lay = layout(names, align=_ALIGN, pad_tensors=True, align_for=_data_alignment,
-                     metadata={"format": "statestore-nvmestore"})
-        sf = self._new_file(lay.header, _round_up(lay.file_size))
-        for k, _ in entries:
-            self._where[k] = (sf, lay.entries[str(k)].offset)
-            sf.keys.add(k)
+        return layout(names, align=_ALIGN, pad_tensors=True, align_for=_data_alignment,
+                      metadata={"format": "statestore-nvmestore"})
 
     def _new_file(self, header: bytes, size: int) -> _StateFile:
         """Create, reserve and open a state file holding ``header``."""
@@ -290,6 +305,9 @@ class NVMeStore(StateStore):
         try:
             fd = create_laid_out(path, size, header)
         except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise no_space(f"NVMeStore: cannot create {path}", path, size,
+                               code=e.errno) from e
             raise StateStoreIOError(e.errno, f"NVMeStore: cannot create {path} ({size} bytes): "
                                     f"{e.strerror}", path) from e
         try:
@@ -425,6 +443,11 @@ class NVMeStore(StateStore):
             self._wait_pending_key(s.key)
             n -= _ALIGN
             self._merge_tail_block(sf, off + n, self._bytes_view(src, nbytes)[n:])
+        elif n > nbytes:
+            # The last block of the state: its bytes past the state's end are the file's pad,
+            # which must stay zero (a linked shard's pads are checked by load and verify), and
+            # the ring holds stale bytes there. The pipeline gave this slice the whole block.
+            self._bytes_view(src, n)[nbytes:].zero_()
         if n == 0:
             return _done(nbytes)
         return self._engine.write(sf.file, self._bytes_view(src, n), off, n)
@@ -481,6 +504,50 @@ class NVMeStore(StateStore):
             self._finishing.pop(k, None)
 
     # ------------------------------------------------------------------ copy-on-write
+    def pipeline(self, units, mode: str = "rw", wait: bool = True):
+        # A pipeline that writes reserves what copy-on-write needs before it hands out the
+        # first unit: a step then completes or changes nothing, even on a full disk.
+        self._check_open()
+        if mode != "r":
+            self._reserve_successors()
+        return super().pipeline(units, mode=mode, wait=wait)
+
+    def _reserve_successors(self) -> None:
+        """Give every frozen file that still holds states its successor now (reserved in
+        full), so that no write of a step or a put creates a file half-way through. A frozen
+        file no checkpoint links any more (its save failed, or the checkpoint was removed:
+        only the store's own name is left) is thawed instead: written in place, as before the
+        save."""
+        need = []
+        for sf in list(self._files.values()):
+            if not sf.frozen or sf.successor is not None or not sf.keys:
+                continue
+            try:
+                alone = os.fstat(sf.file.fd).st_nlink == 1 and self._named(sf)
+            except OSError:
+                alone = False
+            if alone:
+                sf.frozen = False
+                sf.hashes = {}          # bytes of a thawed file change again
+            else:
+                need.append(sf)
+        if not need:
+            return
+        check_space(f"NVMeStore: copy-on-write of {need[0].path}"
+                    f"{f' and {len(need) - 1} more file(s)' if len(need) > 1 else ''}, linked "
+                    f"by a checkpoint (new files for the states' next writes)", self.dir,
+                    sum(sf.size for sf in need))
+        made: List[_StateFile] = []
+        try:
+            for sf in need:
+                sf.successor = self._new_file(sf.header, sf.size)
+                made.append(sf)
+        except BaseException:
+            for sf in made:
+                succ, sf.successor = sf.successor, None
+                self._drop_file(succ, unlink=True)
+            raise
+
     def _successor(self, sf: _StateFile) -> _StateFile:
         if sf.successor is None:
             sf.successor = self._new_file(sf.header, sf.size)
@@ -635,6 +702,14 @@ class NVMeStore(StateStore):
         # A file truncated (or removed, reported once) under the store raises here, as reading
         # its states for a copy would: a link must never make a damaged file a shard.
         self._check_files()
+        # A successor reserved but never written (no state of its frozen file was written
+        # since): let it go, the frozen file is still current and can be linked again.
+        for sf in [f for f in self._files.values() if f.frozen and f.successor is not None]:
+            succ = sf.successor
+            if not succ.keys and not any(k in self._cow for k in sf.keys) \
+                    and succ.path in self._files:
+                sf.successor = None
+                self._drop_file(succ, unlink=True)
         # A frozen file whose states were partly rewritten: move the rest to its successor,
         # so every file linked holds the current value of every state it has.
         for sf in [f for f in self._files.values() if f.frozen and f.successor is not None]:
@@ -642,11 +717,24 @@ class NVMeStore(StateStore):
         self._flush()
         wanted = set(keys)
         out = []
+        linked = []
         for sf in self._files.values():
             if not sf.keys or not sf.keys <= wanted or not self._named(sf):
                 continue
             if len(sf.keys) > 1 and sum(self._specs[k].nbytes for k in sf.keys) > shard_bytes:
                 continue
+            linked.append(sf)
+        # After this save, the next write of each linked file's states goes to a new file of
+        # the same size (copy-on-write): refuse the save now, before anything is linked,
+        # when the filesystem will not have that room once the save removed what it replaces.
+        cow = sum(sf.size for sf in self._files.values()
+                  if sf.keys and sf.successor is None and (sf.frozen or sf in linked))
+        if linked:
+            check_space(f"NVMeStore: a checkpoint in {root} linking {linked[0].path}"
+                        f"{f' and {len(linked) - 1} more file(s)' if len(linked) > 1 else ''} "
+                        f"(the store's next writes then copy them)", self.dir, cow,
+                        extra_free=reclaimable_bytes(root))
+        for sf in linked:
             rows = sorted(((k, self._where[k][1]) for k in sf.keys), key=lambda r: r[1])
             hashes = dict(sf.hashes)
             with self._hash_lock:

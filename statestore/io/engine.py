@@ -185,6 +185,36 @@ def _close_live_engines() -> None:
             pass
 
 
+def _reap(q, lock: threading.Lock, pending: dict) -> None:
+    """The reaper thread of a :class:`NativeEngine`: completes the futures of finished
+    requests until the queue is closed. It holds no reference to the engine."""
+    while True:
+        done = q.wait(1, 1024, 100)
+        if not done:
+            if q.closed:
+                return
+            continue
+        for rid, nbytes, err, msg in done:
+            with lock:
+                fut, _keep, path = pending.pop(rid, (None, None, None))
+            if fut is None:
+                continue
+            if err == 0:
+                fut.set_result(nbytes)
+            else:
+                fut.set_exception(_make_error(err, msg, path))
+        del done, fut, _keep
+
+
+def _close_queue(q, reaper_box: list) -> None:
+    """Close a native queue (waiting for its requests) and stop its reaper thread: at
+    ``close()``, or when the engine was dropped without it."""
+    q.close()
+    for t in reaper_box:
+        if t is not threading.current_thread():
+            t.join()
+
+
 class NativeEngine(IOEngine):
     """An engine of ``statestore._C_io``: ``io_uring``, ``libaio`` or ``threads``."""
 
@@ -208,6 +238,12 @@ class NativeEngine(IOEngine):
         self._pending: dict[int, tuple[IOFuture, Any, str]] = {}
         self._reaper: threading.Thread | None = None
         _live_engines.add(self)
+        # An engine dropped without close() (its store or optimizer became unreachable)
+        # still closes its queue: the reaper thread holds the queue, the lock and the
+        # pending map, never the engine, so nothing keeps an unreachable engine alive, and
+        # this finalizer references none of it either (no dependence on collection order).
+        self._reaper_box: list = []
+        self._finalizer = weakref.finalize(self, _close_queue, self._q, self._reaper_box)
 
     def _submit(self, op, file, ptr, nbytes, offset, keep, sync) -> IOFuture:
         flags = 0
@@ -226,35 +262,15 @@ class NativeEngine(IOEngine):
                 raise StateStoreValueError(str(e)) from e
             self._pending[rid] = (fut, keep, file.path)
             if self._reaper is None:
-                self._reaper = threading.Thread(target=self._reap, name=f"statestore-io-{self.name}",
-                                                daemon=True)
+                self._reaper = threading.Thread(target=_reap,
+                                                args=(self._q, self._lock, self._pending),
+                                                name=f"statestore-io-{self.name}", daemon=True)
+                self._reaper_box.append(self._reaper)
                 self._reaper.start()
         return fut
 
-    def _reap(self) -> None:
-        q = self._q
-        while True:
-            done = q.wait(1, 1024, 100)
-            if not done:
-                if q.closed:
-                    return
-                continue
-            for rid, nbytes, err, msg in done:
-                with self._lock:
-                    fut, _keep, path = self._pending.pop(rid, (None, None, None))
-                if fut is None:
-                    continue
-                if err == 0:
-                    fut.set_result(nbytes)
-                else:
-                    fut.set_exception(_make_error(err, msg, path))
-
     def _close(self) -> None:
-        with self._lock:
-            reaper = self._reaper
-        self._q.close()  # waits for every request (GIL released)
-        if reaper is not None:
-            reaper.join()
+        self._finalizer()    # waits for every request (GIL released), then stops the reaper
 
     def stats(self) -> dict:
         s = dict(self._q.stats())
