@@ -78,12 +78,14 @@ class RingArena:
     exactly ``capacity`` bytes.
     """
 
-    def __init__(self, buffer: torch.Tensor, align: int):
+    def __init__(self, buffer: torch.Tensor, align: int, budget: Optional[int] = None):
         if buffer.dtype != torch.uint8 or buffer.dim() != 1:
             raise StateStoreValueError("arena buffer must be a 1-D uint8 tensor")
         self.buffer = buffer
         self.capacity = buffer.numel()
         self.align = align
+        #: the store's ``budget_bytes`` (the ring may be smaller while the states are)
+        self.budget = budget if budget is not None else self.capacity
         self._head = 0                          # where the next region starts
         self._regions: Deque[list] = deque()    # [start, end, released], allocation order
 
@@ -95,9 +97,15 @@ class RingArena:
     def try_alloc(self, nbytes: int) -> Optional[Tuple[int, list]]:
         """Returns ``(offset, handle)``, or None when the ring has no room now."""
         nbytes = _round_up(max(nbytes, 1), self.align)
-        if nbytes > self.capacity:
+        if nbytes > self.budget:
             raise BudgetError(f"a pipeline unit of {nbytes} bytes exceeds the RAM budget of "
-                              f"{self.capacity} bytes; raise budget_bytes or use smaller units")
+                              f"{self.budget} bytes; raise budget_bytes or use smaller units")
+        if nbytes > self.capacity:
+            raise BudgetError(f"a pipeline unit of {nbytes} bytes exceeds the {self.capacity}-byte "
+                              f"ring of host buffers, sized for the states that existed when it "
+                              f"was allocated (budget_bytes is {self.budget}); it could not grow "
+                              f"because another pipeline still holds buffers in it: finish or "
+                              f"close that pipeline first")
         self._reclaim()
         if not self._regions:
             start = 0
@@ -203,7 +211,8 @@ class Pipeline:
         self._current: Optional[_Unit] = None
         self._closed = False
         if not self._resident:
-            self._arena: RingArena = store._arena()
+            need = max((sum(self._unit_bytes(u)) for u in self._units), default=0)
+            self._arena: RingArena = store._arena(need)
             try:
                 self._fill(block=not prefetch)
             except BaseException:

@@ -451,15 +451,27 @@ class StateStore(ABC):
             raise StateStoreValueError(f"slice of {s.key} starts at element {s.start}, not a "
                                        f"multiple of {self.alignment} bytes")
 
-    def _arena(self) -> RingArena:
-        """The pipeline's ring: ``budget_bytes``, or less while the states are smaller (it
-        grows, up to the budget, when more states exist and no buffer is in use)."""
+    def _arena(self, need: int = 0) -> RingArena:
+        """The pipeline's ring: ``budget_bytes``, or less while the states are smaller. It
+        grows, up to the budget, when more states exist or a pipeline needs a unit of
+        ``need`` bytes that it cannot hold: pending background writes (which hold ring
+        buffers) are waited for first, so that a ring sized when few states existed (a
+        ``load_state_dict`` creating states one parameter at a time) never refuses a unit
+        that fits the budget."""
         states = sum(-(-sp.nbytes // self.alignment) * self.alignment for sp in self._specs.values())
-        want = min(self.budget_bytes, states + (1 << 20) + 4 * self.alignment)
+        want = min(self.budget_bytes, max(states + (1 << 20) + 4 * self.alignment, need))
         ring = self._ring
+        if ring is not None and ring.capacity < want and ring.used:
+            self._poll_pending()
+            if ring.capacity < max(need, 1) <= self.budget_bytes:
+                # This pipeline cannot run in the ring as it is: wait for the writes that
+                # hold its buffers (their errors surface at the next call, as usual).
+                while self._wait_oldest_pending():
+                    pass
         if ring is None or (ring.capacity < want and not self._pending and ring.used == 0):
             self._ring = None           # release the old buffer before allocating the new
-            self._ring = RingArena(self._alloc_host_buffer(want), self.alignment)
+            self._ring = RingArena(self._alloc_host_buffer(want), self.alignment,
+                                   budget=self.budget_bytes)
         return self._ring
 
     # ------------------------------------------------------------------ background writes
