@@ -1087,6 +1087,10 @@ def load_checkpoint(store, path: str, *, progress: Optional[bool] = None,
     states of the parameters it owns at the group's size (the optimizer's partition,
     computed from the checkpoint's manifest; any world size the checkpoint was saved at),
     reading only their byte ranges; the others stay on disk until an optimizer asks for them.
+
+    An optimizer already attached to ``store`` (torch's order: build the optimizer, then
+    load) takes the checkpoint's step counts and param-group hyperparameters once the states
+    are loaded; it raises :class:`CheckpointMismatchError` when they do not fit it.
     """
     _check_store(store)
     from .distributed import group_info, owners_from_metadata, resolve_load_group
@@ -1117,6 +1121,7 @@ def load_checkpoint(store, path: str, *, progress: Optional[bool] = None,
     store._loaded_metadata = m.metadata
     store._deferred = Deferred(path, m.info.get("save_id"), later, rank, world) if later else None
     store._process_group = group if later else None
+    store._loaded()             # an optimizer already on the store takes the checkpoint's steps
 
 
 def load_deferred(store, params) -> None:

@@ -118,6 +118,7 @@ class StateStore(ABC):
         self._pending: deque = deque()          # [region, [(slice, future)]]
         self._pending_error: Optional[BaseException] = None
         self._metadata_provider: Optional[Callable[[], Optional[dict]]] = None
+        self._on_load: Optional[Callable[[], Optional[Callable]]] = None
         self._loaded_metadata: Optional[dict] = None
         self._prefetched = None         # (mode, units, Pipeline) started by prefetch()
         self._process_group = None      # the group this store's states are sharded over
@@ -581,21 +582,44 @@ class StateStore(ABC):
 
     # ------------------------------------------------------------------ metadata
     def attach_metadata(self, provider: Callable[[], Optional[dict]], *,
-                        process_group: Any = "keep") -> None:
+                        process_group: Any = "keep",
+                        on_load: Optional[Callable[["StateStore"], None]] = None) -> None:
         """Attach the optimizer metadata saved with checkpoints: ``provider()`` returns a
         JSON-serializable dict (bound methods are held weakly). ``process_group``: the
         ``torch.distributed`` group the optimizer shards this store's states over (None:
-        not sharded); :meth:`save_checkpoint` is then a collective over it."""
+        not sharded); :meth:`save_checkpoint` is then a collective over it. ``on_load``:
+        called as ``on_load(store)`` after :meth:`load_checkpoint` has replaced the states
+        (held weakly when a bound method), so that an optimizer that already exists takes the
+        checkpoint's step counts and hyperparameters (torch's order: build the optimizer,
+        then load); it attaches its metadata again when it accepts the checkpoint."""
         if not callable(provider):
             raise StateStoreValueError(f"attach_metadata: provider must be callable, got "
                                        f"{type(provider).__name__}")
+        if on_load is not None and not callable(on_load):
+            raise StateStoreValueError(f"attach_metadata: on_load must be callable or None, "
+                                       f"got {type(on_load).__name__}")
         if hasattr(provider, "__self__") and hasattr(provider, "__func__"):
             ref = weakref.WeakMethod(provider)
             self._metadata_provider = lambda: (ref() or (lambda: None))()
         else:
             self._metadata_provider = provider
+        if on_load is None:
+            self._on_load = None
+        elif hasattr(on_load, "__self__") and hasattr(on_load, "__func__"):
+            self._on_load = weakref.WeakMethod(on_load)
+        else:
+            self._on_load = (lambda f: lambda: f)(on_load)
         if not (isinstance(process_group, str) and process_group == "keep"):
             self._process_group = process_group
+
+    def _loaded(self) -> None:
+        """:meth:`load_checkpoint` replaced the states: tell the attached optimizer, if it is
+        still alive (its ``on_load``), which may raise when the checkpoint does not fit it."""
+        cb = self._on_load() if self._on_load is not None else None
+        if cb is None:
+            self._on_load = None
+            return
+        cb(self)
 
     def metadata(self) -> Optional[dict]:
         """The attached optimizer's metadata now, else the metadata of the last loaded

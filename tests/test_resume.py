@@ -103,3 +103,303 @@ def test_budget_error_names_the_real_limit(tmp_path):
                     pass
         got = store.get("b/x")                               # and grows once it is free
         assert got.shape == (1 << 20,)
+
+
+# ------------------------------------------------------------------ 2. both resume orders
+BASE_LR = 3e-3
+WARMUP = 8
+
+
+def _warmup(step: int) -> float:
+    return min(1.0, (step + 1) / WARMUP)
+
+
+class _Net(nn.Module):
+    """A frozen embedding, two bf16 linears and a LayerNorm: two param groups (decay /
+    no decay), like a small language model's."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.emb = nn.Embedding(40, 24)
+        self.fc1 = nn.Linear(24, 96)
+        self.norm = nn.LayerNorm(96)
+        self.fc2 = nn.Linear(96, 24)
+        self.emb.weight.requires_grad_(False)
+        self.to(torch.bfloat16)
+        self.norm.float()                      # fp32 and bf16 parameters side by side
+
+    def forward(self, x):
+        h = self.emb(x).mean(1)
+        h = self.norm(torch.relu(self.fc1(h)).float())
+        return self.fc2(h.to(torch.bfloat16)).float().pow(2).mean()
+
+
+def _groups(model: nn.Module):
+    decay = [(n, p) for n, p in model.named_parameters() if p.dim() >= 2]
+    rest = [(n, p) for n, p in model.named_parameters() if p.dim() < 2]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+
+
+def _micro_batches(step: int):
+    g = torch.Generator().manual_seed(500 + step)
+    return [torch.randint(0, 40, (8, 5), generator=g) for _ in range(2)]
+
+
+def _train(model, opt, sched, start: int, stop: int) -> None:
+    """Gradient accumulation over two micro-batches, clip_grad_norm_, warmup schedule."""
+    for step in range(start, stop):
+        for x in _micro_batches(step):
+            (model(x) / 2).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def _weights(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _run_and_save(backend, tmp_path, save_at: int, total: int):
+    """Train ``total`` steps uninterrupted on ``backend``, saving at ``save_at``: returns the
+    checkpoint path, the model weights and scheduler state at the save, the lrs at the save,
+    and the final weights."""
+    model = _Net()
+    store = make_store(backend, tmp_path / "first")
+    opt = CPUAdam(_groups(model), lr=BASE_LR, state_store=store)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup)
+    _train(model, opt, sched, 0, save_at)
+    path = str(tmp_path / "ckpt")
+    store.save_checkpoint(path)
+    saved = (_weights(model), sched.state_dict(), [g["lr"] for g in opt.param_groups])
+    _train(model, opt, sched, save_at, total)
+    final = _weights(model)
+    store.close()
+    return path, saved, final
+
+
+@pytest.mark.parametrize("order", ["store-first", "torch", "torch-after-steps"])
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_resume_with_scheduler_bit_for_bit(backend, order, tmp_path):
+    """Mid-warmup resume, both orders of DESIGN.md's load_checkpoint: the optimizer built on
+    a loaded store takes the checkpoint's lr (and initial_lr, which LambdaLR's last_epoch
+    needs); store.load_checkpoint under an existing optimizer updates its step counts and
+    hyperparameters."""
+    (tmp_path / "first").mkdir()
+    (tmp_path / "second").mkdir()
+    path, (weights, sched_sd, lrs), final = _run_and_save(backend, tmp_path, 3, 7)
+    assert lrs[0] < BASE_LR                    # saved mid-warmup
+    model = _Net()
+    store = make_store(backend, tmp_path / "second")
+    try:
+        if order == "store-first":
+            store.load_checkpoint(path)
+            model.load_state_dict(weights)
+            opt = CPUAdam(_groups(model), lr=BASE_LR, state_store=store)
+            assert [g["lr"] for g in opt.param_groups] == lrs
+            assert [g["initial_lr"] for g in opt.param_groups] == [BASE_LR, BASE_LR]
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup,
+                                                      last_epoch=sched_sd["last_epoch"] - 1)
+        else:
+            opt = CPUAdam(_groups(model), lr=BASE_LR, state_store=store)
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup)
+            if order == "torch-after-steps":    # an optimizer that already stepped
+                _train(model, opt, sched, 0, 2)
+            model.load_state_dict(weights)
+            store.load_checkpoint(path)
+            assert [g["lr"] for g in opt.param_groups] == lrs
+            sched.load_state_dict(sched_sd)
+        assert all(v["step"].item() == 3 for v in opt.state_dict()["state"].values())
+        _train(model, opt, sched, 3, 7)
+        for k, v in final.items():
+            assert torch.equal(model.state_dict()[k], v), k
+    finally:
+        store.close()
+
+
+def test_two_group_checkpoint_into_one_group_optimizer_raises(tmp_path):
+    (tmp_path / "first").mkdir()
+    path, (weights, _, _), _ = _run_and_save("device-cpu", tmp_path, 1, 1)
+    model = _Net()
+    one_group = list(model.named_parameters())
+    with ss.DeviceStore("cpu") as store:                  # store first
+        store.load_checkpoint(path)
+        with pytest.raises(ss.CheckpointMismatchError, match="2 param groups, the optimizer 1"):
+            CPUAdam(one_group, state_store=store)
+    with ss.DeviceStore("cpu") as store:                  # torch's order
+        opt = CPUAdam(one_group, state_store=store)
+        with pytest.raises(ss.CheckpointMismatchError, match="2 param groups, the optimizer 1"):
+            store.load_checkpoint(path)
+        assert opt.param_groups[0]["lr"] == 1e-3           # nothing taken from it
+    sd = CPUAdam(_groups(_Net())).state_dict()
+    with pytest.raises(ss.CheckpointMismatchError, match="2 parameter groups, optimizer has 1"):
+        CPUAdam(one_group).load_state_dict(sd)
+
+
+def test_mismatch_message_is_a_short_summary(tmp_path):
+    """Hundreds of parameters saved by name, resumed by index: a few lines with counts,
+    the first names and the hint, not one line per parameter."""
+    named = [(f"layers.{i}.weight", nn.Parameter(torch.randn(3))) for i in range(300)]
+    path = str(tmp_path / "ckpt")
+    with ss.DeviceStore("cpu") as store:
+        opt = CPUAdam(named, state_store=store)
+        for _, p in named:
+            p.grad = torch.ones(3)
+        opt.step()
+        store.save_checkpoint(path)
+    for order in ("store-first", "torch"):
+        with ss.DeviceStore("cpu") as store:
+            if order == "torch":
+                opt = CPUAdam([p for _, p in named], state_store=store)  # noqa: F841
+                with pytest.raises(ss.CheckpointMismatchError) as ei:
+                    store.load_checkpoint(path)
+            else:
+                store.load_checkpoint(path)
+                with pytest.raises(ss.CheckpointMismatchError) as ei:
+                    CPUAdam([p for _, p in named], state_store=store)
+        msg = str(ei.value)
+        assert len(msg) < 2500, msg
+        assert "checkpoint has 300 parameters" in msg and "optimizer has 300" in msg
+        assert "'layers.0.weight'" in msg and "named_parameters()" in msg
+
+
+# ------------------------------------------------------------------ 3. optimizer.state, DCP
+def _trained(backend, directory, steps: int = 3):
+    model = _Net()
+    opt = CPUAdam(_groups(model), lr=BASE_LR, state_store=make_store(backend, directory))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup)
+    _train(model, opt, sched, 0, steps)
+    return model, opt, sched
+
+
+def _snapshot(opt):
+    return {k: {n: t.clone() for n, t in v.items()} for k, v in opt.state_dict()["state"].items()}
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_optimizer_state_is_a_view_of_the_store(backend, tmp_path):
+    model, opt, _ = _trained(backend, tmp_path)
+    try:
+        stepped = [p for p in model.parameters() if p.requires_grad]
+        assert len(opt.state) == len(stepped) and bool(opt.state)
+        assert model.emb.weight not in opt.state          # frozen: never stepped
+        assert len(opt.state[model.emb.weight]) == 0       # torch's defaultdict: empty entry
+        snap = _snapshot(opt)
+        index = {p: i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
+        for p, entry in opt.state.items():
+            want = snap[index[p]]
+            assert set(entry) == set(want)
+            for n, t in want.items():
+                assert torch.equal(entry[n], t), n
+        assert set(opt.state[model.fc1.weight]) == {"step", "exp_avg", "exp_avg_sq", "master"}
+        assert "master" not in opt.state[model.norm.weight]    # fp32: no master
+        # writing through the view lands in the store
+        opt.state[model.norm.bias]["exp_avg"] = torch.full_like(model.norm.bias, 0.5)
+        opt.state[model.norm.bias]["step"] = 7
+        sd = opt.state_dict()["state"][index[model.norm.bias]]
+        assert torch.equal(sd["exp_avg"], torch.full((96,), 0.5)) and sd["step"].item() == 7
+    finally:
+        opt.state_store.close()
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_get_set_optimizer_state_dict_round_trip(backend, tmp_path):
+    """get_optimizer_state_dict after zero_grad(set_to_none=True) used to see an empty
+    optimizer.state and run a zero-gradient step (steps 3 -> 4, moments decayed)."""
+    from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "c").mkdir()
+    ref_model, ref_opt, ref_sched = _trained(backend, tmp_path / "c")
+    model, opt, sched = _trained(backend, tmp_path / "a")
+    try:
+        before = _snapshot(opt)
+        weights = _weights(model)
+        osd = get_optimizer_state_dict(model, opt)
+        after = _snapshot(opt)
+        assert set(after) == set(before)
+        assert all(torch.equal(before[k][n], t) for k, v in after.items() for n, t in v.items())
+        for k, v in weights.items():
+            assert torch.equal(model.state_dict()[k], v)
+        assert set(osd["state"]) == {n for n, p in model.named_parameters() if p.requires_grad}
+        assert all(v["step"].item() == 3 for v in osd["state"].values())
+        osd = {"state": {k: {n: t.clone() for n, t in v.items()} for k, v in osd["state"].items()},
+               "param_groups": osd["param_groups"]}
+        # into a new optimizer over a new model (its own order: plain parameters)
+        model2 = _Net()
+        model2.load_state_dict(weights)
+        store2 = make_store(backend, tmp_path / "b")
+        opt2 = CPUAdam(_groups(model2), lr=1.0, state_store=store2)
+        sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, _warmup)
+        set_optimizer_state_dict(model2, opt2, osd)
+        sched2.load_state_dict(sched.state_dict())
+        assert [g["lr"] for g in opt2.param_groups] == [g["lr"] for g in opt.param_groups]
+        _train(model2, opt2, sched2, 3, 6)
+        _train(ref_model, ref_opt, ref_sched, 3, 6)
+        for k, v in ref_model.state_dict().items():
+            assert torch.equal(model2.state_dict()[k], v), k
+        store2.close()
+    finally:
+        opt.state_store.close()
+        ref_opt.state_store.close()
+
+
+@pytest.mark.parametrize("backend", ["device-cpu", "simdisk", "nvme", "tiered-nvme"])
+def test_dcp_save_load_round_trip(backend, tmp_path):
+    """torch.distributed.checkpoint in one process (no process group): dcp.save of the
+    model and optimizer state dicts, dcp.load into a new model and optimizer, training on
+    bit for bit."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    if backend not in BACKEND_NAMES:
+        pytest.skip(f"{backend} is not available")
+    for d in ("a", "b", "c"):
+        (tmp_path / d).mkdir()
+    ref_model, ref_opt, ref_sched = _trained(backend, tmp_path / "c")
+    model, opt, sched = _trained(backend, tmp_path / "a")
+    try:
+        with warnings.catch_warnings():        # "assuming the intent is to save in a single
+            warnings.simplefilter("ignore", UserWarning)          # process"
+            msd, osd = get_state_dict(model, opt)
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "dcp"))
+            model2 = _Net()
+            opt2 = CPUAdam(_groups(model2), lr=BASE_LR, state_store=make_store(backend,
+                                                                             tmp_path / "b"))
+            sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, _warmup)   # torch's order
+            msd2, osd2 = get_state_dict(model2, opt2)
+            sd = {"model": msd2, "optim": osd2}
+            dcp.load(sd, checkpoint_id=str(tmp_path / "dcp"))
+            set_state_dict(model2, opt2, model_state_dict=sd["model"],
+                           optim_state_dict=sd["optim"])
+        sched2.load_state_dict(sched.state_dict())
+        assert [g["lr"] for g in opt2.param_groups] == [g["lr"] for g in opt.param_groups]
+        _train(model2, opt2, sched2, 3, 6)
+        _train(ref_model, ref_opt, ref_sched, 3, 6)
+        for k, v in ref_model.state_dict().items():
+            assert torch.equal(model2.state_dict()[k], v), k
+        assert all(v["step"].item() == 6 for v in opt2.state_dict()["state"].values())
+        opt2.state_store.close()
+    finally:
+        opt.state_store.close()
+        ref_opt.state_store.close()
+
+
+def test_load_state_dict_takes_string_keys_by_name():
+    """DCP's fully qualified names as state keys: matched by name when they are the
+    optimizer's own names, whatever their order in the saved groups."""
+    model, opt, _ = _trained("device-cpu", None)
+    sd = opt.state_dict()
+    names = [n for g in opt.param_groups for n in g["param_names"]]
+    by_name = {"state": {names[i]: v for i, v in sd["state"].items()},
+               "param_groups": [dict(g, params=[names[i] for i in reversed(g["params"])])
+                                for g in sd["param_groups"]]}
+    opt2 = CPUAdam(_groups(_Net()), lr=BASE_LR)
+    opt2.load_state_dict(by_name)
+    sd2 = opt2.state_dict()
+    for i, v in sd["state"].items():
+        for n, t in v.items():
+            assert torch.equal(sd2["state"][i][n], t), (i, n)

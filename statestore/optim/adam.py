@@ -30,6 +30,8 @@ from ..distributed import group_info, partition
 from . import _offload_path
 from ..pipeline import plan_units
 from ..store import StateStore
+from ._state import OptimizerState
+from ._resume import MismatchReport, group_extras, saved_group_hyper, short_names
 
 __all__ = ["CPUAdam", "HybridAdam", "OPTIMIZER_METADATA_VERSION"]
 
@@ -185,7 +187,8 @@ class _StoreAdam(torch.optim.Optimizer):
             attached.append(state_store)     # a rank owning no parameter still saves with the group
         for store in attached:
             self._resume_from(store)
-            store.attach_metadata(self._metadata_source(), process_group=self.process_group)
+            store.attach_metadata(self._metadata_source(), process_group=self.process_group,
+                                  on_load=self._store_loaded)
         self._prefetching: "weakref.WeakSet[StateStore]" = weakref.WeakSet()
         #: update_in_backward: parameters whose gradient backward has finished since the last
         #: step (in that order), the units planned for the next step per store, the step being
@@ -202,6 +205,8 @@ class _StoreAdam(torch.optim.Optimizer):
         self._offload: Optional[_offload_path.OffloadPath] = None
         _offload_path.attach(self, self._params)
         self._register_pump_hooks(self._params)
+        #: torch's ``optimizer.state``: a view of the store (statestore/optim/_state.py)
+        self.state = OptimizerState(self)
 
     # ------------------------------------------------------------------ set-up
     def _make_offload_store(self, fraction: float, directory: Optional[str]) -> StateStore:
@@ -348,9 +353,12 @@ class _StoreAdam(torch.optim.Optimizer):
     def _group_of(self) -> Dict[Tensor, dict]:
         return {p: g for g in self.param_groups for p in g["params"]}
 
-    def _resume_from(self, store: StateStore) -> None:
-        """Pick up steps of states already in the store (a loaded checkpoint, or an earlier
-        optimizer on it); raise CheckpointMismatchError listing every difference."""
+    def _resume_from(self, store: StateStore, loaded: bool = False) -> None:
+        """Pick up the states already in ``store`` (a loaded checkpoint, or an earlier
+        optimizer on it): step counts, and, from a loaded checkpoint, the param groups'
+        hyperparameters. ``loaded``: called because ``store.load_checkpoint`` just replaced
+        the states under this optimizer (torch's resume order). Everything is checked before
+        anything changes; differences raise one CheckpointMismatchError summarizing them."""
         ours = {self._keys[p]: p for p, s in self._stores.items() if s is store}
         store.load_deferred(list(ours))          # states a sharded load left to other ranks
         if self._owner is not None:              # drop states other ranks own
@@ -358,63 +366,110 @@ class _StoreAdam(torch.optim.Optimizer):
             theirs = [k for k in store.keys() if k.param in every_name and k.param not in ours]
             if theirs:
                 store.delete(theirs)
-        meta = store.metadata() or {}
-        if len(store) == 0 and not meta.get("params"):
+        meta = store.loaded_metadata if loaded else store.metadata()
+        # hyperparameters come from a checkpoint, not from an earlier optimizer on the store
+        from_ckpt = meta is not None and meta is store.loaded_metadata
+        meta = meta if isinstance(meta, dict) else {}
+        if not loaded and len(store) == 0 and not meta.get("params"):
             return
         stored_params: Dict[str, Dict[str, Any]] = {}
         for k in store.keys():
             stored_params.setdefault(k.param, {})[k.state] = store.spec(k)
-        problems = []
+        every = {self._keys[p]: p for p in self._params}
+        saved = meta.get("params")
+        saved = saved if isinstance(saved, dict) and saved else None
+        saved_groups = meta.get("param_groups") if from_ckpt else None
+        saved_groups = saved_groups if isinstance(saved_groups, list) and saved_groups else None
+        report = MismatchReport(list(saved) if saved else list(stored_params), list(every),
+                                len(saved_groups) if saved_groups else None,
+                                len(self.param_groups))
         for name in sorted(set(stored_params) - set(ours)):
-            problems.append(f"unexpected parameter {name!r} in the store")
-        saved = meta.get("params") if isinstance(meta, dict) else None
-        if isinstance(saved, dict) and saved:
-            every = {self._keys[p]: p for p in self._params}
+            report.add("parameters with states in the store, not in the optimizer",
+                       f"unexpected parameter {name!r} in the store")
+        new_hyper: List[Dict[str, Any]] = [{} for _ in self.param_groups]
+        if saved_groups is not None:
+            if len(saved_groups) != len(self.param_groups):
+                report.add("param groups", f"the checkpoint has {len(saved_groups)} param "
+                           f"groups, the optimizer {len(self.param_groups)}")
+            else:
+                for i, (g, sg) in enumerate(zip(self.param_groups, saved_groups)):
+                    ck = [n for n in sg.get("params", [])]
+                    op = [self._keys[p] for p in g["params"]]
+                    if set(ck) != set(op):
+                        only_ck = [n for n in ck if n not in set(op)]
+                        only_op = [n for n in op if n not in set(ck)]
+                        report.add("param groups", f"param group {i}: {len(ck)} parameters in "
+                                   f"the checkpoint, {len(op)} in the optimizer (only in the "
+                                   f"checkpoint: {short_names(only_ck) or 'none'}; only in the "
+                                   f"optimizer: {short_names(only_op) or 'none'})")
+                    new_hyper[i] = saved_group_hyper(sg)
+        if saved is not None:
             for name in sorted(set(saved) - set(every)):
-                problems.append(f"parameter {name!r} of the checkpoint is not in the optimizer")
+                report.add("parameters of the checkpoint not in the optimizer",
+                           f"parameter {name!r} of the checkpoint is not in the optimizer")
             for name in sorted(set(every) - set(saved)):
-                problems.append(f"parameter {name!r} of the optimizer is not in the checkpoint")
+                report.add("parameters of the optimizer not in the checkpoint",
+                           f"parameter {name!r} of the optimizer is not in the checkpoint")
             for name in sorted(set(saved) & set(every)):
                 shape = tuple(saved[name].get("shape", ())) if isinstance(saved[name], dict) else ()
                 if shape != tuple(every[name].shape):
-                    problems.append(f"parameter {name!r}: shape {tuple(every[name].shape)} in the "
-                                    f"optimizer, {shape} in the checkpoint")
+                    report.add("shapes", f"parameter {name!r}: shape {tuple(every[name].shape)} "
+                               f"in the optimizer, {shape} in the checkpoint")
                 dtype = saved[name].get("dtype") if isinstance(saved[name], dict) else None
                 ours_dtype = str(every[name].dtype).replace("torch.", "")
                 if isinstance(dtype, str) and dtype != ours_dtype:
-                    problems.append(f"parameter {name!r}: dtype {ours_dtype} in the optimizer, "
-                                    f"{dtype} in the checkpoint")
-        groups = self._group_of()
+                    report.add("dtypes", f"parameter {name!r}: dtype {ours_dtype} in the "
+                               f"optimizer, {dtype} in the checkpoint")
+        groups = {p: {**g, **h} for g, h in zip(self.param_groups, new_hyper)
+                  for p in g["params"]}
         for name, p in ours.items():
             if name not in stored_params:
                 continue        # new parameter: its states start fresh
             for state, spec in stored_params[name].items():
                 if state not in _STATE_NAMES:
-                    problems.append(f"parameter {name!r}: unexpected state {state!r} in the store "
-                                    f"(an Adam optimizer keeps {list(_STATE_NAMES)})")
+                    report.add("states", f"parameter {name!r}: unexpected state {state!r} in "
+                               f"the store (an Adam optimizer keeps {list(_STATE_NAMES)})")
                     continue
                 if spec.shape != tuple(p.shape):
-                    problems.append(f"parameter {name!r}: state {state!r} has shape "
-                                    f"{spec.shape}, parameter has {tuple(p.shape)}")
+                    report.add("states", f"parameter {name!r}: state {state!r} has shape "
+                               f"{spec.shape}, parameter has {tuple(p.shape)}")
                 if spec.dtype != torch.float32:
-                    problems.append(f"parameter {name!r}: state {state!r} has dtype "
-                                    f"{spec.dtype}, the optimizer keeps torch.float32")
+                    report.add("states", f"parameter {name!r}: state {state!r} has dtype "
+                               f"{spec.dtype}, the optimizer keeps torch.float32")
                 if state == "master" and p.dtype not in _LOW_PRECISION:
-                    problems.append(f"parameter {name!r}: the store holds an fp32 master but "
-                                    f"the parameter is {p.dtype}")
+                    report.add("states", f"parameter {name!r}: the store holds an fp32 master "
+                               f"but the parameter is {p.dtype}")
             needed = self._state_names(p, groups[p])
             missing = [s for s in needed if s not in stored_params[name] and s != "master"]
             if missing and stored_params[name]:
-                problems.append(f"parameter {name!r}: states {missing} missing from the store")
-        problems = list(dict.fromkeys(problems))
-        if problems:
-            raise CheckpointMismatchError(
-                "the store's states do not match the optimizer's parameters:\n  "
-                + "\n  ".join(problems))
-        steps = meta.get("steps", {}) if isinstance(meta, dict) else {}
+                report.add("states", f"parameter {name!r}: states {missing} missing from the "
+                           f"store")
+        report.raise_if_any()
+        for g, h in zip(self.param_groups, new_hyper):
+            merged = {**g, **h}
+            _validate_hyper(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])
+        # apply
+        for g, h in zip(self.param_groups, new_hyper):
+            g.update(h)
+        steps = meta.get("steps", {})
+        steps = steps if isinstance(steps, dict) else {}
         for name in ours:
             if name in stored_params:
                 self._steps[name] = int(steps.get(name, 0))
+            elif loaded:
+                self._steps.pop(name, None)     # its states were replaced by none
+
+    def _store_loaded(self, store: StateStore) -> None:
+        """``store.load_checkpoint`` replaced the states under this optimizer (torch's order:
+        optimizer and scheduler built first): take the checkpoint's step counts and
+        hyperparameters, then save this optimizer's metadata with the store's checkpoints
+        again. A checkpoint that does not fit raises and stays detached from the optimizer."""
+        self._next_plans = {}
+        self._ready = {}
+        self._prefetching.discard(store)
+        self._resume_from(store, loaded=True)
+        store.attach_metadata(self._metadata_source(), process_group=self.process_group,
+                              on_load=self._store_loaded)
 
     # ------------------------------------------------------------------ metadata
     def _metadata(self) -> dict:
@@ -441,6 +496,7 @@ class _StoreAdam(torch.optim.Optimizer):
                 hyper["betas"] = [float(b) for b in hyper["betas"]]
                 for k in ("amsgrad", "maximize", "adamw_mode"):
                     hyper[k] = bool(hyper[k])
+                hyper.update(group_extras(g))       # initial_lr of a scheduler, and others
                 hyper["params"] = [keys[p] for p in g["params"]]
                 groups.append(hyper)
             return {
@@ -878,8 +934,14 @@ class _StoreAdam(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load torch's format (from ``torch.optim.AdamW``/``Adam`` or from this class).
 
-        Hyperparameters are restored from the saved groups, as torch does; states are
-        written into the store one tensor at a time. Everything is checked first: a state dict
+        Hyperparameters (every key of the saved groups but their parameters: ``lr``,
+        ``betas``, ``initial_lr`` of a scheduler...) are restored from the saved groups, as
+        torch does; states are written into the store one tensor at a time. State keys are
+        torch's indices, or strings naming the parameters (the fully qualified names of
+        ``torch.distributed.checkpoint``'s ``get_optimizer_state_dict``, or the names this
+        optimizer was given): names that are exactly the optimizer's are matched by name,
+        others by position in the groups, as torch does. Groups or parameter counts that
+        differ raise :class:`~statestore.CheckpointMismatchError`. Everything is checked first: a state dict
         that fails a check changes nothing (ValueError/TypeError naming the group, parameter
         or state at fault).
         """
@@ -893,43 +955,53 @@ class _StoreAdam(torch.optim.Optimizer):
                             f"{type(saved_groups).__name__}")
         if not isinstance(states, dict):
             raise TypeError(f"state_dict['state'] must be a dict, got {type(states).__name__}")
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(f"loaded state dict has {len(saved_groups)} parameter groups, "
-                             f"optimizer has {len(self.param_groups)}")
         for i, sg in enumerate(saved_groups):
             if not isinstance(sg, dict) or not isinstance(sg.get("params"), (list, tuple)):
                 raise ValueError(f"loaded state dict: parameter group {i} must be a dict with "
                                  f"a 'params' list")
-        for i, (g, sg) in enumerate(zip(self.param_groups, saved_groups)):
-            if len(g["params"]) != len(sg["params"]):
-                raise ValueError(f"loaded state dict contains a parameter group {i} with "
-                                 f"{len(sg['params'])} parameters, optimizer's has "
-                                 f"{len(g['params'])}")
+        every = [self._keys[p] for p in self._params]
+        saved_ids = [sid for sg in saved_groups for sid in sg["params"]]
+        report = MismatchReport([str(x) for x in saved_ids], every, len(saved_groups),
+                                len(self.param_groups), source="state dict")
+        if len(saved_groups) != len(self.param_groups):
+            report.add("param groups", f"loaded state dict has {len(saved_groups)} parameter "
+                       f"groups, optimizer has {len(self.param_groups)}")
+        else:
+            for i, (g, sg) in enumerate(zip(self.param_groups, saved_groups)):
+                if len(g["params"]) != len(sg["params"]):
+                    report.add("param groups", f"loaded state dict contains a parameter group "
+                               f"{i} with {len(sg['params'])} parameters, optimizer's has "
+                               f"{len(g['params'])}")
+        report.raise_if_any()
         id_map = {}
-        for g, sg in zip(self.param_groups, saved_groups):
-            for p, sid in zip(g["params"], sg["params"]):
-                id_map[sid] = p
+        by_name = {self._keys[p]: p for p in self._params}
+        if saved_ids and all(isinstance(x, str) for x in saved_ids) \
+                and set(saved_ids) == set(by_name):
+            # string keys naming our parameters (DCP's fully qualified names, or our own
+            # named_parameters() keys): matched by name, whatever their order
+            for g, sg in zip(self.param_groups, saved_groups):
+                ours = {self._keys[p] for p in g["params"]}
+                if set(sg["params"]) != ours:
+                    raise CheckpointMismatchError(
+                        f"loaded state dict: parameter group {self.param_groups.index(g)} "
+                        f"holds {short_names(sorted(set(sg['params']) - ours))}, which the "
+                        f"optimizer has in another group")
+            id_map = dict(by_name)
+        else:
+            for g, sg in zip(self.param_groups, saved_groups):
+                for p, sid in zip(g["params"], sg["params"]):
+                    id_map[sid] = p
         for sid in states:
             if sid not in id_map:
                 raise ValueError(f"loaded state dict has state for unknown parameter {sid!r}")
-        # 1. the new hyperparameters of each group, checked as the constructor checks them
+        # 1. the new hyperparameters of each group (every saved key, as torch's
+        # load_state_dict), checked as the constructor checks them
         new_hyper: List[Dict[str, Any]] = []
         for i, (g, sg) in enumerate(zip(self.param_groups, saved_groups)):
-            h = {}
-            for k in ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize"):
-                if k in sg:
-                    if k == "betas":
-                        try:
-                            h[k] = tuple(sg[k])
-                        except TypeError:
-                            raise ValueError(f"loaded state dict: parameter group {i}: "
-                                             f"Invalid betas: {sg[k]!r}") from None
-                    else:
-                        h[k] = sg[k]
-            if "adamw_mode" in sg:
-                h["adamw_mode"] = bool(sg["adamw_mode"])
-            elif "decoupled_weight_decay" in sg:
-                h["adamw_mode"] = bool(sg["decoupled_weight_decay"])
+            h = saved_group_hyper(sg)
+            if "betas" in h and not isinstance(h["betas"], tuple):
+                raise ValueError(f"loaded state dict: parameter group {i}: "
+                                 f"Invalid betas: {h['betas']!r}")
             merged = {**g, **h}
             _validate_hyper(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])
             new_hyper.append(h)

@@ -1,0 +1,172 @@
+"""``optimizer.state`` of the store-backed optimizers: torch's ``{param: {"step", "exp_avg",
+...}}`` mapping, as a view of the store.
+
+torch and its tooling read ``optimizer.state`` to learn whether an optimizer has stepped
+(``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` runs a zero-gradient
+step on an optimizer whose ``state`` is empty), and some read or replace entries. Here the
+mapping holds one entry per parameter that has a step count (stepped, or loaded from a
+checkpoint or a state dict) and whose states this rank keeps. Nothing is cached: each access
+of a state tensor reads it from the store (:meth:`StateStore.get`: the live tensor on resident
+stores, a fresh copy through the pipeline's RAM budget on disk stores), so holding the mapping
+costs no memory. Assigning a tensor writes it into the store; assigning ``"step"`` sets the
+step count.
+
+The entries are ``Mapping`` objects, not ``dict``: code that copies every ``dict`` entry of an
+optimizer's state to a device (Lightning's ``_optimizer_to_device``) leaves them alone instead
+of reading every state into memory.
+"""
+from __future__ import annotations
+
+import numbers
+import weakref
+from collections.abc import MutableMapping
+from typing import Any, Iterator, List
+
+import torch
+from torch import Tensor
+
+from .._types import StateKey
+from ..errors import StateStoreError, StateStoreValueError
+
+__all__ = ["OptimizerState", "ParamState"]
+
+STATE_NAMES = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
+
+
+class ParamState(MutableMapping):
+    """The states of one parameter: ``"step"`` (a float32 scalar tensor, as torch's Adam
+    keeps it) and each state the store holds, read on access."""
+
+    __slots__ = ("_opt", "_p")
+
+    def __init__(self, opt, p: Tensor):
+        self._opt, self._p = opt, p
+
+    @property
+    def _key(self) -> str:
+        return self._opt._keys[self._p]
+
+    def _store(self):
+        return self._opt._stores[self._p]
+
+    def _names(self) -> List[str]:
+        store, key = self._store(), self._key
+        return [n for n in STATE_NAMES if StateKey(key, n) in store]
+
+    def __iter__(self) -> Iterator[str]:
+        if self._key in self._opt._steps:
+            yield "step"
+        yield from self._names()
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __contains__(self, name) -> bool:
+        if name == "step":
+            return self._key in self._opt._steps
+        return isinstance(name, str) and name in STATE_NAMES \
+            and StateKey(self._key, name) in self._store()
+
+    def __getitem__(self, name: str) -> Any:
+        if name == "step":
+            try:
+                return torch.tensor(float(self._opt._steps[self._key]), dtype=torch.float32)
+            except KeyError:
+                raise KeyError(name) from None
+        if name not in self:
+            raise KeyError(name)
+        return self._store().get(StateKey(self._key, name))
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        key = self._key
+        if name == "step":
+            if isinstance(value, Tensor) and value.numel() == 1:
+                value = value.item()
+            if not isinstance(value, numbers.Real) or isinstance(value, bool) or value < 0 \
+                    or value != int(value):
+                raise StateStoreValueError(f"state of parameter {key!r}: step must be a "
+                                           f"non-negative whole number, got {value!r}")
+            self._opt._steps[key] = int(value)
+            return
+        if name not in STATE_NAMES:
+            raise StateStoreValueError(f"parameter {key!r}: {type(self._opt).__name__} keeps "
+                                       f"only {list(STATE_NAMES)} and 'step', not {name!r}")
+        if not isinstance(value, Tensor) or tuple(value.shape) != tuple(self._p.shape):
+            raise StateStoreValueError(
+                f"state {name!r} of parameter {key!r} must be a tensor of shape "
+                f"{tuple(self._p.shape)}, got "
+                f"{tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__}")
+        store, sk = self._store(), StateKey(key, name)
+        self._opt._next_plans = {}             # the set of states may change: plan afresh
+        if sk in store:
+            store.put(sk, value.detach())
+        else:
+            store.create(sk, tuple(self._p.shape), torch.float32, value.detach().float())
+
+    def __delitem__(self, name: str) -> None:
+        if name == "step":
+            if self._opt._steps.pop(self._key, None) is None:
+                raise KeyError(name)
+            return
+        if name not in self:
+            raise KeyError(name)
+        self._opt._next_plans = {}
+        self._store().delete([StateKey(self._key, name)])
+
+    def __repr__(self) -> str:
+        return f"ParamState({self._key!r}: {list(self)})"
+
+
+class OptimizerState(MutableMapping):
+    """``optimizer.state``: a :class:`ParamState` per parameter with a step count whose
+    states this rank keeps, in parameter order. ``state[p]`` also answers for a parameter
+    of the optimizer that has not stepped (an empty entry, as torch's ``defaultdict``)."""
+
+    def __init__(self, opt):
+        self._ref = weakref.ref(opt)
+
+    def _opt(self):
+        opt = self._ref()
+        if opt is None:
+            raise StateStoreError("the optimizer this state belonged to no longer exists")
+        return opt
+
+    def _has(self, opt, p) -> bool:
+        return isinstance(p, Tensor) and p in opt._stores and opt._keys.get(p) in opt._steps
+
+    def __iter__(self) -> Iterator[Tensor]:
+        opt = self._opt()
+        return iter([p for p in opt._params if self._has(opt, p)])
+
+    def __len__(self) -> int:
+        opt = self._ref()
+        return 0 if opt is None else sum(1 for p in opt._params if self._has(opt, p))
+
+    def __contains__(self, p) -> bool:
+        return self._has(self._opt(), p)
+
+    def __getitem__(self, p) -> ParamState:
+        opt = self._opt()
+        if not isinstance(p, Tensor) or p not in opt._stores:
+            raise KeyError(p)
+        return ParamState(opt, p)
+
+    def __setitem__(self, p, value) -> None:
+        """Replace ``p``'s states with ``value`` (a mapping of ``"step"`` and state tensors);
+        states it leaves out are kept."""
+        if hasattr(value, "keys") and isinstance(value, ParamState) and value._p is p:
+            return                               # state[p] = state[p]: nothing to do
+        entry = self[p]
+        for name in value:
+            entry[name] = value[name]
+
+    def __delitem__(self, p) -> None:
+        entry = self[p]
+        for name in list(entry):
+            del entry[name]
+
+    def __repr__(self) -> str:
+        opt = self._ref()
+        if opt is None:
+            return "OptimizerState(<optimizer gone>)"
+        return f"OptimizerState({len(self)} parameters with states)"
