@@ -82,6 +82,21 @@ def _validate_hyper(lr, betas, eps, weight_decay) -> None:
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
 
 
+def _opaque_to_compiler() -> None:
+    """Make ``step()`` opaque to ``torch.compile``: compiling ``opt.step`` (or a training step
+    that calls it) runs the store's pipeline eagerly behind a graph break, instead of tracing
+    into I/O threads, ring buffers and C++ kernels (which recompiled until the limit and
+    failed). Done once, at the first optimizer's construction: ``torch._dynamo`` is imported
+    by ``torch.optim.Optimizer.__init__`` anyway, so importing this package stays cheap."""
+    step = _StoreAdam.__dict__["step"]
+    if getattr(step, "_torchdynamo_disable", False):
+        return
+    disable = getattr(getattr(torch, "compiler", None), "disable", None)
+    if disable is None:         # torch without torch.compile: nothing to hide from
+        return
+    _StoreAdam.step = disable(step)
+
+
 def _may_prefetch(store: StateStore) -> bool:
     """Whether a step ends by starting the next step's reads on ``store``: disk stores,
     unless ``STATESTORE_PREFETCH=0`` (for comparisons)."""
@@ -158,6 +173,7 @@ class _StoreAdam(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         amsgrad=bool(amsgrad), maximize=bool(maximize),
                         adamw_mode=bool(adamw_mode))
+        _opaque_to_compiler()       # before torch wraps step() with its hooks
         super().__init__(params, defaults)
         self.skip_nonfinite = bool(skip_nonfinite)
         self._keys: Dict[Tensor, str] = {}
@@ -237,7 +253,14 @@ class _StoreAdam(torch.optim.Optimizer):
         for k in keys.values():
             if "/" in k:
                 raise ValueError(f"parameter name {k!r} must not contain '/'")
-        self._keys, self._params = keys, params
+        self._set_keys(keys, params)
+
+    def _set_keys(self, keys: Dict[Tensor, str], params: List[Tensor]) -> None:
+        """Replace the key map and parameter list in place: the metadata source attached to
+        the stores holds these containers (a group added later must be in the next save)."""
+        self._keys.clear()
+        self._keys.update(keys)
+        self._params[:] = params
 
     def _check_params(self) -> None:
         for p in self._params:
@@ -312,7 +335,8 @@ class _StoreAdam(torch.optim.Optimizer):
         fails them is not added (the optimizer stays as it was)."""
         n_groups = len(self.param_groups)
         super().add_param_group(param_group)
-        keys, params = getattr(self, "_keys", None), getattr(self, "_params", None)
+        keys = dict(self._keys) if hasattr(self, "_keys") else None
+        params = list(self._params) if hasattr(self, "_params") else None
         stores = dict(self._stores) if hasattr(self, "_stores") else None
         try:
             g = self.param_groups[-1]
@@ -321,7 +345,7 @@ class _StoreAdam(torch.optim.Optimizer):
         except BaseException:
             del self.param_groups[n_groups:]
             if keys is not None:
-                self._keys, self._params = keys, params
+                self._set_keys(keys, params)
             if stores is not None:
                 self._stores = stores
             raise
