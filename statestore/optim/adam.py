@@ -30,6 +30,7 @@ from ..distributed import group_info, partition
 from . import _offload_path
 from ..pipeline import plan_units
 from ..store import StateStore
+from ._in_backward import misuse_reason, mixed_message, refused_message
 from ._state import OptimizerState
 from ._resume import MismatchReport, group_extras, saved_group_hyper, short_names
 
@@ -128,10 +129,13 @@ class _StoreAdam(torch.optim.Optimizer):
             while backward computes instead of inside ``step()``. ``step()`` is still called
             after every backward: it updates what backward could not and starts the next
             step's reads. The gradients must reach ``step()`` as backward left them: no
-            clipping, no ``div_scale``, no accumulation over several backward calls (each
-            raises :class:`~statestore.StateStoreError`); incompatible with
-            ``skip_nonfinite`` and ``process_group``. Results are bit-identical to
-            ``update_in_backward=False``. See ``docs/nvme.md``.
+            clipping, no ``div_scale``, no accumulation over several backward calls. A loop
+            that does one of these is refused at its first ``step()``, which changes nothing
+            (:class:`~statestore.StateStoreError` saying what changed); set
+            ``optimizer.update_in_backward = False`` (allowed between steps) and call
+            ``step()`` again to train on with it. Incompatible with ``skip_nonfinite`` and
+            ``process_group``. Results are bit-identical to ``update_in_backward=False``.
+            See ``docs/nvme.md``.
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
@@ -210,7 +214,12 @@ class _StoreAdam(torch.optim.Optimizer):
         #: step (in that order), the units planned for the next step per store, the step being
         #: made during backward ([store, pipeline, meta, units done] per store), and the
         #: parameters it updated with (gradient, version).
-        self.update_in_backward = update_in_backward
+        self._update_in_backward = update_in_backward
+        #: parameters whose hook fired twice before step() (accumulation), and each
+        #: gradient as its hook saw it (tensor, version): step() checks them
+        self._second_grad: Dict[Tensor, None] = {}
+        self._seen: Dict[Tensor, Tuple[Tensor, int]] = {}
+        self._hooked: set = set()
         self._ready: Dict[Tensor, int] = {}
         self._next_plans: Dict[StateStore, Tuple[List[List[Slice]], list]] = {}
         self._pass: Optional[List[list]] = None
@@ -316,9 +325,11 @@ class _StoreAdam(torch.optim.Optimizer):
             return
         # Only parameters kept in a disk store: resident stores never prefetch, so an
         # optimizer over RAM/GPU stores adds nothing to backward.
-        self._pump_hooks += [p.register_post_accumulate_grad_hook(pump) for p in params
-                             if p.requires_grad and p in self._stores
-                             and (self.update_in_backward or not self._stores[p].resident)]
+        for p in params:
+            if p.requires_grad and p in self._stores and p not in self._hooked \
+                    and (self.update_in_backward or not self._stores[p].resident):
+                self._pump_hooks.append(p.register_post_accumulate_grad_hook(pump))
+                self._hooked.add(p)
 
     def __del__(self) -> None:
         off = getattr(self, "_offload", None)
@@ -720,13 +731,14 @@ class _StoreAdam(torch.optim.Optimizer):
         planned order, every unit whose parameters all have final gradients and whose states
         have arrived from the store; never waits for I/O (that is left to ``step()``)."""
         if p in self._ready:
-            raise StateStoreError(
-                f"update_in_backward: parameter {self._keys[p]!r} got a second gradient before "
-                "step(); with update_in_backward=True every backward must be followed by "
-                "step() (accumulating gradients over several backward calls needs "
-                "update_in_backward=False)")
+            # A second gradient before step() (accumulation): explained at step(); backward
+            # goes on, and nothing more is updated during it.
+            self._second_grad[p] = None
+            return
         self._ready[p] = len(self._ready)
-        if self._failed or (self._pass is None and not self._next_plans):
+        if p.grad is not None:
+            self._seen[p] = (p.grad, p.grad._version)
+        if self._failed or self._second_grad or (self._pass is None and not self._next_plans):
             return
         try:
             with torch.no_grad():
@@ -820,17 +832,17 @@ class _StoreAdam(torch.optim.Optimizer):
         """``step()`` with ``update_in_backward``: check the gradients backward already used,
         update every remaining unit, plan the next step in gradient order and prefetch it."""
         done = self._early_done
+        changed = [self._keys[p] for p, (g, version) in self._seen.items()
+                   if p.grad is not g or g._version != version]
+        reason = misuse_reason([self._keys[p] for p in self._second_grad], changed)
+        if reason and not done and not self._touched:
+            self._reset_backward_pass()         # nothing changed: the step can be made again
+            raise StateStoreError(refused_message(reason))
         try:
             if div_scale is not None and div_scale > 0:
                 raise StateStoreValueError(
                     "update_in_backward: step(div_scale=...) is not supported (backward has "
                     "already applied the gradients unscaled); unscale the loss instead")
-            for p, (g, version) in done.items():
-                if p.grad is not g or g._version != version:
-                    raise StateStoreError(
-                        f"update_in_backward: the gradient of {self._keys[p]!r} changed after "
-                        "backward had already applied it (clipping, scaling or accumulating "
-                        "gradients between backward and step() needs update_in_backward=False)")
             with torch.no_grad():
                 self._open_pass()
                 self._advance_pass(block=True, grads=grads)
@@ -850,7 +862,10 @@ class _StoreAdam(torch.optim.Optimizer):
             self._ready = {}
             raise
         finally:
+            early = [self._keys[p] for p in self._early_done]
             self._early_done = {}
+            self._seen = {}
+            self._second_grad = {}
         order, self._ready = self._ready, {}
         self._touched = False
         self._next_plans = {}
@@ -858,6 +873,46 @@ class _StoreAdam(torch.optim.Optimizer):
             self._next_plans[store] = self._plan(store, items, order)
             if _may_prefetch(store):
                 store.prefetch(self._next_plans[store][0], mode="rw")
+        if reason:                  # the step is complete and consistent: now say what happened
+            raise StateStoreError(mixed_message(reason, early))
+
+    def _reset_backward_pass(self) -> None:
+        """Forget what backward reported since the last step and give the pass's buffers
+        back; only while nothing was updated."""
+        for sp in self._pass or ():
+            try:
+                err = StateStoreError("the step was refused")
+                sp[1].__exit__(type(err), err, None)        # buffers back, nothing written
+            except BaseException:
+                pass
+        self._pass = None
+        self._ready, self._seen, self._second_grad, self._early_done = {}, {}, {}, {}
+
+    @property
+    def update_in_backward(self) -> bool:
+        """Whether parameters are updated during backward (see the class docstring). May be
+        switched between steps, e.g. off after a step() refused a loop that clips or
+        accumulates gradients (that step can then be made again)."""
+        return self._update_in_backward
+
+    @update_in_backward.setter
+    def update_in_backward(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"update_in_backward must be a bool, got {value!r}")
+        if value == self._update_in_backward:
+            return
+        if value and self.skip_nonfinite:
+            raise ValueError("update_in_backward=True cannot be combined with skip_nonfinite=True")
+        if value and self.process_group is not None:
+            raise ValueError("update_in_backward=True cannot be combined with process_group")
+        if self._early_done or self._touched and self._pass is not None:
+            raise StateStoreError("update_in_backward cannot change while backward has updated "
+                                  "some parameters: call step() first")
+        self._reset_backward_pass()
+        self._next_plans = {}
+        self._update_in_backward = value
+        if value:
+            self._register_pump_hooks(self._params)
 
     def _update_unit(self, tensors: List[Tensor], group: dict, entries, grads, grad_scale,
                      dev: torch.device) -> None:
