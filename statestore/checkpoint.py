@@ -879,8 +879,8 @@ def read_manifest(path: str) -> Manifest:
         if not found and fs.exists(root) and not fs.isdir(root):
             raise CheckpointNotFoundError(f"{path!r} is a file, not a checkpoint directory")
         if not found and fs.exists(root):
-            raise CheckpointNotFoundError(f"{path!r} holds no complete checkpoint "
-                                          f"({MANIFEST} is missing: a save that never finished?)")
+            from ._foreign import missing_manifest_message
+            raise CheckpointNotFoundError(missing_manifest_message(fs, root, path, MANIFEST))
     except CheckpointError:
         raise
     except (OSError, ValueError) as e:

@@ -51,7 +51,8 @@ class CheckpointError(StateStoreError):
 
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
-    """No complete checkpoint at the given path (absent, or a save that never finished)."""
+    """No complete checkpoint at the given path (absent, a save that never finished, or a
+    folder written by another tool: the message says which)."""
 
 
 class CheckpointCorruptError(CheckpointError):

@@ -789,6 +789,16 @@ def _no_manifest(c, path):
     os.unlink(c.vars["manifest"])
 
 
+def _trainer_folder(c) -> str:
+    """A folder as transformers' Trainer writes it: no statestore manifest."""
+    path = c.path("trainer")
+    os.makedirs(path)
+    for name in ("trainer_state.json", "optimizer.pt", "scheduler.pt", "model.safetensors"):
+        with open(os.path.join(path, name), "wb") as f:
+            f.write(b"{}")
+    return path
+
+
 def _missing_shard(c, path):
     os.unlink(c.vars["shard"])
 
@@ -802,6 +812,9 @@ def _checkpoint_rows() -> List[Row]:
         Row("load-incomplete", "a directory without manifest.parquet", CheckpointNotFoundError,
             ("{ckpt}", "no complete checkpoint"),
             lambda c: _load(c, _damaged(c, _no_manifest)), True),
+        Row("load-foreign-folder", "load_checkpoint(a transformers Trainer checkpoint folder)",
+            CheckpointNotFoundError, ("{trainer}", "not a statestore checkpoint", "Trainer"),
+            lambda c: _load(c, _trainer_folder(c)), True),
         Row("load-unknown-protocol", 'load_checkpoint("nosuchfs://bucket/ckpt")',
             StateStoreValueError, ("nosuchfs",),
             lambda c: _load(c, "nosuchfs://bucket/ckpt"), True),

@@ -455,6 +455,7 @@ def test_add_param_group_then_save_and_resume(backend, tmp_path):
 
 
 # ------------------------------------------------------------------ 5. torch.compile
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 @pytest.mark.parametrize("backend", ["device-cpu", "simdisk", "nvme"])
 def test_compiled_step_does_not_trace_into_the_store(backend, tmp_path, caplog):
     """torch.compile(opt.step) traced into the store's pipeline (recompile limit hit in
@@ -489,3 +490,77 @@ def test_compiled_step_does_not_trace_into_the_store(backend, tmp_path, caplog):
     assert not noisy, noisy[:2]
     opt.state_store.close()
     ref.state_store.close()
+
+
+# ------------------------------------------------------------------ 6. silent or misleading
+def test_nvme_offload_dir_without_fraction_warns(tmp_path):
+    params = [nn.Parameter(torch.zeros(3))]
+    with pytest.warns(UserWarning, match="nvme_offload_dir=.*no effect without "
+                                         "nvme_offload_fraction.*stay in RAM"):
+        HybridAdam(params, nvme_offload_dir=str(tmp_path))
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        HybridAdam(params, nvme_offload_fraction=1.0, nvme_offload_dir=str(tmp_path)).close()
+
+
+def test_a_folder_of_another_tool_is_named_as_such(tmp_path):
+    """A Trainer or DCP folder used to be reported as 'a save that never finished?'."""
+    import torch.distributed.checkpoint as dcp
+    import warnings
+    dcp_dir = tmp_path / "dcp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"w": torch.zeros(3)}, checkpoint_id=str(dcp_dir))
+    trainer = tmp_path / "checkpoint-10"
+    trainer.mkdir()
+    (trainer / "trainer_state.json").write_text("{}")
+    torch.save({}, trainer / "optimizer.pt")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with ss.DeviceStore("cpu") as store:
+        with pytest.raises(ss.CheckpointNotFoundError, match="not a statestore checkpoint.*"
+                                                             "torch.distributed.checkpoint"):
+            store.load_checkpoint(str(dcp_dir))
+        with pytest.raises(ss.CheckpointNotFoundError, match="not a statestore checkpoint.*"
+                                                             "Trainer") as ei:
+            store.load_checkpoint(str(trainer))
+        assert "never finished" not in str(ei.value)
+        with pytest.raises(ss.CheckpointNotFoundError, match="empty directory"):
+            store.load_checkpoint(str(empty))
+        p = nn.Parameter(torch.zeros(3))
+        opt = CPUAdam([p], state_store=store)
+        p.grad = torch.ones(3)
+        opt.step()
+        store.save_checkpoint(str(trainer / "statestore"))
+        with pytest.raises(ss.CheckpointNotFoundError, match="subfolder 'statestore' is"):
+            store.load_checkpoint(str(trainer))
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_master_weights_come_out_as_model_weights(backend, tmp_path):
+    from safetensors.torch import load_file
+    model, opt, _ = _trained(backend, tmp_path)
+    try:
+        masters = opt.master_weights()
+        names = dict(model.named_parameters())
+        assert set(masters) == set(names)
+        sd = opt.state_dict()
+        index = {n: i for i, n in enumerate(n for g in opt.param_groups for n in g["param_names"])}
+        for n, t in masters.items():
+            assert t.dtype == torch.float32 and t.shape == names[n].shape
+            if names[n].dtype == torch.bfloat16 and names[n].requires_grad:
+                assert torch.equal(t, sd["state"][index[n]]["master"])
+                assert torch.equal(t.to(torch.bfloat16), names[n].detach())
+            else:                               # fp32, or never stepped: the parameter
+                assert torch.equal(t, names[n].detach().float())
+        opt.save_master_weights(str(tmp_path / "fp32.safetensors"))
+        loaded = load_file(str(tmp_path / "fp32.safetensors"))
+        assert set(loaded) == set(masters)
+        for n, t in masters.items():
+            assert torch.equal(loaded[n], t), n
+        fp32 = _Net().float()
+        fp32.load_state_dict(loaded, strict=False)
+        assert torch.equal(fp32.fc1.weight, masters["fc1.weight"])
+    finally:
+        opt.state_store.close()

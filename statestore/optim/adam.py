@@ -16,6 +16,7 @@ from __future__ import annotations
 import numbers
 import os
 import tempfile
+import warnings
 import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -161,6 +162,12 @@ class _StoreAdam(torch.optim.Optimizer):
                             f"{type(state_store).__name__}")
         if state_store is not None and nvme_offload_fraction > 0:
             raise ValueError("pass either state_store or nvme_offload_fraction, not both")
+        if nvme_offload_dir is not None and not nvme_offload_fraction:
+            where = "in the state_store passed" if state_store is not None else "in RAM"
+            warnings.warn(f"nvme_offload_dir={nvme_offload_dir!r} has no effect without "
+                          f"nvme_offload_fraction > 0: optimizer states stay {where}; pass "
+                          f"nvme_offload_fraction=1.0 to keep them on disk under that directory",
+                          UserWarning, stacklevel=2)
         if state_store is not None and state_store.closed:
             raise StateStoreClosedError(f"state_store: the {type(state_store).__name__} is closed")
         if not isinstance(update_in_backward, bool):
@@ -975,6 +982,10 @@ class _StoreAdam(torch.optim.Optimizer):
         tensors). Disk stores stream every state into a temporary safetensors-layout file
         through the store's RAM budget and return tensors mapped from it (pages load on
         access and the kernel may evict them), so the call never holds every state in RAM.
+
+        A bf16/fp16 parameter's state also holds ``"master"``, its fp32 master copy, which
+        ``torch.optim.AdamW.load_state_dict`` ignores (torch keeps no such state): take the
+        fp32 weights out with :meth:`master_weights` or :meth:`save_master_weights`.
         """
         index = {p: i for i, p in enumerate(self._params)}
         groups = []
@@ -1137,6 +1148,29 @@ class _StoreAdam(torch.optim.Optimizer):
                                 else src.detach().float().to(store.device))
                                for n, src in entries])
             self._steps[key] = step
+
+    # ------------------------------------------------------------------ fp32 weights
+    def master_weights(self) -> Dict[str, Tensor]:
+        """The fp32 weights this optimizer trains, as ``{parameter key: fp32 CPU tensor}``:
+        the fp32 ``master`` of each bf16/fp16 parameter (as the store holds it; the
+        parameter itself is its rounding) and a copy of each fp32 parameter. Keys are the
+        names given through ``named_parameters()`` (else torch's indices), so
+        ``model.float().load_state_dict(opt.master_weights(), strict=False)`` gives an fp32
+        model. With a ``process_group``: this rank's shard only. Every tensor is in RAM at
+        once; :meth:`save_master_weights` streams them to a file instead.
+
+        ``state_dict()`` also carries each master (as ``"master"``), which
+        ``torch.optim.AdamW.load_state_dict`` ignores."""
+        from ._masters import master_weights
+        return master_weights(self)
+
+    def save_master_weights(self, path: str) -> None:
+        """Write :meth:`master_weights` to one safetensors file at ``path`` (local or an
+        fsspec URL; written under a temporary name, then renamed), streaming a chunk at a
+        time through the store's budget: ``safetensors.torch.load_file(path)`` reads it
+        back as ``{parameter key: fp32 tensor}``."""
+        from ._masters import save_master_weights
+        save_master_weights(self, path)
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:

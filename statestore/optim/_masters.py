@@ -1,0 +1,89 @@
+"""The fp32 weights an optimizer trains: the fp32 ``master`` copies it keeps in the store for
+bf16/fp16 parameters, and the fp32 parameters themselves.
+
+``state_dict()`` carries each low-precision parameter's ``master`` next to ``exp_avg`` and
+``exp_avg_sq`` (torch's ``AdamW`` ignores it when it loads that state dict: only the bf16
+weights go on from there). To publish or evaluate the fp32 weights, or to continue in fp32,
+take them out as model weights: :func:`master_weights` returns ``{name: fp32 tensor}``;
+:func:`save_master_weights` streams them into one safetensors file, one chunk at a time
+through the store's pipeline budget, so a model larger than RAM can be written.
+"""
+from __future__ import annotations
+
+import os
+import uuid
+from typing import Dict, List, Tuple
+
+import torch
+from torch import Tensor
+
+from .._safetensors_layout import layout
+from .._types import Slice, StateKey
+
+__all__ = ["master_weights", "save_master_weights"]
+
+_CHUNK = 16 << 20
+
+
+def _sources(opt) -> List[Tuple[str, Tensor, object]]:
+    """``(key, parameter, store or None)`` for every parameter this rank keeps: the store
+    when it holds the parameter's master."""
+    out = []
+    for p in opt._params:
+        if p not in opt._stores:             # another rank's shard
+            continue
+        key, store = opt._keys[p], opt._stores[p]
+        out.append((key, p, store if StateKey(key, "master") in store else None))
+    return out
+
+
+def master_weights(opt) -> Dict[str, Tensor]:
+    out: Dict[str, Tensor] = {}
+    for key, p, store in _sources(opt):
+        if store is None:
+            out[key] = p.detach().to("cpu", torch.float32, copy=True)
+        else:
+            t = store.get(StateKey(key, "master"))
+            out[key] = t.detach().clone() if store.resident else t
+    return out
+
+
+def _chunks(opt, key: str, p: Tensor, store):
+    """The fp32 values of ``key``, flat, a chunk at a time."""
+    if store is None:
+        flat = p.detach().reshape(-1)
+        step = max(1, _CHUNK // 4)
+        for a in range(0, flat.numel(), step):
+            yield flat[a:a + step].to("cpu", torch.float32)
+        return
+    sk = StateKey(key, "master")
+    if store.resident:
+        yield store.get(sk).detach().reshape(-1).cpu()
+        return
+    spans = store._chunks(store.spec(sk))
+    with store.pipeline([[Slice(sk, a, b)] for a, b in spans], mode="r") as pipe:
+        for (t,) in pipe:
+            yield t
+
+
+def save_master_weights(opt, path: str) -> None:
+    import fsspec
+    fs, root = fsspec.core.url_to_fs(os.fspath(path))
+    items = _sources(opt)
+    lay = layout([(key, torch.float32, tuple(p.shape)) for key, p, _ in items],
+                 metadata={"format": "pt", "statestore": "fp32 master weights"})
+    parent = root.rsplit("/", 1)[0] if "/" in root else ""
+    tmp = (f"{parent}/" if parent else "") + f".{root.rsplit('/', 1)[-1]}.{uuid.uuid4().hex[:8]}.tmp"
+    try:
+        with fs.open(tmp, "wb") as f:
+            f.write(lay.header)
+            for key, p, store in items:
+                for chunk in _chunks(opt, key, p, store):
+                    f.write(chunk.contiguous().view(torch.uint8).numpy().tobytes())
+        fs.mv(tmp, root)
+    except BaseException:
+        try:
+            fs.rm(tmp)
+        except Exception:
+            pass
+        raise
