@@ -648,10 +648,23 @@ class StateStore(ABC):
     def load_checkpoint(self, path: str, **kwargs) -> None:
         """Replace this store's states with those of the checkpoint at ``path`` (written by
         any store, at any world size). Under an initialized ``torch.distributed`` group of
-        several ranks, each rank loads only the shard it owns at that size. See
+        several ranks, each rank loads only the shard it owns at that size. An optimizer
+        already attached to the store takes the checkpoint's step counts and hyperparameters
+        (or forgets its step counts when the load fails and leaves the store empty). See
         :func:`statestore.checkpoint.load_checkpoint`."""
         from .checkpoint import load_checkpoint
-        load_checkpoint(self, path, **kwargs)
+        try:
+            load_checkpoint(self, path, **kwargs)
+        except BaseException:
+            # A failed load leaves the store empty: the attached optimizer forgets the step
+            # counts of the states it lost, so that stepping on starts them afresh
+            # consistently instead of with stale bias corrections.
+            if not self._closed and not self._specs and self._on_load is not None:
+                try:
+                    self._loaded()
+                except Exception:
+                    pass
+            raise
 
     def load_deferred(self, params: Iterable[str]) -> None:
         """Load the states of parameters ``params`` (names) that a sharded

@@ -564,3 +564,39 @@ def test_master_weights_come_out_as_model_weights(backend, tmp_path):
         assert torch.equal(fp32.fc1.weight, masters["fc1.weight"])
     finally:
         opt.state_store.close()
+
+
+def test_colossalai_construction_then_load_into_its_store(tmp_path):
+    """HybridAdam(nvme_offload_fraction=1.0, ...) then opt.state_store.load_checkpoint:
+    bias correction restarted silently before (the steps stayed 0)."""
+    def build():
+        torch.manual_seed(5)
+        model = nn.Linear(20, 10)
+        return model, HybridAdam(model.parameters(), lr=1e-2, nvme_offload_fraction=1.0,
+                                 nvme_offload_dir=str(tmp_path / "off"))
+
+    def train(model, opt, steps):
+        for i in steps:
+            _grads(model, i)
+            opt.step()
+
+    model, opt = build()
+    train(model, opt, range(2))
+    opt.state_store.save_checkpoint(str(tmp_path / "ckpt"))
+    saved = _weights(model)
+    train(model, opt, range(2, 4))
+    model2, opt2 = build()
+    model2.load_state_dict(saved)
+    opt2.state_store.load_checkpoint(str(tmp_path / "ckpt"))
+    assert {v["step"].item() for v in opt2.state.values()} == {2.0}
+    train(model2, opt2, range(2, 4))
+    for k, v in model.state_dict().items():
+        assert torch.equal(model2.state_dict()[k], v), k
+    # a load that fails leaves the store empty: the optimizer forgets its steps with it
+    with pytest.raises(ss.CheckpointNotFoundError):
+        opt2.state_store.load_checkpoint(str(tmp_path / "nothing-here"))
+    assert len(opt2.state) == 0 and len(opt2.state_store) == 0
+    train(model2, opt2, range(1))
+    assert {v["step"].item() for v in opt2.state.values()} == {1.0}
+    opt.close()
+    opt2.close()
