@@ -179,7 +179,8 @@ def _run_and_save(backend, tmp_path, save_at: int, total: int):
     return path, saved, final
 
 
-@pytest.mark.parametrize("order", ["store-first", "torch", "torch-after-steps"])
+@pytest.mark.parametrize("order", ["store-first", "store-first-old-optimizer", "torch",
+                                   "torch-after-steps"])
 @pytest.mark.parametrize("backend", BACKEND_NAMES)
 def test_resume_with_scheduler_bit_for_bit(backend, order, tmp_path):
     """Mid-warmup resume, both orders of DESIGN.md's load_checkpoint: the optimizer built on
@@ -193,7 +194,11 @@ def test_resume_with_scheduler_bit_for_bit(backend, order, tmp_path):
     model = _Net()
     store = make_store(backend, tmp_path / "second")
     try:
-        if order == "store-first":
+        if order.startswith("store-first"):
+            if order == "store-first-old-optimizer":    # still alive, attached, stepped
+                old_model = _Net()
+                old = CPUAdam(_groups(old_model), lr=BASE_LR, state_store=store)
+                _train(old_model, old, torch.optim.lr_scheduler.LambdaLR(old, _warmup), 0, 2)
             store.load_checkpoint(path)
             model.load_state_dict(weights)
             opt = CPUAdam(_groups(model), lr=BASE_LR, state_store=store)

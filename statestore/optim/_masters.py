@@ -44,7 +44,7 @@ def master_weights(opt) -> Dict[str, Tensor]:
             out[key] = p.detach().to("cpu", torch.float32, copy=True)
         else:
             t = store.get(StateKey(key, "master"))
-            out[key] = t.detach().clone() if store.resident else t
+            out[key] = t.detach().to("cpu", copy=True) if store.resident else t
     return out
 
 

@@ -408,9 +408,15 @@ class _StoreAdam(torch.optim.Optimizer):
             theirs = [k for k in store.keys() if k.param in every_name and k.param not in ours]
             if theirs:
                 store.delete(theirs)
-        meta = store.loaded_metadata if loaded else store.metadata()
-        # hyperparameters come from a checkpoint, not from an earlier optimizer on the store
-        from_ckpt = meta is not None and meta is store.loaded_metadata
+        ckpt = store.loaded_metadata
+        meta = ckpt if loaded else store.metadata()
+        # Hyperparameters come from a checkpoint, not from an earlier optimizer on the store,
+        # unless that optimizer took the checkpoint's when it was loaded and has not stepped
+        # since (an optimizer of torch's resume order still alive when a new one is built).
+        from_ckpt = meta is not None and (meta is ckpt or (
+            isinstance(meta, dict) and isinstance(ckpt, dict)
+            and meta.get("steps") == ckpt.get("steps")
+            and meta.get("param_groups") == ckpt.get("param_groups")))
         meta = meta if isinstance(meta, dict) else {}
         if not loaded and len(store) == 0 and not meta.get("params"):
             return
@@ -490,8 +496,13 @@ class _StoreAdam(torch.optim.Optimizer):
         for g, h in zip(self.param_groups, new_hyper):
             merged = {**g, **h}
             _validate_hyper(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])
-        # apply
-        for g, h in zip(self.param_groups, new_hyper):
+        # apply: a group becomes the saved one (as torch's load_state_dict), its parameters
+        # and this optimizer's own hyperparameters kept where the checkpoint has none
+        for g, h, sg in zip(self.param_groups, new_hyper, saved_groups or [None] * len(new_hyper)):
+            if sg is not None:
+                for k in [k for k in g if k not in h and k not in ("params", "param_names")
+                          and k not in _HYPER]:
+                    del g[k]
             g.update(h)
         steps = meta.get("steps", {})
         steps = steps if isinstance(steps, dict) else {}
@@ -506,6 +517,8 @@ class _StoreAdam(torch.optim.Optimizer):
         optimizer and scheduler built first): take the checkpoint's step counts and
         hyperparameters, then save this optimizer's metadata with the store's checkpoints
         again. A checkpoint that does not fit raises and stays detached from the optimizer."""
+        if self._failed:            # unusable (see _failed_message): stays detached
+            return
         self._next_plans = {}
         self._ready = {}
         self._prefetching.discard(store)
