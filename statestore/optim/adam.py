@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import numbers
 import os
-import tempfile
 import warnings
 import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -137,6 +136,14 @@ class _StoreAdam(torch.optim.Optimizer):
             ``step()`` again to train on with it. Incompatible with ``skip_nonfinite`` and
             ``process_group``. Results are bit-identical to ``update_in_backward=False``.
             See ``docs/nvme.md``.
+        release_grads: with ``update_in_backward``, set ``param.grad = None`` as soon as
+            backward has applied it, so that gradients do not pile up: a model then needs
+            about its parameters plus a layer's gradients (and up to the store's
+            ``budget_bytes`` of gradients waiting for their states, beyond which backward
+            waits for the disk). The gradients are gone after backward (``step()`` still
+            finishes the step); the first step, and a step whose parameters with gradients
+            differ from the previous one's, keep every gradient until ``step()``. See
+            ``docs/scale.md``.
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
@@ -145,7 +152,7 @@ class _StoreAdam(torch.optim.Optimizer):
                  nvme_offload_fraction: float = 0.0, nvme_offload_dir: Optional[str] = None,
                  maximize: bool = False, bias_correction: bool = True,
                  skip_nonfinite: bool = False, process_group=None,
-                 update_in_backward: bool = False, **unused):
+                 update_in_backward: bool = False, release_grads: bool = False, **unused):
         _validate_hyper(lr, betas, eps, weight_decay)
         if not bias_correction:
             raise ValueError("bias_correction=False is not supported (results would differ "
@@ -172,6 +179,11 @@ class _StoreAdam(torch.optim.Optimizer):
             raise StateStoreClosedError(f"state_store: the {type(state_store).__name__} is closed")
         if not isinstance(update_in_backward, bool):
             raise TypeError(f"update_in_backward must be a bool, got {update_in_backward!r}")
+        if not isinstance(release_grads, bool):
+            raise TypeError(f"release_grads must be a bool, got {release_grads!r}")
+        if release_grads and not update_in_backward:
+            raise ValueError("release_grads=True needs update_in_backward=True (gradients are "
+                             "applied, and can be released, during backward only then)")
         if update_in_backward and skip_nonfinite:
             raise ValueError("update_in_backward=True cannot be combined with skip_nonfinite=True "
                              "(parameters are updated before every gradient is known)")
@@ -227,6 +239,11 @@ class _StoreAdam(torch.optim.Optimizer):
         self._second_grad: Dict[Tensor, None] = {}
         self._seen: Dict[Tensor, Tuple[Tensor, int]] = {}
         self._hooked: set = set()
+        #: release_grads: parameters whose gradient was applied and released this backward,
+        #: and the bytes of gradients backward has finished but not yet applied.
+        self.release_grads = release_grads
+        self._released: set = set()
+        self._held_grad_bytes = 0
         self._ready: Dict[Tensor, int] = {}
         self._next_plans: Dict[StateStore, Tuple[List[List[Slice]], list]] = {}
         self._pass: Optional[List[list]] = None
@@ -575,7 +592,9 @@ class _StoreAdam(torch.optim.Optimizer):
                 sk = StateKey(key, name)
                 if sk in store:
                     continue
-                init = p.detach().float() if name == "master" else None
+                # the parameter itself: the store converts it a chunk at a time (a whole
+                # fp32 copy of every parameter would come before the first step)
+                init = p.detach() if name == "master" else None
                 entries.append((sk, tuple(p.shape), torch.float32, init))
         if entries:
             store.create_many(entries)
@@ -621,13 +640,15 @@ class _StoreAdam(torch.optim.Optimizer):
             per_store: Dict[StateStore, List[Tensor]] = {}
             for p in group["params"]:
                 if p.grad is None:
+                    if p in self._released and self._owns(p):   # applied during backward
+                        per_store.setdefault(self._stores[p], []).append(p)
                     continue
                 grads[p] = self._grad_of(p)
                 if self._owns(p):
                     per_store.setdefault(self._stores[p], []).append(p)
             for store, ps in per_store.items():
                 work.setdefault(store, []).append((group, ps))
-        if not grads:
+        if not grads and not self._released:
             return loss
         if self._owner is not None:
             self._allreduce_grads(grads)
@@ -758,6 +779,8 @@ class _StoreAdam(torch.optim.Optimizer):
         self._ready[p] = len(self._ready)
         if p.grad is not None:
             self._seen[p] = (p.grad, p.grad._version)
+            if self.release_grads:
+                self._held_grad_bytes += p.grad.numel() * p.grad.element_size()
         if self._failed or self._second_grad or (self._pass is None and not self._next_plans):
             return
         try:
@@ -791,7 +814,9 @@ class _StoreAdam(torch.optim.Optimizer):
                 else:
                     tensors = pipe.take()       # None: its states have not arrived yet
                     if tensors is None:
-                        break
+                        if not self._too_many_grads(sp[0]):
+                            break
+                        tensors = next(pipe)    # release_grads: backward waits for the disk
                 sp[3] += 1
                 self._apply_unit(tensors, group, entries, store.device, grads)
                 pipe.commit()
@@ -830,9 +855,23 @@ class _StoreAdam(torch.optim.Optimizer):
             raise
         if early:
             for e in sel_e:
-                g = e[0].grad
-                if e[0] not in self._early_done:
-                    self._early_done[e[0]] = (g, g._version)
+                p = e[0]
+                if self.release_grads and e[2] == p.numel():     # its last slice
+                    g = p.grad
+                    self._held_grad_bytes -= g.numel() * g.element_size()
+                    p.grad = None
+                    self._seen.pop(p, None)     # it held the gradient too
+                    self._released.add(p)
+                    self._early_done[p] = (None, -1)
+                    continue
+                g = p.grad
+                if p not in self._early_done:
+                    self._early_done[p] = (g, g._version)
+
+    def _too_many_grads(self, store: StateStore) -> bool:
+        """``release_grads``: more gradient bytes wait for their states than the store's RAM
+        budget; backward then waits for the disk instead of piling them up."""
+        return self.release_grads and self._held_grad_bytes > store.budget_bytes
 
     def _abort_pass(self, err: BaseException) -> None:
         """A pass failed: give its buffers back; once anything was updated the optimizer
@@ -853,7 +892,7 @@ class _StoreAdam(torch.optim.Optimizer):
         update every remaining unit, plan the next step in gradient order and prefetch it."""
         done = self._early_done
         changed = [self._keys[p] for p, (g, version) in self._seen.items()
-                   if p.grad is not g or g._version != version]
+                   if p not in self._released and (p.grad is not g or g._version != version)]
         reason = misuse_reason([self._keys[p] for p in self._second_grad], changed)
         if reason and not done and not self._touched:
             self._reset_backward_pass()         # nothing changed: the step can be made again
@@ -886,6 +925,8 @@ class _StoreAdam(torch.optim.Optimizer):
             self._early_done = {}
             self._seen = {}
             self._second_grad = {}
+            self._released = set()
+            self._held_grad_bytes = 0
         order, self._ready = self._ready, {}
         self._touched = False
         self._next_plans = {}
@@ -907,6 +948,7 @@ class _StoreAdam(torch.optim.Optimizer):
                 pass
         self._pass = None
         self._ready, self._seen, self._second_grad, self._early_done = {}, {}, {}, {}
+        self._released, self._held_grad_bytes = set(), 0
 
     @property
     def update_in_backward(self) -> bool:
@@ -992,9 +1034,11 @@ class _StoreAdam(torch.optim.Optimizer):
         """torch's format: ``{"state": {index: {"step", "exp_avg", ...}}, "param_groups"}``.
 
         Resident stores return views of the live states (as torch returns its own state
-        tensors). Disk stores stream every state into a temporary safetensors-layout file
-        through the store's RAM budget and return tensors mapped from it (pages load on
-        access and the kernel may evict them), so the call never holds every state in RAM.
+        tensors). Disk stores snapshot their state files as a linked checkpoint does (frozen,
+        copy-on-write) and return tensors mapped privately from them (pages load on access
+        and the kernel may evict them): no copy, no temporary file, never every state in RAM;
+        states whose files cannot be taken whole are streamed into a temporary file of their
+        size (see :mod:`statestore._snapshot` and docs/scale.md).
 
         A bf16/fp16 parameter's state also holds ``"master"``, its fp32 master copy, which
         ``torch.optim.AdamW.load_state_dict`` ignores (torch keeps no such state): take the
@@ -1207,35 +1251,10 @@ def _failed_message(name: str, cause: str) -> str:
 
 
 def _export_states(store: StateStore, keys: List[StateKey]) -> Dict[StateKey, Tensor]:
-    """Resident stores: views. Others: stream into an unlinked temporary file and map it."""
-    if store.resident:
-        return {k: store.get(k) for k in keys}
-    store.sync()
-    out: Dict[StateKey, Tensor] = {}
-    if not keys:
-        return out
-    offsets, pos = {}, 0
-    for k in keys:
-        offsets[k] = pos
-        pos += store.spec(k).nbytes
-        pos += (-pos) % 64
-    directory = getattr(store, "dir", None) or tempfile.gettempdir()
-    fd, path = tempfile.mkstemp(prefix=".state_dict-", dir=directory)
-    try:
-        os.ftruncate(fd, max(pos, 1))
-        flat = torch.from_file(path, shared=True, size=max(pos, 1), dtype=torch.uint8)
-    finally:
-        os.close(fd)
-        os.unlink(path)
-    for k in keys:
-        spec = store.spec(k)
-        dst = flat[offsets[k]:offsets[k] + spec.nbytes].view(spec.dtype).view(-1)
-        chunks = store._chunks(spec)
-        with store.pipeline([[Slice(k, a, b)] for a, b in chunks], mode="r") as pipe:
-            for (a, b), (t,) in zip(chunks, pipe):
-                dst[a:b].copy_(t)
-        out[k] = dst.view(spec.shape)
-    return out
+    """Resident stores: views. Others: snapshots of the store's files, mapped (see
+    :mod:`statestore._snapshot`)."""
+    from .._snapshot import export_states
+    return export_states(store, keys)
 
 
 class CPUAdam(_StoreAdam):
