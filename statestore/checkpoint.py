@@ -1077,7 +1077,7 @@ class Deferred:
 
 
 def load_checkpoint(store, path: str, *, progress: Optional[bool] = None,
-                    process_group: Any = "auto") -> None:
+                    process_group: Any = "auto", link: bool = True) -> None:
     """Replace the states of ``store`` with the checkpoint at ``path``, verifying every
     checksum while streaming. On any error the store is left empty (never half-loaded) and
     the exception names the file and tensor.
@@ -1091,7 +1091,14 @@ def load_checkpoint(store, path: str, *, progress: Optional[bool] = None,
     An optimizer already attached to ``store`` (torch's order: build the optimizer, then
     load) takes the checkpoint's step counts and param-group hyperparameters once the states
     are loaded; it raises :class:`CheckpointMismatchError` when they do not fit it.
+
+    ``link`` (default True): an :class:`~statestore.NVMeStore` on the checkpoint's local
+    filesystem takes the shards a linked save wrote by hard link instead of copying them
+    (copy-on-write: the store never writes them), their checksums still verified; ``False``
+    copies every state.
     """
+    if not isinstance(link, bool):
+        raise StateStoreValueError(f"link must be True or False, got {link!r}")
     _check_store(store)
     from .distributed import group_info, owners_from_metadata, resolve_load_group
     store._check_open()
@@ -1117,7 +1124,7 @@ def load_checkpoint(store, path: str, *, progress: Optional[bool] = None,
             rows = [r for r in m.rows if owners[r["param"]] == rank]
             later = [r for r in m.rows if owners[r["param"]] != rank]
     store.clear()
-    _load_rows(store, m, rows, progress, on_error=store.clear)
+    _load_rows(store, m, rows, progress, on_error=store.clear, link=link)
     store._loaded_metadata = m.metadata
     store._deferred = Deferred(path, m.info.get("save_id"), later, rank, world) if later else None
     store._process_group = group if later else None
@@ -1148,8 +1155,11 @@ def load_deferred(store, params) -> None:
         store._process_group = None
 
 
-def _load_rows(store, m: Manifest, rows: List[Dict[str, Any]], progress, on_error) -> None:
-    """Create ``rows``' states in ``store`` and stream them in; ``on_error()`` on failure."""
+def _load_rows(store, m: Manifest, rows: List[Dict[str, Any]], progress, on_error,
+               link: bool = True) -> None:
+    """Create ``rows``' states in ``store`` and stream them in (``link``: shards the store
+    can take by hard link are linked, :mod:`statestore._linked_load`); ``on_error()`` on
+    failure."""
     try:
         groups = _by_file(rows)
         for name, rs in groups.items():
@@ -1158,12 +1168,18 @@ def _load_rows(store, m: Manifest, rows: List[Dict[str, Any]], progress, on_erro
         on_error()
         raise
     try:
-        store.create_many([(r["state_key"], r["spec"].shape, r["spec"].dtype, None) for r in rows])
+        from ._linked_load import link_shards, verify_linked
+        linked = link_shards(store, m, groups) if link else {}     # docs/scale.md
+        store.create_many([(r["state_key"], r["spec"].shape, r["spec"].dtype, None) for r in rows
+                           if r["file"] not in linked])
         bar = _progress(sum(r["nbytes"] for r in rows), f"load {os.path.basename(m.root)}",
                         progress)
         try:
+            verify_linked(store, m, linked, bar)
             with _reader_pool() as pool:
                 for name, rs in groups.items():
+                    if name in linked:
+                        continue
                     fpath = _join(m.root, name)
                     with _ShardReader(m.fs, fpath, pool) as f:
                         for r in rs:

@@ -182,6 +182,28 @@ class StateStore(ABC):
         none."""
         return []
 
+    def _adopt(self, path: str, rows: Sequence[Tuple[StateKey, StateSpec, int, str]],
+               names: Sequence[str]) -> bool:
+        """Take the checkpoint shard at the local ``path`` as one of the store's files (a
+        hard link, never written: copy-on-write) instead of copying its states. ``rows``:
+        ``(key, spec, data offset, checksum)`` of the states it holds, ``names``: every
+        tensor in it but pads. True when the states are now in the store (the caller
+        verifies their checksums); False where the backend cannot (default), and nothing
+        changed."""
+        return False
+
+    def _adopt_file(self, path: str, rows: Sequence[Tuple[StateKey, StateSpec, int, str]],
+                    names: Sequence[str]) -> bool:
+        """:meth:`_adopt`, then the states are registered."""
+        self._check_open()
+        self.cancel_prefetch()
+        if any(k in self._specs for k, _, _, _ in rows) or not self._adopt(path, rows, names):
+            return False
+        for k, spec, _, _ in rows:
+            self._specs[k] = spec
+            self._damaged.pop(k, None)
+        return True
+
     def _backend_stats(self) -> Dict[str, Any]:
         return {}
 

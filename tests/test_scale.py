@@ -4,6 +4,7 @@ files, checkpoints loaded by linking their shards, and peak RSS of every phase b
 parameters, the gradients and the store's budget (a ~100M-parameter model in a subprocess)."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -105,3 +106,131 @@ def test_release_grads_waits_for_the_disk_instead_of_holding_gradients(tmp_path)
 def test_release_grads_arguments(kw, exc):
     with pytest.raises(exc, match="release_grads"):
         HybridAdam([torch.nn.Parameter(torch.zeros(3))], **kw)
+
+
+# ------------------------------------------------------------------ resume by linking
+def _saved(tmp_path, dtype=torch.bfloat16):
+    """An NVMeStore trained 3 steps and saved (linked) at tmp_path/'ckpt'; returns the
+    model weights at the save and the state values."""
+    store = ss.NVMeStore(str(tmp_path / "a"))
+    model = _Stack(dtype)
+    opt = HybridAdam(model.named_parameters(), lr=1e-2, state_store=store)
+    for step in range(3):
+        model(_batch(step, dtype)).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    store.save_checkpoint(str(tmp_path / "ckpt"))
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    states = {k: store.get(k).clone() for k in store.keys()}
+    # the reference goes on training: two more steps
+    for step in range(3, 5):
+        model(_batch(step, dtype)).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    final = {k: v.clone() for k, v in model.state_dict().items()}
+    store.close()
+    return weights, states, final
+
+
+def _inodes(d):
+    return {os.stat(os.path.join(d, f)).st_ino for f in os.listdir(d) if f.endswith(".safetensors")}
+
+
+def test_load_links_the_shards_and_resumes_bit_exact(tmp_path):
+    weights, states, final = _saved(tmp_path)
+    ckpt = str(tmp_path / "ckpt")
+    before = {f: open(os.path.join(ckpt, f), "rb").read() for f in os.listdir(ckpt)}
+    store = ss.NVMeStore(str(tmp_path / "b"))
+    store.load_checkpoint(ckpt)
+    assert _inodes(str(tmp_path / "b")) == _inodes(ckpt)       # linked, not copied
+    assert store.stats()["bytes_written"] == 0
+    for k, v in states.items():
+        assert torch.equal(store.get(k), v), k
+    model = _Stack(torch.bfloat16)
+    model.load_state_dict(weights)
+    opt = HybridAdam(model.named_parameters(), lr=1e-2, state_store=store)
+    for step in range(3, 5):
+        model(_batch(step, torch.bfloat16)).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    for k, v in final.items():
+        assert torch.equal(model.state_dict()[k], v), k
+    # copy-on-write: training after the load never wrote into the checkpoint's files
+    store.sync()
+    assert not _inodes(str(tmp_path / "b")) & _inodes(ckpt)
+    assert {f: open(os.path.join(ckpt, f), "rb").read() for f in os.listdir(ckpt)} == before
+    assert ss.checkpoint.verify_checkpoint(ckpt) == []
+    # a linked save of the resumed store, and one more load of the first checkpoint
+    store.save_checkpoint(str(tmp_path / "ckpt2"))
+    store.close()
+    with ss.NVMeStore(str(tmp_path / "c")) as again:
+        again.load_checkpoint(ckpt)
+        for k, v in states.items():
+            assert torch.equal(again.get(k), v), k
+
+
+def test_load_without_link_copies(tmp_path):
+    _, states, _ = _saved(tmp_path, torch.float32)
+    ckpt = str(tmp_path / "ckpt")
+    with ss.NVMeStore(str(tmp_path / "b")) as store:
+        store.load_checkpoint(ckpt, link=False)
+        assert not _inodes(str(tmp_path / "b")) & _inodes(ckpt)
+        for k, v in states.items():
+            assert torch.equal(store.get(k), v), k
+    with pytest.raises(ss.StateStoreValueError, match="link"):
+        ss.NVMeStore(str(tmp_path / "c")).load_checkpoint(ckpt, link=1)
+
+
+def test_a_damaged_linked_shard_is_refused_and_the_store_left_empty(tmp_path):
+    _saved(tmp_path, torch.float32)
+    ckpt = str(tmp_path / "ckpt")
+    shard = sorted(f for f in os.listdir(ckpt) if f.endswith(".safetensors"))[0]
+    m = ss.checkpoint.read_manifest(ckpt)
+    row = next(r for r in m.rows if r["file"] == shard and r["nbytes"])
+    with open(os.path.join(ckpt, shard), "r+b") as f:
+        f.seek(row["offset"] + 4)
+        b = f.read(1)
+        f.seek(row["offset"] + 4)
+        f.write(bytes([b[0] ^ 0xFF]))
+    with ss.NVMeStore(str(tmp_path / "b")) as store:
+        with pytest.raises(ss.CheckpointCorruptError, match="checksum mismatch"):
+            store.load_checkpoint(ckpt)
+        assert len(store) == 0
+        assert not [f for f in os.listdir(str(tmp_path / "b")) if f.endswith(".safetensors")]
+
+
+# ------------------------------------------------------------------ peak RSS of every phase
+BUDGET_MIB = 32
+SLACK = 48 << 20        # allocator and interpreter noise, the checkpoint's small buffers
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's "
+                    "/proc/self/clear_refs to reset the peak RSS")
+def test_peak_rss_of_every_phase_is_bounded_whatever_the_states_size(tmp_path):
+    """~100M bf16 parameters (1.2 GB of fp32 states on disk): no phase may hold a copy of
+    the whole model or of its states. Each phase's peak RSS over the RSS before it (model
+    and gradients built) stays within the store's budget plus a fixed slack; with
+    ``release_grads``, a backward + step within the budget, two layers' gradients and the
+    slack (not the model's gradients). Catches the fp32 copy of every parameter that the
+    first step made for the masters (+400 MB) and ``state_dict()``'s temporary copy of every
+    state (+1.2 GB)."""
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(HERE) + os.pathsep
+               + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, os.path.join(HERE, "rss_worker.py"), str(tmp_path),
+                        str(BUDGET_MIB)], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    budget = BUDGET_MIB << 20
+    assert got["state_dict_bytes"] == 3 * 2 * got["param_bytes"]     # master, exp_avg, exp_avg_sq
+    over = {}
+    for phase in ("first step", "save_checkpoint", "state_dict()",
+                  "load_checkpoint + optimizer + step"):
+        if got[phase] > budget + SLACK:
+            over[phase] = got[phase]
+    if got["backward + step, release_grads"] > budget + 2 * got["layer_bytes"] + SLACK:
+        over["backward + step, release_grads"] = got["backward + step, release_grads"]
+    assert not over, (f"peak RSS over the built model (MiB): "
+                      f"{ {k: round(v / 2**20) for k, v in over.items()} }; the bound is the budget "
+                      f"({BUDGET_MIB} MiB) + {SLACK >> 20} MiB (+ two layers' gradients with "
+                      f"release_grads); all phases: "
+                      f"{ {k: round(v / 2**20) for k, v in got.items()} }")

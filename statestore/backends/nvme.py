@@ -24,6 +24,7 @@ import atexit
 import errno
 import inspect
 import os
+import struct
 import threading
 import uuid
 import weakref
@@ -758,6 +759,55 @@ class NVMeStore(StateStore):
             os.link(sf.path, dst)
             sf.hashes = hashes      # frozen bytes: these (and those the save adds) stay valid
         return link
+
+    def _adopt(self, path: str, rows: Sequence[Tuple[StateKey, StateSpec, int, str]],
+               names: Sequence[str]) -> bool:
+        """Take the checkpoint shard ``path`` as a state file by hard link instead of copying
+        it, frozen from the start (the store never writes it: its states' writes go to a new
+        file, copy-on-write, as after a linked save) and opened read-only. Possible where the
+        shard is on this store's filesystem, its size and every tensor's data offset are
+        multiples of 4096 (direct I/O; shards a linked save took from an NVMeStore are) and
+        it holds exactly ``rows`` (``names``: its tensors, pads excluded). ``rows``:
+        ``(key, spec, data offset, checksum)``; the caller verifies the checksums."""
+        try:
+            st = os.stat(path)
+            if st.st_dev != os.stat(self.dir).st_dev:
+                return False            # another filesystem: copied
+        except OSError:
+            return False
+        if st.st_size % _ALIGN or any(off % _ALIGN for _, _, off, _ in rows) \
+                or sorted(names) != sorted(str(k) for k, _, _, _ in rows):
+            return False
+        try:
+            with open(path, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                header = f.read(n)
+        except (OSError, struct.error):
+            return False
+        header = struct.pack("<Q", n) + header
+        if len(header) != 8 + n or any(off < len(header) for _, _, off, _ in rows):
+            return False
+        dst = os.path.join(self.dir, f"states-{self._id}-{self._nfiles:05d}.safetensors")
+        self._nfiles += 1
+        try:
+            os.link(path, dst)
+        except OSError:
+            return False
+        try:
+            f = IOFile(dst, readonly=True, direct=self._direct)
+        except StateStoreIOError:
+            os.unlink(dst)
+            return False
+        sf = _StateFile(dst, f, st.st_size, header)
+        sf.frozen = True
+        self._files[dst] = sf
+        if not self.keep_files:
+            self._paths.add(dst)
+        for k, _, off, checksum in rows:
+            self._where[k] = (sf, off)
+            sf.keys.add(k)
+            sf.hashes[k] = checksum     # verified by the caller, else the load clears us
+        return True
 
     # ------------------------------------------------------------------ introspection
     def files(self) -> List[str]:
