@@ -1,0 +1,437 @@
+"""The largest model this machine trains, checkpoints and resumes: a Llama-shaped model
+(``examples/llama.py``, bf16 parameters, no download) with ``HybridAdam`` states (fp32
+master, exp_avg, exp_avg_sq: 12 bytes a parameter) on an ``NVMeStore``.
+
+One run, three processes:
+
+1. **train** (a child): builds the model, trains ``--steps`` steps (the first creates the
+   states), saves a checkpoint (linked: the store's files become its shards), times
+   ``state_dict()``, goes on for ``--check-steps`` steps recording a digest of every
+   parameter after each (the uninterrupted run), then starts one more step and is killed
+   with SIGKILL part-way through it (the parent does it).
+2. **resume** (a fresh child): loads the checkpoint into a new ``NVMeStore`` (linked: no copy),
+   restores the bf16 weights from the checkpoint's fp32 masters (HybridAdam writes each
+   bf16 parameter as its master rounded, so they are the model's weights; checked against the
+   digest taken at the save), builds the optimizer and trains the same ``--check-steps``
+   steps: every digest must equal the uninterrupted run's, bit for bit.
+3. the parent measures the disk's sequential read and write bandwidth first (O_DIRECT, same
+   directory), samples the filesystem's used bytes throughout, and prints the table: params,
+   peak RSS of every phase and what it is made of, disk used, each step's time against its
+   I/O floor (bytes the store read / read bandwidth + bytes written / write bandwidth), save,
+   load and resume times.
+
+    .venv/bin/python benchmarks/largest_model.py --size 1b --dir /tmp/big
+    .venv/bin/python benchmarks/largest_model.py --size 3b --dir /tmp/big --steps 2 --check-steps 1
+
+Disk: the states (12 bytes a parameter) plus, once training goes on after the checkpoint, as
+much again (the checkpoint keeps the frozen files; copy-on-write): 24 bytes a parameter at
+the peak. The run refuses to start without that much free space (``--force`` to try anyway).
+Results (and the commands that produced them): docs/scale.md.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import mmap
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+GiB = 1 << 30
+
+
+# ------------------------------------------------------------------ memory figures
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reset_peak() -> int:
+    """Trim the heap, reset VmHWM to the current RSS (``/proc/self/clear_refs``); returns it."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    return _status("VmRSS")
+
+
+class Phase:
+    """Times a phase and records its peak RSS (VmHWM after a reset)."""
+
+    def __init__(self, out: dict, name: str, **extra):
+        self.out, self.name, self.extra = out, name, extra
+
+    def __enter__(self):
+        self.rss0 = _reset_peak()
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if exc[0] is None:
+            self.out.setdefault("phases", []).append(dict(
+                name=self.name, seconds=time.perf_counter() - self.t0, rss_before=self.rss0,
+                peak=_status("VmHWM"), **self.extra))
+
+
+# ------------------------------------------------------------------ children
+def _digest(model) -> str:
+    import xxhash
+    h = xxhash.xxh3_128()
+    for name, p in model.named_parameters():
+        h.update(name.encode())
+        h.update(memoryview(p.detach().contiguous().view(-1).view(__import__("torch").uint8).numpy()))
+    return h.hexdigest()
+
+
+def _step(model, opt, store, c, args, step, out, name):
+    import llama
+    ids = llama.batch(step, c, args.batch, args.seq)
+    before = store.stats()
+    grads = {}
+    with Phase(out, name, step=step) as ph:
+        loss = model(ids, labels=ids)
+        loss.backward()
+        grads["held"] = sum(p.grad.numel() * p.grad.element_size()
+                            for p in model.parameters() if p.grad is not None)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    store.sync()            # the step's last writes belong to its I/O
+    after = store.stats()
+    ph_out = out["phases"][-1]
+    ph_out.update(loss=loss.item(), grads_after_backward=grads["held"],
+                  seconds_with_sync=time.perf_counter() - ph.t0,
+                  bytes_read=after["bytes_read"] - before["bytes_read"],
+                  bytes_written=after["bytes_written"] - before["bytes_written"],
+                  ring=after["buffer_bytes"])
+    return loss.item()
+
+
+def _optimizer(model, store, args):
+    from statestore.optim import HybridAdam
+    return HybridAdam(model.named_parameters(), lr=args.lr, weight_decay=0.1, state_store=store,
+                      update_in_backward=args.in_backward,
+                      release_grads=args.in_backward and args.release_grads)
+
+
+def _config(args):
+    import llama
+    return llama.LlamaConfig.preset(args.size, hidden_size=args.hidden,
+                                    num_hidden_layers=args.layers,
+                                    intermediate_size=args.ffn, vocab_size=args.vocab)
+
+
+def child_train(args) -> None:
+    import torch
+    from tqdm.auto import tqdm
+
+    import llama
+    import statestore as ss
+    torch.set_num_threads(args.threads)
+    c = _config(args)
+    out: dict = {"role": "train"}
+    with Phase(out, "build model"):
+        model = llama.build(c, seed=args.seed)
+    out["params"] = sum(p.numel() for p in model.parameters())
+    out["param_bytes"] = llama.param_bytes(model)
+    out["base_rss"] = _reset_peak()
+    store = ss.NVMeStore(os.path.join(args.dir, "run-a"), budget_bytes=args.budget_mib << 20)
+    opt = _optimizer(model, store, args)
+    for step in tqdm(range(args.steps), desc="train", unit="step"):
+        _step(model, opt, store, c, args, step, out, "first step (creates states)" if step == 0
+              else "step")
+    ckpt = os.path.join(args.dir, "ckpt")
+    with Phase(out, "save_checkpoint"):
+        store.save_checkpoint(ckpt, progress=True)
+    out["digest_at_save"] = _digest(model)
+    out["state_nbytes"] = store.stats()["nbytes"]
+    with Phase(out, "state_dict()"):
+        sd = opt.state_dict()
+        n = sum(t.numel() * t.element_size() for st in sd["state"].values()
+                for t in st.values() if t.dim())
+    out["state_dict_bytes"] = n
+    del sd
+    digests = []
+    for i in range(args.check_steps):
+        step = args.steps + i
+        _step(model, opt, store, c, args, step, out, "step after save (reference)")
+        digests.append(_digest(model))
+    out["digests"] = digests
+    out["store_stats"] = {k: v for k, v in store.stats().items() if k != "engine_stats"}
+    with open(os.path.join(args.dir, "train.json"), "w") as f:
+        json.dump(out, f)
+    print("READY-TO-KILL", flush=True)
+    step = args.steps + args.check_steps
+    while True:             # killed part-way through one of these
+        ids = llama.batch(step, c, args.batch, args.seq)
+        model(ids, labels=ids).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+
+
+def child_resume(args) -> None:
+    import torch
+    from tqdm.auto import tqdm
+
+    import llama
+    import statestore as ss
+    torch.set_num_threads(args.threads)
+    c = _config(args)
+    out: dict = {"role": "resume"}
+    with Phase(out, "build model (uninitialized)"):
+        model = llama.build(c, init=False)
+    out["base_rss"] = _reset_peak()
+    store = ss.NVMeStore(os.path.join(args.dir, "run-b"), budget_bytes=args.budget_mib << 20)
+    t0 = time.perf_counter()
+    with Phase(out, "load_checkpoint"):
+        store.load_checkpoint(os.path.join(args.dir, "ckpt"), progress=True)
+    with Phase(out, "weights from the masters"), torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(store.get((name, "master")))
+    with Phase(out, "build optimizer"):
+        opt = _optimizer(model, store, args)
+    out["resume_seconds"] = time.perf_counter() - t0
+    out["digest_at_load"] = _digest(model)
+    out["linked_files"] = store.stats()["files"]
+    out["bytes_written_by_load"] = store.stats()["bytes_written"]
+    digests = []
+    for i in tqdm(range(args.check_steps), desc="resumed", unit="step"):
+        _step(model, opt, store, c, args, args.steps + i, out,
+              "first step after resume" if i == 0 else "step after resume")
+        digests.append(_digest(model))
+    out["digests"] = digests
+    store.close()
+    with open(os.path.join(args.dir, "resume.json"), "w") as f:
+        json.dump(out, f)
+
+
+# ------------------------------------------------------------------ parent
+def probe_disk(d: str, nbytes: int) -> tuple:
+    """Sequential O_DIRECT write (then fdatasync) and read of ``nbytes`` in 64 MiB requests:
+    (write GB/s, read GB/s)."""
+    path = os.path.join(d, "probe.bin")
+    chunk = 64 << 20
+    buf = mmap.mmap(-1, chunk)
+    buf.write(os.urandom(1 << 20) * (chunk >> 20))
+    mv = memoryview(buf)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    try:
+        t = time.perf_counter()
+        for off in range(0, nbytes, chunk):
+            os.pwrite(fd, mv, off)
+        os.fdatasync(fd)
+        w = nbytes / (time.perf_counter() - t) / 1e9
+        t = time.perf_counter()
+        for off in range(0, nbytes, chunk):
+            os.preadv(fd, [mv], off)
+        r = nbytes / (time.perf_counter() - t) / 1e9
+    finally:
+        os.close(fd)
+        os.unlink(path)
+        mv.release()
+        buf.close()
+    return w, r
+
+
+class DiskSampler(threading.Thread):
+    """Largest growth of the filesystem's used bytes since start, sampled every 0.25 s."""
+
+    def __init__(self, d: str):
+        super().__init__(daemon=True)
+        self.d, self.peak, self.stop = d, 0, threading.Event()
+        self.base = self._used()
+
+    def _used(self) -> int:
+        st = os.statvfs(self.d)
+        return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+    def run(self):
+        while not self.stop.wait(0.25):
+            self.peak = max(self.peak, self._used() - self.base)
+
+
+def _du(d: str) -> int:
+    total, seen = 0, set()
+    for root, _, files in os.walk(d):
+        for f in files:
+            try:
+                st = os.stat(os.path.join(root, f))
+            except OSError:
+                continue
+            if st.st_ino not in seen:
+                seen.add(st.st_ino)
+                total += st.st_blocks * 512
+    return total
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", required=True, help="folder for the states and the checkpoint")
+    ap.add_argument("--size", default="1b", help="preset of examples/llama.py: 100m, 1b, 3b, 7b")
+    ap.add_argument("--hidden", type=int)
+    ap.add_argument("--layers", type=int)
+    ap.add_argument("--ffn", type=int)
+    ap.add_argument("--vocab", type=int)
+    ap.add_argument("--steps", type=int, default=3, help="steps before the checkpoint")
+    ap.add_argument("--check-steps", type=int, default=2,
+                    help="steps after the checkpoint, run by both processes and compared")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--budget-mib", type=int, default=256, help="the store's RAM budget")
+    ap.add_argument("--no-in-backward", dest="in_backward", action="store_false",
+                    help="step after backward instead of update_in_backward=True")
+    ap.add_argument("--no-release-grads", dest="release_grads", action="store_false")
+    ap.add_argument("--probe-gib", type=float, default=2.0)
+    ap.add_argument("--kill-after", type=float, default=3.0,
+                    help="seconds into the train process's next step before SIGKILL")
+    ap.add_argument("--force", action="store_true", help="run without the free-disk check")
+    ap.add_argument("--keep", action="store_true", help="leave states and checkpoint behind")
+    ap.add_argument("--json", help="write every figure here")
+    ap.add_argument("--role", choices=["train", "resume"], help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.role == "train":
+        return child_train(args)
+    if args.role == "resume":
+        return child_resume(args)
+
+    import llama
+    c = _config(args)
+    n = c.num_parameters()
+    states = 12 * n
+    os.makedirs(args.dir, exist_ok=True)
+    free = shutil.disk_usage(args.dir).free
+    need = 2 * states + (1 << 30)
+    with open("/proc/meminfo") as f:
+        mem = {l.split(":")[0]: int(l.split()[1]) * 1024 for l in f}
+    print(f"model: {n / 1e9:.2f}B parameters ({c}); bf16 weights {_gb(2 * n)}, fp32 states "
+          f"{_gb(states)}; disk free {_gb(free)} (needs ~{_gb(need)}), RAM available "
+          f"{_gib(mem.get('MemAvailable', 0))}", flush=True)
+    if free < need and not args.force:
+        sys.exit(f"not enough free disk under {args.dir}: {_gb(free)} < {_gb(need)} (states, "
+                 "plus as much again once training goes on after the checkpoint); --force "
+                 "to try anyway")
+    w_bw, r_bw = probe_disk(args.dir, int(args.probe_gib * GiB))
+    print(f"disk probe ({args.probe_gib:g} GiB, O_DIRECT, 64 MiB requests): write "
+          f"{w_bw:.2f} GB/s, read {r_bw:.2f} GB/s", flush=True)
+    sampler = DiskSampler(args.dir)
+    sampler.start()
+    me = [sys.executable, os.path.abspath(__file__)] + [a for a in sys.argv[1:]]
+    t0 = time.perf_counter()
+    for f in ("train.json", "resume.json"):
+        if os.path.exists(os.path.join(args.dir, f)):
+            os.unlink(os.path.join(args.dir, f))
+    train = subprocess.Popen(me + ["--role", "train"], stdout=subprocess.PIPE, text=True)
+    killed = False
+    for line in train.stdout:
+        sys.stdout.write(line)
+        if line.startswith("READY-TO-KILL"):
+            time.sleep(args.kill_after)
+            train.send_signal(signal.SIGKILL)
+            killed = True
+            break
+    rc = train.wait()
+    if not killed:
+        sys.exit(f"the train process exited ({rc}) before it could be killed")
+    print(f"train process killed part-way through a step (exit {rc})", flush=True)
+    disk_after_train = _du(args.dir)
+    shutil.rmtree(os.path.join(args.dir, "run-a"), ignore_errors=True)
+    rc = subprocess.call(me + ["--role", "resume"])
+    if rc:
+        sys.exit(f"the resume process failed ({rc})")
+    sampler.stop.set()
+    wall = time.perf_counter() - t0
+    with open(os.path.join(args.dir, "train.json")) as f:
+        tr = json.load(f)
+    with open(os.path.join(args.dir, "resume.json")) as f:
+        rs = json.load(f)
+    report(args, c, tr, rs, w_bw, r_bw, sampler.peak, disk_after_train, wall)
+    if not args.keep:
+        for sub in ("run-a", "run-b", "ckpt"):
+            shutil.rmtree(os.path.join(args.dir, sub), ignore_errors=True)
+
+
+def report(args, c, tr, rs, w_bw, r_bw, disk_peak, disk_after_train, wall) -> None:
+    n, pb = tr["params"], tr["param_bytes"]
+    print()
+    print(f"## {n / 1e9:.2f}B-parameter Llama ({c.num_hidden_layers} layers, hidden "
+          f"{c.hidden_size}, ffn {c.intermediate_size}, vocab {c.vocab_size}), bf16 weights "
+          f"{_gib(pb)}, states {_gib(tr['state_nbytes'])} on NVMeStore (budget "
+          f"{args.budget_mib} MiB), update_in_backward={args.in_backward}, release_grads="
+          f"{args.in_backward and args.release_grads}, batch {args.batch} x {args.seq} tokens")
+    print(f"disk: write {w_bw:.2f} GB/s, read {r_bw:.2f} GB/s (O_DIRECT probe, same run); "
+          f"peak disk used {_gb(disk_peak)}; after the train process {_gb(disk_after_train)}")
+    print()
+    print("| process | phase | time (s) | peak RSS | over the built model | grads held | "
+          "ring | read | written | I/O floor (s) | time / floor |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    bound = 2 * pb + GiB
+    for who, res in (("train", tr), ("resume", rs)):
+        for ph in res["phases"]:
+            over = ph["peak"] - res["base_rss"]
+            rd, wr = ph.get("bytes_read"), ph.get("bytes_written")
+            floor = (rd / (r_bw * 1e9) + wr / (w_bw * 1e9)) if rd is not None else None
+            secs = ph.get("seconds_with_sync", ph["seconds"])
+            print(f"| {who} | {ph['name']} | {secs:.1f} | {_gib(ph['peak'])} | "
+                  f"{_gib(over) if not ph['name'].startswith('build') else '-'} | "
+                  f"{_gib(ph['grads_after_backward']) if 'grads_after_backward' in ph else '-'} | "
+                  f"{_gib(ph['ring']) if 'ring' in ph else '-'} | "
+                  f"{_gb(rd) if rd is not None else '-'} | {_gb(wr) if wr is not None else '-'} | "
+                  f"{f'{floor:.1f}' if floor else '-'} | "
+                  f"{f'{secs / floor:.2f}' if floor else '-'} |")
+    base = tr["base_rss"]
+    print()
+    print(f"built model: RSS {_gib(base)} (bf16 weights {_gib(pb)} + interpreter, torch and "
+          f"the model's buffers {_gib(base - pb)}); bound per phase: weights + grads + 1 GiB "
+          f"= {_gib(bound)} over the interpreter")
+    peak_over = max(ph["peak"] for ph in tr["phases"] + rs["phases"]
+                    if not ph["name"].startswith("build")) - (base - pb)
+    print(f"largest peak over the interpreter: {_gib(peak_over)} "
+          f"({'within' if peak_over <= bound else 'OVER'} the bound)")
+    same = rs["digest_at_load"] == tr["digest_at_save"] and rs["digests"] == tr["digests"]
+    print(f"resume: {rs['resume_seconds']:.1f} s (load_checkpoint linked {rs['linked_files']} "
+          f"files, wrote {_gb(rs['bytes_written_by_load'])}); weights at load == weights at save: "
+          f"{rs['digest_at_load'] == tr['digest_at_save']}; {len(tr['digests'])} steps after "
+          f"resume bit-identical to the uninterrupted run: {rs['digests'] == tr['digests']}")
+    print(f"state_dict(): {tr['state_dict_bytes'] / 1e9:.2f} GB of tensors returned")
+    print(f"wall time {wall:.0f} s; {'OK' if same else 'MISMATCH'}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(args=vars(args), train=tr, resume=rs, write_gbps=w_bw, read_gbps=r_bw,
+                           disk_peak=disk_peak, ok=same), f, indent=1)
+    if not same:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
