@@ -25,7 +25,11 @@ One run, three processes:
 
 Disk: the states (12 bytes a parameter) plus, once training goes on after the checkpoint, as
 much again (the checkpoint keeps the frozen files; copy-on-write): 24 bytes a parameter at
-the peak. The run refuses to start without that much free space (``--force`` to try anyway).
+the peak. ``--reference rerun`` needs the states once: the train process stops at its
+checkpoint, the resumed process removes the checkpoint once loaded (its store keeps the
+links; each file goes once its states were rewritten), and a third process trains from the
+same seed without stopping, for the digests to compare. The run refuses to start without the
+free space it needs (``--force`` to try anyway).
 Results (and the commands that produced them): docs/scale.md.
 """
 from __future__ import annotations
@@ -154,6 +158,12 @@ def child_train(args) -> None:
     out["params"] = sum(p.numel() for p in model.parameters())
     out["param_bytes"] = llama.param_bytes(model)
     out["base_rss"] = _reset_peak()
+    if args.compute_probe:
+        # forward + backward alone, no optimizer: the step's compute, for comparison
+        ids = llama.batch(0, c, args.batch, args.seq)
+        with Phase(out, "forward + backward alone (no optimizer)"):
+            model(ids, labels=ids).backward()
+        model.zero_grad(set_to_none=True)
     store = ss.NVMeStore(os.path.join(args.dir, "run-a"), budget_bytes=args.budget_mib << 20)
     opt = _optimizer(model, store, args)
     for step in tqdm(range(args.steps), desc="train", unit="step"):
@@ -171,7 +181,7 @@ def child_train(args) -> None:
     out["state_dict_bytes"] = n
     del sd
     digests = []
-    for i in range(args.check_steps):
+    for i in range(args.check_steps if args.reference == "continue" else 0):
         step = args.steps + i
         _step(model, opt, store, c, args, step, out, "step after save (reference)")
         digests.append(_digest(model))
@@ -212,6 +222,10 @@ def child_resume(args) -> None:
         opt = _optimizer(model, store, args)
     out["resume_seconds"] = time.perf_counter() - t0
     out["digest_at_load"] = _digest(model)
+    if args.reference == "rerun":
+        # the checkpoint goes: the store keeps its links, and the first step frees each file
+        # once every state in it was rewritten (disk: the states once, not twice)
+        shutil.rmtree(os.path.join(args.dir, "ckpt"))
     out["linked_files"] = store.stats()["files"]
     out["bytes_written_by_load"] = store.stats()["bytes_written"]
     digests = []
@@ -222,6 +236,34 @@ def child_resume(args) -> None:
     out["digests"] = digests
     store.close()
     with open(os.path.join(args.dir, "resume.json"), "w") as f:
+        json.dump(out, f)
+
+
+def child_reference(args) -> None:
+    """``--reference rerun``: the uninterrupted run, trained from the same seed without a
+    checkpoint or a kill, with digests after the same steps."""
+    import torch
+    from tqdm.auto import tqdm
+
+    import llama
+    import statestore as ss
+    torch.set_num_threads(args.threads)
+    c = _config(args)
+    out: dict = {"role": "reference"}
+    model = llama.build(c, seed=args.seed)
+    out["base_rss"] = _reset_peak()
+    store = ss.NVMeStore(os.path.join(args.dir, "run-c"), budget_bytes=args.budget_mib << 20)
+    opt = _optimizer(model, store, args)
+    digests = []
+    for step in tqdm(range(args.steps + args.check_steps), desc="reference", unit="step"):
+        _step(model, opt, store, c, args, step, out, "step (reference run)")
+        if step == args.steps - 1:
+            out["digest_at_save"] = _digest(model)
+        if step >= args.steps:
+            digests.append(_digest(model))
+    out["digests"] = digests
+    store.close()
+    with open(os.path.join(args.dir, "reference.json"), "w") as f:
         json.dump(out, f)
 
 
@@ -254,20 +296,16 @@ def probe_disk(d: str, nbytes: int) -> tuple:
 
 
 class DiskSampler(threading.Thread):
-    """Largest growth of the filesystem's used bytes since start, sampled every 0.25 s."""
+    """Largest disk use (allocated blocks, each inode once) under ``d``, sampled every
+    0.5 s: the filesystem is shared, so its own used-bytes figure would count others' files."""
 
     def __init__(self, d: str):
         super().__init__(daemon=True)
         self.d, self.peak, self.stop = d, 0, threading.Event()
-        self.base = self._used()
-
-    def _used(self) -> int:
-        st = os.statvfs(self.d)
-        return (st.f_blocks - st.f_bfree) * st.f_frsize
 
     def run(self):
-        while not self.stop.wait(0.25):
-            self.peak = max(self.peak, self._used() - self.base)
+        while not self.stop.wait(0.5):
+            self.peak = max(self.peak, _du(self.d))
 
 
 def _du(d: str) -> int:
@@ -315,15 +353,24 @@ def main() -> None:
     ap.add_argument("--probe-gib", type=float, default=2.0)
     ap.add_argument("--kill-after", type=float, default=3.0,
                     help="seconds into the train process's next step before SIGKILL")
+    ap.add_argument("--no-compute-probe", dest="compute_probe", action="store_false",
+                    help="skip timing one forward + backward without the optimizer")
     ap.add_argument("--force", action="store_true", help="run without the free-disk check")
     ap.add_argument("--keep", action="store_true", help="leave states and checkpoint behind")
     ap.add_argument("--json", help="write every figure here")
-    ap.add_argument("--role", choices=["train", "resume"], help=argparse.SUPPRESS)
+    ap.add_argument("--reference", choices=["continue", "rerun"], default="continue",
+                    help="the uninterrupted run to compare with: the train process going on "
+                         "after its checkpoint (disk: twice the states), or a third process "
+                         "training from the same seed while the resumed one drops the "
+                         "checkpoint after loading it (disk: the states once)")
+    ap.add_argument("--role", choices=["train", "resume", "reference"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.role == "train":
         return child_train(args)
     if args.role == "resume":
         return child_resume(args)
+    if args.role == "reference":
+        return child_reference(args)
 
     import llama
     c = _config(args)
@@ -331,7 +378,8 @@ def main() -> None:
     states = 12 * n
     os.makedirs(args.dir, exist_ok=True)
     free = shutil.disk_usage(args.dir).free
-    need = 2 * states + (1 << 30)
+    # the states, and once training goes on after the checkpoint as much again
+    need = (2 if args.check_steps and args.reference == "continue" else 1) * states + (4 << 30)
     with open("/proc/meminfo") as f:
         mem = {l.split(":")[0]: int(l.split()[1]) * 1024 for l in f}
     print(f"model: {n / 1e9:.2f}B parameters ({c}); bf16 weights {_gb(2 * n)}, fp32 states "
@@ -348,7 +396,7 @@ def main() -> None:
     sampler.start()
     me = [sys.executable, os.path.abspath(__file__)] + [a for a in sys.argv[1:]]
     t0 = time.perf_counter()
-    for f in ("train.json", "resume.json"):
+    for f in ("train.json", "resume.json", "reference.json"):
         if os.path.exists(os.path.join(args.dir, f)):
             os.unlink(os.path.join(args.dir, f))
     train = subprocess.Popen(me + ["--role", "train"], stdout=subprocess.PIPE, text=True)
@@ -369,15 +417,27 @@ def main() -> None:
     rc = subprocess.call(me + ["--role", "resume"])
     if rc:
         sys.exit(f"the resume process failed ({rc})")
+    if args.reference == "rerun":
+        shutil.rmtree(os.path.join(args.dir, "run-b"), ignore_errors=True)
+        rc = subprocess.call(me + ["--role", "reference"])
+        if rc:
+            sys.exit(f"the reference process failed ({rc})")
     sampler.stop.set()
     wall = time.perf_counter() - t0
     with open(os.path.join(args.dir, "train.json")) as f:
         tr = json.load(f)
     with open(os.path.join(args.dir, "resume.json")) as f:
         rs = json.load(f)
+    if args.reference == "rerun":
+        with open(os.path.join(args.dir, "reference.json")) as f:
+            ref = json.load(f)
+        if ref["digest_at_save"] != tr["digest_at_save"]:
+            print("the reference run's weights at the checkpoint step differ from the train "
+                  "process's: training is not deterministic here", flush=True)
+        tr["digests"] = ref["digests"]
     report(args, c, tr, rs, w_bw, r_bw, sampler.peak, disk_after_train, wall)
     if not args.keep:
-        for sub in ("run-a", "run-b", "ckpt"):
+        for sub in ("run-a", "run-b", "run-c", "ckpt"):
             shutil.rmtree(os.path.join(args.dir, sub), ignore_errors=True)
 
 
@@ -419,6 +479,8 @@ def report(args, c, tr, rs, w_bw, r_bw, disk_peak, disk_after_train, wall) -> No
     print(f"largest peak over the interpreter: {_gib(peak_over)} "
           f"({'within' if peak_over <= bound else 'OVER'} the bound)")
     same = rs["digest_at_load"] == tr["digest_at_save"] and rs["digests"] == tr["digests"]
+    print(f"uninterrupted run compared with: {args.reference} "
+          f"({'the train process after its checkpoint' if args.reference == 'continue' else 'a third process trained from the same seed'})")
     print(f"resume: {rs['resume_seconds']:.1f} s (load_checkpoint linked {rs['linked_files']} "
           f"files, wrote {_gb(rs['bytes_written_by_load'])}); weights at load == weights at save: "
           f"{rs['digest_at_load'] == tr['digest_at_save']}; {len(tr['digests'])} steps after "

@@ -248,6 +248,15 @@ class Pipeline:
             return None
         return self._next(block=False)
 
+    def wait_next(self) -> Optional[List[torch.Tensor]]:
+        """``next()`` that waits for the next unit's reads only and then starts further reads
+        without waiting for buffers (``next()`` fills the ring, waiting for write-backs): for
+        a gradient hook that must not go on before its unit is updated (``release_grads``)
+        yet should hold backward no longer than that. None at the end."""
+        if self._closed or self._next_yield >= len(self._units):
+            return None
+        return self._next(block=False)
+
     def commit(self) -> None:
         """Hand the current unit back now instead of at the next ``next()``: in modes "rw"
         and "w" its write-back starts. Its tensors must not be used afterwards."""

@@ -941,6 +941,11 @@ def _opt_rows() -> List[Row]:
         Row("optim-update-in-backward-group", "update_in_backward=True, process_group=pg",
             ValueError, ("update_in_backward", "process_group"),
             lambda c: c.opt(P(), update_in_backward=True, process_group=object())),
+        Row("optim-release-grads-alone", "release_grads=True", ValueError,
+            ("release_grads", "update_in_backward"), lambda c: c.opt(P(), release_grads=True)),
+        Row("optim-release-grads-type", "update_in_backward=True, release_grads=1", TypeError,
+            ("release_grads", "1"),
+            lambda c: c.opt(P(), update_in_backward=True, release_grads=1)),
     ]
 
 

@@ -816,7 +816,7 @@ class _StoreAdam(torch.optim.Optimizer):
                     if tensors is None:
                         if not self._too_many_grads(sp[0]):
                             break
-                        tensors = next(pipe)    # release_grads: backward waits for the disk
+                        tensors = pipe.wait_next()      # release_grads: backward waits
                 sp[3] += 1
                 self._apply_unit(tensors, group, entries, store.device, grads)
                 pipe.commit()
