@@ -141,7 +141,9 @@ def _config(args):
     import llama
     return llama.LlamaConfig.preset(args.size, hidden_size=args.hidden,
                                     num_hidden_layers=args.layers,
-                                    intermediate_size=args.ffn, vocab_size=args.vocab)
+                                    intermediate_size=args.ffn, vocab_size=args.vocab,
+                                    num_attention_heads=args.heads,
+                                    num_key_value_heads=args.kv_heads)
 
 
 def child_train(args) -> None:
@@ -333,11 +335,13 @@ def _gib(n: float) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", required=True, help="folder for the states and the checkpoint")
-    ap.add_argument("--size", default="1b", help="preset of examples/llama.py: 100m, 1b, 3b, 7b")
+    ap.add_argument("--size", default="1b", help="preset of examples/llama.py: tiny, 100m, 1b, 3b, 7b")
     ap.add_argument("--hidden", type=int)
     ap.add_argument("--layers", type=int)
     ap.add_argument("--ffn", type=int)
     ap.add_argument("--vocab", type=int)
+    ap.add_argument("--heads", type=int)
+    ap.add_argument("--kv-heads", type=int)
     ap.add_argument("--steps", type=int, default=3, help="steps before the checkpoint")
     ap.add_argument("--check-steps", type=int, default=2,
                     help="steps after the checkpoint, run by both processes and compared")

@@ -30,7 +30,7 @@ from llama import LlamaConfig, batch, build  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", default="100m", help="100m, 1b, 3b or 7b (examples/llama.py)")
+    ap.add_argument("--size", default="100m", help="tiny, 100m, 1b, 3b or 7b (examples/llama.py)")
     ap.add_argument("--dir", required=True, help="folder on the disk for states and checkpoint")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--seq", type=int, default=64)

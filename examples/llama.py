@@ -43,8 +43,10 @@ class LlamaConfig:
 
 
 #: Shapes of public models (vocabulary 32000): TinyLlama-1.1B, a 3.0B Llama (open_llama_3b's
-#: width with grouped KV heads), Llama-2-7B; "100m" is the suite's scale.
+#: width with grouped KV heads), Llama-2-7B; "100m" and "tiny" (the tests' smoke runs) are ours.
 PRESETS: Dict[str, dict] = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=256),
     "100m": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=8,
                  num_attention_heads=12, num_key_value_heads=4, vocab_size=32000),
     "1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,

@@ -234,3 +234,35 @@ def test_peak_rss_of_every_phase_is_bounded_whatever_the_states_size(tmp_path):
                       f"({BUDGET_MIB} MiB) + {SLACK >> 20} MiB (+ two layers' gradients with "
                       f"release_grads); all phases: "
                       f"{ {k: round(v / 2**20) for k, v in got.items()} }")
+
+
+# ------------------------------------------------------------------ the benchmark and the example
+def _env():
+    return dict(os.environ, PYTHONPATH=os.path.dirname(HERE) + os.pathsep
+                + os.environ.get("PYTHONPATH", ""))
+
+
+def test_largest_model_benchmark_runs_end_to_end_at_a_tiny_size(tmp_path):
+    """Train, checkpoint, kill, resume in a fresh process, compare bit for bit (figures are
+    not checked: timing never decides a test)."""
+    root = os.path.dirname(HERE)
+    r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "largest_model.py"),
+                        "--size", "tiny", "--dir", str(tmp_path), "--steps", "2",
+                        "--check-steps", "1", "--probe-gib", "0.0625", "--kill-after", "0",
+                        "--no-compute-probe"], capture_output=True, text=True, env=_env(),
+                       timeout=600)
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-2000:])
+    assert "bit-identical to the uninterrupted run: True" in r.stdout, r.stdout[-2000:]
+    assert "weights at load == weights at save: True" in r.stdout
+    assert "| resume | load_checkpoint |" in r.stdout
+    assert not [d for d in ("run-a", "run-b", "run-c", "ckpt") if os.path.exists(tmp_path / d)]
+
+
+def test_the_example_trains_saves_and_resumes(tmp_path):
+    root = os.path.dirname(HERE)
+    cmd = [sys.executable, os.path.join(root, "examples", "largest_model.py"), "--size", "tiny",
+           "--dir", str(tmp_path), "--steps", "1", "--seq", "8"]
+    for extra in ([], ["--resume"]):
+        r = subprocess.run(cmd + extra, capture_output=True, text=True, env=_env(), timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+    assert "resumed at step 1" in r.stdout
