@@ -59,8 +59,8 @@ def _linked(store, keys: Sequence[StateKey], out: Dict[StateKey, torch.Tensor]) 
         for i, lf in enumerate(store._linkable(list(keys), tmp, _NO_SHARD_LIMIT)):
             dst = os.path.join(tmp, f"{i:05d}.safetensors")
             try:
-                lf.link(dst)
-            except OSError:
+                lf.link(dst, mapped=True)   # frozen for good: the mapping reads its pages
+            except (OSError, TypeError):
                 continue            # copied by the caller
             try:
                 flat = _map(dst, os.path.getsize(dst))

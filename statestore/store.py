@@ -53,7 +53,9 @@ class LinkableFile:
     ``rows``: ``(key, absolute byte offset)`` of the states in it; ``hashes``: checksums of
     its states' bytes already known (the checkpoint adds the ones it computes); ``link(dst)``
     freezes the file (the store never writes it again: later writes of its states go to a new
-    file) and hard-links it as ``dst``, raising ``OSError`` where it cannot."""
+    file) and hard-links it as ``dst``, raising ``OSError`` where it cannot; ``link(dst,
+    mapped=True)``: ``dst`` will be mapped and removed, and the file must stay frozen even
+    once nothing else links it (a ``state_dict()`` snapshot)."""
 
     __slots__ = ("rows", "hashes", "link")
 

@@ -266,3 +266,30 @@ def test_the_example_trains_saves_and_resumes(tmp_path):
         r = subprocess.run(cmd + extra, capture_output=True, text=True, env=_env(), timeout=600)
         assert r.returncode == 0, r.stderr[-2000:]
     assert "resumed at step 1" in r.stdout
+
+
+def test_state_dict_of_a_disk_store_is_a_snapshot_training_never_changes(tmp_path):
+    """state_dict() maps the store's frozen files; no name but the store's own is left on
+    them, and the store must still never write them (not thaw them as it does a file whose
+    checkpoint was removed)."""
+    store = ss.NVMeStore(str(tmp_path / "s"))
+    model = _Stack(torch.bfloat16)
+    opt = HybridAdam(model.named_parameters(), lr=1e-2, state_store=store)
+
+    def train(steps):
+        for step in steps:
+            model(_batch(step, torch.bfloat16)).float().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    train(range(2))
+    sd = opt.state_dict()
+    want = {i: {k: v.clone() for k, v in st.items()} for i, st in sd["state"].items()}
+    assert not [f for f in os.listdir(str(tmp_path / "s")) if f.startswith(".state_dict")]
+    train(range(2, 5))
+    store.sync()
+    for i, st in sd["state"].items():
+        for k, v in st.items():
+            assert torch.equal(v, want[i][k]), (i, k)
+    now = opt.state_dict()
+    assert not torch.equal(now["state"][0]["exp_avg"], want[0]["exp_avg"])
+    store.close()

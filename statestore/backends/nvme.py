@@ -139,7 +139,7 @@ class _Digest:
 
 class _StateFile:
     __slots__ = ("path", "file", "size", "header", "keys", "removed_reported", "dirty",
-                 "frozen", "successor", "hashes")
+                 "frozen", "successor", "hashes", "mapped")
 
     def __init__(self, path: str, file: IOFile, size: int, header: bytes):
         self.path, self.file, self.size, self.header = path, file, size, header
@@ -153,6 +153,9 @@ class _StateFile:
         self.frozen = False
         self.successor: Optional["_StateFile"] = None
         self.hashes: Dict[StateKey, str] = {}
+        # Mapped by a ``state_dict()`` snapshot (statestore/_snapshot.py): never thawed, even
+        # once no checkpoint links it, since the snapshot's tensors read its pages.
+        self.mapped = False
 
 
 class NVMeStore(StateStore):
@@ -527,7 +530,7 @@ class NVMeStore(StateStore):
                 alone = os.fstat(sf.file.fd).st_nlink == 1 and self._named(sf)
             except OSError:
                 alone = False
-            if alone:
+            if alone and not sf.mapped:
                 sf.frozen = False
                 sf.hashes = {}          # bytes of a thawed file change again
             else:
@@ -754,8 +757,10 @@ class NVMeStore(StateStore):
         return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
     def _link_file(self, sf: _StateFile, hashes: Dict[StateKey, str]):
-        def link(dst: str) -> None:
+        def link(dst: str, mapped: bool = False) -> None:
             sf.frozen = True        # first: from here on the store never writes this file
+            if mapped:
+                sf.mapped = True
             os.link(sf.path, dst)
             sf.hashes = hashes      # frozen bytes: these (and those the save adds) stay valid
         return link
