@@ -293,3 +293,27 @@ def test_state_dict_of_a_disk_store_is_a_snapshot_training_never_changes(tmp_pat
     now = opt.state_dict()
     assert not torch.equal(now["state"][0]["exp_avg"], want[0]["exp_avg"])
     store.close()
+
+
+def test_a_linked_load_whose_checkpoint_is_removed_trains_in_place(tmp_path):
+    """The store's link is then the file's only name: it is thawed (reopened for writing)
+    and the step writes into it instead of copying it; results stay bit-exact."""
+    weights, _, final = _saved(tmp_path)
+    ckpt = str(tmp_path / "ckpt")
+    store = ss.NVMeStore(str(tmp_path / "b"))
+    store.load_checkpoint(ckpt)
+    before = _inodes(str(tmp_path / "b"))
+    import shutil
+    shutil.rmtree(ckpt)
+    model = _Stack(torch.bfloat16)
+    model.load_state_dict(weights)
+    opt = HybridAdam(model.named_parameters(), lr=1e-2, state_store=store)
+    for step in range(3, 5):
+        model(_batch(step, torch.bfloat16)).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    store.sync()
+    for k, v in final.items():
+        assert torch.equal(model.state_dict()[k], v), k
+    assert _inodes(str(tmp_path / "b")) == before        # written in place
+    store.close()

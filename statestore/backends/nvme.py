@@ -139,7 +139,7 @@ class _Digest:
 
 class _StateFile:
     __slots__ = ("path", "file", "size", "header", "keys", "removed_reported", "dirty",
-                 "frozen", "successor", "hashes", "mapped")
+                 "frozen", "successor", "hashes", "mapped", "readonly", "old_file")
 
     def __init__(self, path: str, file: IOFile, size: int, header: bytes):
         self.path, self.file, self.size, self.header = path, file, size, header
@@ -156,6 +156,11 @@ class _StateFile:
         # Mapped by a ``state_dict()`` snapshot (statestore/_snapshot.py): never thawed, even
         # once no checkpoint links it, since the snapshot's tensors read its pages.
         self.mapped = False
+        # Opened read-only (a checkpoint's shard taken by a linked load); ``old_file``: that
+        # descriptor, kept open for reads in flight, once the file was reopened for writing
+        # (thawed after the checkpoint was removed).
+        self.readonly = False
+        self.old_file: Optional[IOFile] = None
 
 
 class NVMeStore(StateStore):
@@ -362,6 +367,8 @@ class NVMeStore(StateStore):
         self._files.pop(sf.path, None)
         try:
             sf.file.close()
+            if sf.old_file is not None:
+                sf.old_file.close()
         finally:
             if unlink:
                 self._paths.discard(sf.path)
@@ -530,7 +537,7 @@ class NVMeStore(StateStore):
                 alone = os.fstat(sf.file.fd).st_nlink == 1 and self._named(sf)
             except OSError:
                 alone = False
-            if alone and not sf.mapped:
+            if alone and not sf.mapped and self._writable(sf):
                 sf.frozen = False
                 sf.hashes = {}          # bytes of a thawed file change again
             else:
@@ -551,6 +558,18 @@ class NVMeStore(StateStore):
                 succ, sf.successor = sf.successor, None
                 self._drop_file(succ, unlink=True)
             raise
+
+    def _writable(self, sf: _StateFile) -> bool:
+        """Reopen a read-only file for writing (a linked load's shard whose checkpoint is
+        gone); False where that fails (the file then stays frozen: copy-on-write)."""
+        if not sf.readonly:
+            return True
+        try:
+            f = IOFile(sf.path, direct=self._direct)
+        except StateStoreIOError:
+            return False
+        sf.old_file, sf.file, sf.readonly = sf.file, f, False
+        return True
 
     def _successor(self, sf: _StateFile) -> _StateFile:
         if sf.successor is None:
@@ -804,7 +823,7 @@ class NVMeStore(StateStore):
             os.unlink(dst)
             return False
         sf = _StateFile(dst, f, st.st_size, header)
-        sf.frozen = True
+        sf.frozen = sf.readonly = True
         self._files[dst] = sf
         if not self.keep_files:
             self._paths.add(dst)
