@@ -27,7 +27,8 @@ Disk: the states (12 bytes a parameter) plus, once training goes on after the ch
 much again (the checkpoint keeps the frozen files; copy-on-write): 24 bytes a parameter at
 the peak. ``--reference rerun`` needs the states once: the train process stops at its
 checkpoint, the resumed process removes the checkpoint once loaded (its store keeps the
-links; each file goes once its states were rewritten), and a third process trains from the
+links, then the only names of the files, and writes into them in place), and a third
+process trains from the
 same seed without stopping, for the digests to compare. The run refuses to start without the
 free space it needs (``--force`` to try anyway).
 Results (and the commands that produced them): docs/scale.md.
@@ -225,8 +226,8 @@ def child_resume(args) -> None:
     out["resume_seconds"] = time.perf_counter() - t0
     out["digest_at_load"] = _digest(model)
     if args.reference == "rerun":
-        # the checkpoint goes: the store keeps its links, and the first step frees each file
-        # once every state in it was rewritten (disk: the states once, not twice)
+        # the checkpoint goes: the store keeps its links, now the files' only names, and
+        # writes into them in place (disk: the states once, not twice)
         shutil.rmtree(os.path.join(args.dir, "ckpt"))
     out["linked_files"] = store.stats()["files"]
     out["bytes_written_by_load"] = store.stats()["bytes_written"]
