@@ -6,9 +6,9 @@ gradients and hands every unit to :func:`statestore.kernels.adam_step`, which on
 States are reached only through :meth:`StateStore.pipeline`, so every optimizer works on every
 store.
 
-States per parameter (all fp32, the parameter's shape): ``exp_avg``, ``exp_avg_sq``,
-``max_exp_avg_sq`` (``amsgrad``) and ``master`` (an fp32 master copy for fp16/bf16
-parameters). Step counts are kept per parameter in the optimizer and saved with checkpoints
+States per parameter (the parameter's shape): ``exp_avg``, ``exp_avg_sq`` (fp32, or compressed
+with ``moment_dtype``: see :mod:`statestore.optim._moments`), ``max_exp_avg_sq`` (``amsgrad``)
+and ``master`` (an fp32 master copy for fp16/bf16 parameters), both fp32. Step counts are kept per parameter in the optimizer and saved with checkpoints
 through :meth:`StateStore.attach_metadata`.
 """
 from __future__ import annotations
@@ -26,6 +26,8 @@ from .._types import Slice, StateKey
 from ..errors import (CheckpointMismatchError, StateStoreClosedError, StateStoreError,
                       StateStoreValueError)
 from ..kernels import adam_step, grads_finite
+from ..kernels._moments import adam_step_moments
+from ._moments import SCALE_OF, MomentFormat, export_fp32
 from ..distributed import group_info, partition
 from . import _offload_path
 from ..pipeline import plan_units
@@ -39,7 +41,7 @@ __all__ = ["CPUAdam", "HybridAdam", "OPTIMIZER_METADATA_VERSION"]
 OPTIMIZER_METADATA_VERSION = 1
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-_STATE_NAMES = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
+_STATE_NAMES = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master") + tuple(SCALE_OF.values())
 # Hyperparameters saved in metadata and state_dict (torch's AdamW keys plus ours).
 _HYPER = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "adamw_mode")
 
@@ -144,6 +146,15 @@ class _StoreAdam(torch.optim.Optimizer):
             finishes the step); the first step, and a step whose parameters with gradients
             differ from the previous one's, keep every gradient until ``step()``. See
             ``docs/scale.md``.
+        moment_dtype: how ``exp_avg``/``exp_avg_sq`` are kept in the store: ``"fp32"``
+            (torch's), ``"bf16"`` (half the bytes) or ``"int8"`` (a quarter, plus one fp32
+            scale per block of 256 elements). The kernels decode, update and re-encode in one
+            pass; ``state_dict()`` gives fp32 moments and ``load_state_dict`` encodes them;
+            checkpoints keep the encoded states and record the format, and a resume checks
+            it (:class:`~statestore.CheckpointMismatchError` on a different one). Format and
+            accuracy: ``docs/kernels.md``, "Compressed moments".
+        moment_rounding: ``"stochastic"`` or ``"nearest"`` rounding of compressed moments;
+            None (default): stochastic for bf16, nearest for int8 (the measured choice).
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
@@ -152,8 +163,10 @@ class _StoreAdam(torch.optim.Optimizer):
                  nvme_offload_fraction: float = 0.0, nvme_offload_dir: Optional[str] = None,
                  maximize: bool = False, bias_correction: bool = True,
                  skip_nonfinite: bool = False, process_group=None,
-                 update_in_backward: bool = False, release_grads: bool = False, **unused):
+                 update_in_backward: bool = False, release_grads: bool = False,
+                 moment_dtype: str = "fp32", moment_rounding: Optional[str] = None, **unused):
         _validate_hyper(lr, betas, eps, weight_decay)
+        self._moments = MomentFormat(moment_dtype, moment_rounding)
         if not bias_correction:
             raise ValueError("bias_correction=False is not supported (results would differ "
                              "from torch.optim.AdamW)")
@@ -409,6 +422,16 @@ class _StoreAdam(torch.optim.Optimizer):
             names.append("master")
         return names
 
+    def _stored_names(self, p: Tensor, group: dict) -> List[str]:
+        """The store states of ``p``: its logical states plus, for int8 moments, their
+        scales."""
+        return self._moments.stored_names(self._state_names(p, group))
+
+    @property
+    def moment_dtype(self) -> str:
+        """How ``exp_avg``/``exp_avg_sq`` are stored: "fp32", "bf16" or "int8"."""
+        return self._moments.name
+
     def _group_of(self) -> Dict[Tensor, dict]:
         return {p: g for g in self.param_groups for p in g["params"]}
 
@@ -487,24 +510,35 @@ class _StoreAdam(torch.optim.Optimizer):
                                f"optimizer, {dtype} in the checkpoint")
         groups = {p: {**g, **h} for g, h in zip(self.param_groups, new_hyper)
                   for p in g["params"]}
+        fmt = self._moments
+        # checkpoints of optimizers from before moment_dtype existed hold fp32 moments; a store
+        # without optimizer metadata is checked by its states' dtypes alone (below)
+        saved_fmt = meta.get("moment_dtype", "fp32" if meta.get("optimizer") else None) \
+            if isinstance(meta, dict) else None
+        if stored_params and saved_fmt is not None and saved_fmt != fmt.name:
+            report.add("states", f"moment_dtype {fmt.name!r} in the optimizer, {saved_fmt!r} in "
+                       f"the store's metadata (load the states through state_dict() to convert)")
         for name, p in ours.items():
             if name not in stored_params:
                 continue        # new parameter: its states start fresh
             for state, spec in stored_params[name].items():
-                if state not in _STATE_NAMES:
+                if not fmt.known(state):
                     report.add("states", f"parameter {name!r}: unexpected state {state!r} in "
-                               f"the store (an Adam optimizer keeps {list(_STATE_NAMES)})")
+                               f"the store (an Adam optimizer with moment_dtype={fmt.name!r} "
+                               f"keeps {fmt.stored_names(_STATE_NAMES[:4])})")
                     continue
-                if spec.shape != tuple(p.shape):
+                shape, dtype = fmt.spec(state, tuple(p.shape))
+                if spec.shape != shape:
                     report.add("states", f"parameter {name!r}: state {state!r} has shape "
-                               f"{spec.shape}, parameter has {tuple(p.shape)}")
-                if spec.dtype != torch.float32:
+                               f"{spec.shape}, the optimizer expects {shape}")
+                if spec.dtype != dtype:
                     report.add("states", f"parameter {name!r}: state {state!r} has dtype "
-                               f"{spec.dtype}, the optimizer keeps torch.float32")
+                               f"{spec.dtype}, the optimizer keeps {dtype} "
+                               f"(moment_dtype={fmt.name!r})")
                 if state == "master" and p.dtype not in _LOW_PRECISION:
                     report.add("states", f"parameter {name!r}: the store holds an fp32 master "
                                f"but the parameter is {p.dtype}")
-            needed = self._state_names(p, groups[p])
+            needed = self._stored_names(p, groups[p])
             missing = [s for s in needed if s not in stored_params[name] and s != "master"]
             if missing and stored_params[name]:
                 report.add("states", f"parameter {name!r}: states {missing} missing from the "
@@ -551,9 +585,9 @@ class _StoreAdam(torch.optim.Optimizer):
         """A callable producing this optimizer's metadata that holds the containers it reads
         (groups, keys, step counts), not the optimizer: the store keeps it after the
         optimizer is gone, so a later optimizer on the store picks up the step counts."""
-        name, param_groups, keys, steps, params, failed = (
+        name, param_groups, keys, steps, params, failed, moments = (
             type(self).__name__, self.param_groups, self._keys, self._steps, self._params,
-            self._failed)
+            self._failed, self._moments.metadata())
 
         def metadata() -> dict:
             if failed:   # a checkpoint now would mix states of two steps and look valid
@@ -579,6 +613,7 @@ class _StoreAdam(torch.optim.Optimizer):
                 "params": {keys[p]: {"shape": list(p.shape),
                                      "dtype": str(p.dtype).replace("torch.", "")}
                            for p in params},
+                **moments,
             }
         return metadata
 
@@ -588,14 +623,14 @@ class _StoreAdam(torch.optim.Optimizer):
         entries = []
         for p in params:
             key = self._keys[p]
-            for name in self._state_names(p, groups[p]):
+            for name in self._stored_names(p, groups[p]):
                 sk = StateKey(key, name)
                 if sk in store:
                     continue
                 # the parameter itself: the store converts it a chunk at a time (a whole
                 # fp32 copy of every parameter would come before the first step)
                 init = p.detach() if name == "master" else None
-                entries.append((sk, tuple(p.shape), torch.float32, init))
+                entries.append((sk, *self._moments.spec(name, tuple(p.shape)), init))
         if entries:
             store.create_many(entries)
 
@@ -738,17 +773,24 @@ class _StoreAdam(torch.optim.Optimizer):
         planned: List[Tuple[int, List[Slice], Tuple[dict, list]]] = []
         # Cut points where the store aligned the states' data (a unit holds up to 4 states).
         align = max(1, store.cut_alignment(store.unit_bytes and store.unit_bytes // 4) // 4)
+        fmt = self._moments
+        align = fmt.cut_elems(store, align)     # compressed moments: whole blocks, aligned
         last = len(order) if order else 0
         for group, ps in items:
             if order:
                 ps = sorted(ps, key=lambda p: order.get(p, last))
-            names = [self._state_names(p, group) for p in ps]
+            names = [self._stored_names(p, group) for p in ps]
             keys = [[StateKey(self._keys[p], n) for n in ns] for p, ns in zip(ps, names)]
-            plan = plan_units(keys, [p.numel() for p in ps], 4, store.unit_bytes, align,
-                              slice_round=store.alignment)
+            # compressed: each state's bytes an element, counted as that many 1-byte states
+            itemsize = 1 if fmt.compressed else 4
+            groups_ = [[None] * fmt.unit_itemsize(ns)[1] for ns in names] if fmt.compressed \
+                else keys
+            plan = plan_units(groups_, [p.numel() for p in ps], itemsize, store.unit_bytes,
+                              align, slice_round=store.alignment)
             for unit in plan:
                 rank = max(order.get(ps[i], last) for i, _, _ in unit) if order else 0
-                planned.append((rank, [Slice(k, a, b) for i, a, b in unit for k in keys[i]],
+                planned.append((rank, [Slice(k, *fmt.state_range(k.state, a, b))
+                                       for i, a, b in unit for k in keys[i]],
                                 (group, [(ps[i], a, b, names[i]) for i, a, b in unit])))
         planned.sort(key=lambda x: x[0])        # stable: param order among equal ranks
         return [u for _, u, _ in planned], [m for _, _, m in planned]
@@ -979,6 +1021,7 @@ class _StoreAdam(torch.optim.Optimizer):
     def _update_unit(self, tensors: List[Tensor], group: dict, entries, grads, grad_scale,
                      dev: torch.device) -> None:
         params, gs, m, v, vmax, masters, steps, writeback = [], [], [], [], [], [], [], []
+        scales: list = []
         pos = 0
         off, uploads = self._offload, []
         for p, a, b, names in entries:
@@ -1008,17 +1051,27 @@ class _StoreAdam(torch.optim.Optimizer):
             vmax.append(st.get("max_exp_avg_sq"))
             masters.append(st.get("master"))
             steps.append(self._steps[self._keys[p]])
+            scales.append((st.get("exp_avg_scale"), st.get("exp_avg_sq_scale"), a))
         beta1, beta2 = group["betas"]
         lr = group["lr"]
         if isinstance(lr, Tensor):
             lr = lr.item()
         self._touched = True
-        adam_step(params, gs, m, v, steps=steps, lr=lr, beta1=beta1, beta2=beta2,
-                  eps=group["eps"], weight_decay=group["weight_decay"],
-                  adamw_mode=group["adamw_mode"], amsgrad=group["amsgrad"],
-                  max_exp_avg_sqs=vmax if group["amsgrad"] else None,
+        kw = dict(steps=steps, lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"],
+                  weight_decay=group["weight_decay"], adamw_mode=group["adamw_mode"],
+                  amsgrad=group["amsgrad"], max_exp_avg_sqs=vmax if group["amsgrad"] else None,
                   masters=masters if any(x is not None for x in masters) else None,
                   maximize=group["maximize"], grad_scale=grad_scale)
+        fmt = self._moments
+        if not fmt.compressed:
+            adam_step(params, gs, m, v, **kw)
+        else:
+            keys = [self._keys[e[0]] for e in entries]
+            adam_step_moments(params, gs, m, v, kind=fmt.name, rounding=fmt.rounding,
+                              seeds=[fmt.seeds(k, s) for k, s in zip(keys, steps)],
+                              offsets=[a for _, _, a in scales],
+                              exp_avg_scales=[x for x, _, _ in scales],
+                              exp_avg_sq_scales=[y for _, y, _ in scales], **kw)
         for p, a, b, w in writeback:
             if p.is_contiguous():
                 p.detach().view(-1)[a:b].copy_(w)
@@ -1038,7 +1091,9 @@ class _StoreAdam(torch.optim.Optimizer):
         copy-on-write) and return tensors mapped privately from them (pages load on access
         and the kernel may evict them): no copy, no temporary file, never every state in RAM;
         states whose files cannot be taken whole are streamed into a temporary file of their
-        size (see :mod:`statestore._snapshot` and docs/scale.md).
+        size (see :mod:`statestore._snapshot` and docs/scale.md). Compressed moments
+        (``moment_dtype`` "bf16"/"int8") are decoded into new fp32 tensors (streamed through
+        the budget for disk stores), so that ``torch.optim.AdamW`` loads them.
 
         A bf16/fp16 parameter's state also holds ``"master"``, its fp32 master copy, which
         ``torch.optim.AdamW.load_state_dict`` ignores (torch keeps no such state): take the
@@ -1062,10 +1117,16 @@ class _StoreAdam(torch.optim.Optimizer):
         for p in self._params:
             if p in self._stores:           # with a process group: this rank's shard only
                 by_store.setdefault(self._stores[p], []).append(p)
+        fmt = self._moments
+        plain = ("max_exp_avg_sq", "master") if fmt.compressed else \
+            ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
         for store, ps in by_store.items():
             tensors = _export_states(store, [StateKey(self._keys[p], n) for p in ps
-                                             for n in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
+                                             for n in plain
                                              if StateKey(self._keys[p], n) in store])
+            if fmt.compressed:      # decoded to fp32: torch's format
+                tensors.update(export_fp32(store, fmt, [(self._keys[p], tuple(p.shape))
+                                                        for p in ps]))
             for p in ps:
                 k = self._keys[p]
                 if k not in self._steps:
@@ -1200,10 +1261,17 @@ class _StoreAdam(torch.optim.Optimizer):
             existing = [StateKey(key, n) for n in _STATE_NAMES if StateKey(key, n) in store]
             if existing:
                 store.delete(existing)
-            store.create_many([(StateKey(key, n), tuple(p.shape), torch.float32,
-                                src.detach().float().cpu() if store.device.type == "cpu"
-                                else src.detach().float().to(store.device))
-                               for n, src in entries])
+            fmt = self._moments
+            new = []
+            for n, src in entries:
+                enc = fmt.from_fp32(n, src, key, step) \
+                    if fmt.compressed and n in SCALE_OF else {n: src.detach().float().cpu()}
+                for sn, t in enc.items():
+                    shape, dtype = fmt.spec(sn, tuple(p.shape))
+                    t = t.reshape(shape)
+                    new.append((StateKey(key, sn), shape, dtype,
+                                t if store.device.type == "cpu" else t.to(store.device)))
+            store.create_many(new)
             self._steps[key] = step
 
     # ------------------------------------------------------------------ fp32 weights
