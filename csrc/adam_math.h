@@ -218,4 +218,197 @@ SS_HD void adam_element(int64_t i, float* w, const void* g, float* m, float* v, 
   }
 }
 
+
+// ---- compressed moments (moment_dtype "bf16" / "int8"), written once ----------------------
+//
+// The encodings of statestore/kernels/_quant.py (its docstring and docs/kernels.md specify
+// them); every function below performs the same float32 operations in the same order as that
+// torch reference, so both give the same codes. The SIMD bodies (adam_moments_body.h) and the
+// CUDA kernel (fused_adam.cu) call these functions or mirror them operation by operation.
+
+enum class MomentKind : int32_t { kF32 = 0, kBF16 = 1, kInt8 = 2 };
+
+constexpr int kQBlock = 256;                    // elements per int8 block (one fp32 scale)
+constexpr float kMLevels = 127.0f;              // exp_avg codes -127..127
+constexpr float kVLevels = 255.0f;              // exp_avg_sq codes 0..255
+// 1/127^2 and 1/255^2 rounded once from double, as the reference's float32 constants
+constexpr float kInvM2 = static_cast<float>(1.0 / (127.0 * 127.0));
+constexpr float kInvV2 = static_cast<float>(1.0 / (255.0 * 255.0));
+constexpr float kFltMin = 1.17549435082228750797e-38f;  // 2^-126
+constexpr float kFltMax = 3.40282346638528859812e+38f;
+constexpr float k2m24 = 5.9604644775390625e-08f;         // 2^-24
+
+// Counter-based hash of element i (its index in the parameter, low 32 bits) under a
+// per-tensor, per-step seed: the random bits of stochastic rounding. Two multiply-xorshift
+// rounds (constants from Wellons' hash search), after a Weyl step over the index.
+SS_HD uint32_t ss_hash32(uint32_t seed, uint32_t i) {
+  uint32_t x = i * 0x9E3779B1u + seed;
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  x ^= x >> 16;
+  return x;
+}
+
+// Uniform in [0, 1) from 24 hash bits (exact in float).
+SS_HD float ss_uniform(uint32_t h) { return static_cast<float>(h >> 8) * k2m24; }
+
+// bf16 with stochastic rounding: add 16 random bits below the kept ones, truncate.
+SS_HD uint16_t float_to_bf16_sr(float f, uint32_t h) {
+  uint32_t u = float_to_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  return static_cast<uint16_t>((u + (h >> 16)) >> 16);
+}
+
+SS_HD float ss_absf(float x) { return bits_to_float(float_to_bits(x) & 0x7fffffffu); }
+
+// Decoding: exp_avg = sign(c) (c/127)^2 scale; exp_avg_sq = (c/255)^4 scale.
+SS_HD float decode_m8(int8_t c, float scale) {
+  const float cf = static_cast<float>(c);
+  return ((cf * ss_absf(cf)) * kInvM2) * scale;
+}
+SS_HD float decode_v8(uint8_t c, float scale) {
+  const float cf = static_cast<float>(c);
+  const float q = (cf * cf) * kInvV2;
+  return (q * q) * scale;
+}
+
+// A block's stored scale and the reciprocal its codes are computed with, from the largest
+// finite magnitude of its new values and whether all were finite: a non-finite block gets
+// scale NaN, a block below 2^-126 scale 0; both then get codes 0 (encode_block_ok false).
+struct QScale {
+  float scale;
+  float inv;
+};
+SS_HD QScale make_qscale(float absmax, bool finite) {
+  QScale q;
+  if (!finite) {
+    q.scale = bits_to_float(0x7fc00000u);
+  } else {
+    q.scale = absmax < kFltMin ? 0.0f : absmax;
+  }
+  q.inv = q.scale > 0.0f ? 1.0f / q.scale : 0.0f;
+  return q;
+}
+SS_HD bool encode_block_ok(const QScale& q) { return q.scale > 0.0f; }
+
+// Codes, for a block with encode_block_ok; u: ss_uniform(hash) (stochastic) or 0.5 (nearest).
+SS_HD int8_t encode_m8(float x, float inv, float u) {
+  const float r = ss_absf(x) * inv;
+  float y = sqrtf(r) * kMLevels;
+  y = y + u;
+  float c = floorf(y);
+  c = c > kMLevels ? kMLevels : c;
+  const int ci = static_cast<int>(c);
+  return static_cast<int8_t>(x < 0.0f ? -ci : ci);
+}
+SS_HD uint8_t encode_v8(float x, float inv, float u) {
+  const float r = ss_absf(x) * inv;
+  float y = sqrtf(sqrtf(r)) * kVLevels;
+  y = y + u;
+  float c = floorf(y);
+  c = c > kVLevels ? kVLevels : c;
+  return static_cast<uint8_t>(static_cast<int>(c));
+}
+
+// Magnitude bookkeeping of a block's new values: the largest finite magnitude (NaN never
+// wins a comparison) and whether every value was finite.
+SS_HD void absmax_step(float x, float& absmax, bool& finite) {
+  const float a = ss_absf(x);
+  absmax = a > absmax ? a : absmax;
+  finite = finite && (a <= kFltMax);
+}
+
+// Arguments of one tensor of a compressed-moment step.
+struct MomentTensorArgs {
+  float* w;            // fp32 weight (the parameter or its fp32 master)
+  const void* g;       // gradient (GD)
+  void* m;             // exp_avg codes: bf16 (uint16) or int8
+  void* v;             // exp_avg_sq codes: bf16 (uint16) or uint8
+  float* m_scale;      // int8: one scale per block of kQBlock elements, else nullptr
+  float* v_scale;
+  float* vmax;         // amsgrad's max_exp_avg_sq (fp32), or nullptr
+  void* p_out;         // low-precision parameter written from w, or nullptr
+  DType g_dtype;
+  DType p_dtype;
+  MomentKind kind;
+  bool stochastic;
+  uint32_t seed_m;
+  uint32_t seed_v;
+  int64_t offset;      // index in the parameter of element 0 (int8: a multiple of kQBlock)
+  int64_t n;
+  AdamScalars s;
+};
+
+// One element of a bf16-moment tensor: decode, update, re-encode.
+template <DType GD, DType PD, bool kAmsgrad>
+SS_HD void adam_element_bf16m(int64_t i, const MomentTensorArgs& a) {
+  uint16_t* m = static_cast<uint16_t*>(a.m);
+  uint16_t* v = static_cast<uint16_t*>(a.v);
+  float wi = a.w[i];
+  float mi = bf16_to_float(m[i]);
+  float vi = bf16_to_float(v[i]);
+  float gi = Storage<GD>::load(static_cast<const typename Storage<GD>::T*>(a.g), i);
+  adam_update<kAmsgrad>(wi, gi, mi, vi, kAmsgrad ? a.vmax + i : nullptr, a.s);
+  a.w[i] = wi;
+  if (a.stochastic) {
+    const uint32_t idx = static_cast<uint32_t>(a.offset + i);
+    m[i] = float_to_bf16_sr(mi, ss_hash32(a.seed_m, idx));
+    v[i] = float_to_bf16_sr(vi, ss_hash32(a.seed_v, idx));
+  } else {
+    m[i] = float_to_bf16(mi);
+    v[i] = float_to_bf16(vi);
+  }
+  if constexpr (PD != DType::kNone) {
+    Storage<PD>::store(static_cast<typename Storage<PD>::T*>(a.p_out), i, wi);
+  }
+}
+
+// Phase 1 of an int8 element: decode with the block's old scales, update; returns the new
+// fp32 moments in mn, vn (kept in a block-sized buffer by the caller).
+template <DType GD, DType PD, bool kAmsgrad>
+SS_HD void adam_element_int8_update(int64_t i, const MomentTensorArgs& a, float scale_m,
+                                    float scale_v, float& mn, float& vn) {
+  float wi = a.w[i];
+  mn = decode_m8(static_cast<const int8_t*>(a.m)[i], scale_m);
+  vn = decode_v8(static_cast<const uint8_t*>(a.v)[i], scale_v);
+  float gi = Storage<GD>::load(static_cast<const typename Storage<GD>::T*>(a.g), i);
+  adam_update<kAmsgrad>(wi, gi, mn, vn, kAmsgrad ? a.vmax + i : nullptr, a.s);
+  a.w[i] = wi;
+  if constexpr (PD != DType::kNone) {
+    Storage<PD>::store(static_cast<typename Storage<PD>::T*>(a.p_out), i, wi);
+  }
+}
+
+// Phase 2 of an int8 element: its codes from the block's new scales.
+SS_HD void encode_element_int8(int64_t i, const MomentTensorArgs& a, const QScale& qm,
+                               const QScale& qv, float mn, float vn) {
+  const uint32_t idx = static_cast<uint32_t>(a.offset + i);
+  const float um = a.stochastic ? ss_uniform(ss_hash32(a.seed_m, idx)) : 0.5f;
+  const float uv = a.stochastic ? ss_uniform(ss_hash32(a.seed_v, idx)) : 0.5f;
+  static_cast<int8_t*>(a.m)[i] = encode_block_ok(qm) ? encode_m8(mn, qm.inv, um) : int8_t(0);
+  static_cast<uint8_t*>(a.v)[i] = encode_block_ok(qv) ? encode_v8(vn, qv.inv, uv) : uint8_t(0);
+}
+
+// One whole int8 block [b, e) (e - b <= kQBlock, b a multiple of kQBlock), sequentially:
+// the CPU scalar path and every SIMD tail block. mt, vt: block-sized buffers.
+template <DType GD, DType PD, bool kAmsgrad>
+SS_HD void adam_block_int8(const MomentTensorArgs& a, int64_t b, int64_t e, float* mt,
+                           float* vt) {
+  const int64_t blk = b / kQBlock;
+  const float sm = a.m_scale[blk], sv = a.v_scale[blk];
+  float am = 0.0f, av = 0.0f;
+  bool fm = true, fv = true;
+  for (int64_t i = b; i < e; ++i) {
+    adam_element_int8_update<GD, PD, kAmsgrad>(i, a, sm, sv, mt[i - b], vt[i - b]);
+    absmax_step(mt[i - b], am, fm);
+    absmax_step(vt[i - b], av, fv);
+  }
+  const QScale qm = make_qscale(am, fm), qv = make_qscale(av, fv);
+  a.m_scale[blk] = qm.scale;
+  a.v_scale[blk] = qv.scale;
+  for (int64_t i = b; i < e; ++i) encode_element_int8(i, a, qm, qv, mt[i - b], vt[i - b]);
+}
+
 }  // namespace statestore

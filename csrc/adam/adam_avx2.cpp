@@ -45,6 +45,57 @@ struct Avx2Ops {
     const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
   }
+  // ---- compressed moments (adam_moments_body.h)
+  using I = __m256i;
+  static I seti(uint32_t x) { return _mm256_set1_epi32(static_cast<int>(x)); }
+  static I addi(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I xori(I a, I b) { return _mm256_xor_si256(a, b); }
+  template <int N> static I srli(I a) { return _mm256_srli_epi32(a, N); }
+  static I mullo(I a, I b) { return _mm256_mullo_epi32(a, b); }
+  static I iota() { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
+  static F cvt_i2f(I a) { return _mm256_cvtepi32_ps(a); }
+  static I cvtt_f2i(F a) { return _mm256_cvttps_epi32(a); }
+  static F floor(F a) { return _mm256_floor_ps(a); }
+  // minps: a < b ? a : b
+  static F min(F a, F b) { return _mm256_min_ps(a, b); }
+  static F abs(F a) { return _mm256_and_ps(a, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff))); }
+  static bool all_le(F a, F b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_LE_OQ)) == 0xff; }
+  static F load_i8(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  static F load_u8(const uint8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  // c where x is not negative, -c where x < 0
+  static I neg_if_neg(I c, F x) {
+    const __m256i neg = _mm256_castps_si256(_mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ));
+    return _mm256_blendv_epi8(c, _mm256_sub_epi32(_mm256_setzero_si256(), c), neg);
+  }
+  // low bytes of the 8 lanes (values in -128..127, resp. 0..255)
+  static void store_bytes(void* p, __m256i b) {
+    const uint32_t lo = static_cast<uint32_t>(_mm_cvtsi128_si32(_mm256_castsi256_si128(b)));
+    const uint32_t hi = static_cast<uint32_t>(_mm_cvtsi128_si32(_mm256_extracti128_si256(b, 1)));
+    std::memcpy(p, &lo, 4);
+    std::memcpy(static_cast<char*>(p) + 4, &hi, 4);
+  }
+  static void store_i8(int8_t* p, I c) {
+    const __m256i w = _mm256_packs_epi32(c, c);
+    store_bytes(p, _mm256_packs_epi16(w, w));
+  }
+  static void store_u8(uint8_t* p, I c) {
+    const __m256i w = _mm256_packs_epi32(c, c);
+    store_bytes(p, _mm256_packus_epi16(w, w));
+  }
+  // statestore::float_to_bf16_sr on 8 lanes: add h >> 16, truncate; NaN -> 0x7FC0.
+  static void store_bf16_sr(uint16_t* p, F x, I h) {
+    __m256i r = _mm256_add_epi32(_mm256_castps_si256(x), _mm256_srli_epi32(h, 16));
+    r = _mm256_srli_epi32(r, 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+  }
+
   static F load_f16(const uint16_t* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
@@ -54,6 +105,7 @@ struct Avx2Ops {
 };
 
 #include "adam/adam_simd_body.h"
+#include "adam/adam_moments_body.h"
 
 STATESTORE_DEFINE_PROBE(avx2_probe)
 
@@ -65,6 +117,10 @@ void avx2_adam(const AdamTensorArgs& a, int64_t begin, int64_t end) {
   dispatch_adam_range<SimdAdam<Avx2Ops>>(a, begin, end);
 }
 
+void avx2_moments(const MomentTensorArgs& a, int64_t begin, int64_t end) {
+  dispatch_moments_range<SimdMoments<Avx2Ops>>(a, begin, end);
+}
+
 }  // namespace
 }  // namespace cpu
 }  // namespace statestore
@@ -74,7 +130,8 @@ void avx2_adam(const AdamTensorArgs& a, int64_t begin, int64_t end) {
 namespace statestore {
 namespace cpu {
 const SimdKernels& avx2_kernels() {
-  static const SimdKernels k{"avx2", 256, &avx2_adam, &simd_finite, &avx2_probe, &avx2_stream_copy};
+  static const SimdKernels k{"avx2", 256, &avx2_adam, &simd_finite, &avx2_probe, &avx2_stream_copy,
+                              &avx2_moments};
   return k;
 }
 }  // namespace cpu

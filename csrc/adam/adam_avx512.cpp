@@ -46,6 +46,48 @@ struct Avx512Ops {
     r = _mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7fc0));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
   }
+  // ---- compressed moments (adam_moments_body.h)
+  using I = __m512i;
+  static I seti(uint32_t x) { return _mm512_set1_epi32(static_cast<int>(x)); }
+  static I addi(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I xori(I a, I b) { return _mm512_xor_si512(a, b); }
+  template <int N> static I srli(I a) { return _mm512_srli_epi32(a, N); }
+  static I mullo(I a, I b) { return _mm512_mullo_epi32(a, b); }
+  static I iota() { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+  static F cvt_i2f(I a) { return _mm512_cvtepi32_ps(a); }
+  static I cvtt_f2i(F a) { return _mm512_cvttps_epi32(a); }
+  static F floor(F a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+  // vminps: a < b ? a : b
+  static F min(F a, F b) { return _mm512_min_ps(a, b); }
+  static F abs(F a) {
+    return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(a), _mm512_set1_epi32(0x7fffffff)));
+  }
+  static bool all_le(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_LE_OQ) == 0xffff; }
+  static F load_i8(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static F load_u8(const uint8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static I neg_if_neg(I c, F x) {
+    const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+    return _mm512_mask_sub_epi32(c, neg, _mm512_setzero_si512(), c);
+  }
+  // vpmovdb keeps each lane's low byte (values in -128..127, resp. 0..255)
+  static void store_i8(int8_t* p, I c) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(c));
+  }
+  static void store_u8(uint8_t* p, I c) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(c));
+  }
+  static void store_bf16_sr(uint16_t* p, F x, I h) {
+    __m512i r = _mm512_add_epi32(_mm512_castps_si512(x), _mm512_srli_epi32(h, 16));
+    r = _mm512_srli_epi32(r, 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    r = _mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7fc0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+  }
+
   static F load_f16(const uint16_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
@@ -56,6 +98,7 @@ struct Avx512Ops {
 };
 
 #include "adam/adam_simd_body.h"
+#include "adam/adam_moments_body.h"
 
 STATESTORE_DEFINE_PROBE(avx512_probe)
 
@@ -67,6 +110,10 @@ void avx512_adam(const AdamTensorArgs& a, int64_t begin, int64_t end) {
   dispatch_adam_range<SimdAdam<Avx512Ops>>(a, begin, end);
 }
 
+void avx512_moments(const MomentTensorArgs& a, int64_t begin, int64_t end) {
+  dispatch_moments_range<SimdMoments<Avx512Ops>>(a, begin, end);
+}
+
 }  // namespace
 }  // namespace cpu
 }  // namespace statestore
@@ -76,7 +123,8 @@ void avx512_adam(const AdamTensorArgs& a, int64_t begin, int64_t end) {
 namespace statestore {
 namespace cpu {
 const SimdKernels& avx512_kernels() {
-  static const SimdKernels k{"avx512", 512, &avx512_adam, &simd_finite, &avx512_probe, &avx512_stream_copy};
+  static const SimdKernels k{"avx512", 512, &avx512_adam, &simd_finite, &avx512_probe, &avx512_stream_copy,
+                              &avx512_moments};
   return k;
 }
 }  // namespace cpu

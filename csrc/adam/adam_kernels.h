@@ -29,6 +29,9 @@ struct AdamTensorArgs {
 
 // Updates elements [begin, end) of one tensor.
 using AdamRangeFn = void (*)(const AdamTensorArgs& a, int64_t begin, int64_t end);
+// Updates elements [begin, end) of one compressed-moment tensor (int8: begin a multiple of
+// kQBlock).
+using MomentRangeFn = void (*)(const MomentTensorArgs& a, int64_t begin, int64_t end);
 // True when elements [begin, end) of a float buffer of kind `dtype` are all finite.
 using FiniteRangeFn = bool (*)(const void* data, DType dtype, int64_t begin, int64_t end);
 
@@ -50,6 +53,7 @@ struct SimdKernels {
   FiniteRangeFn finite;
   ProbeRangeFn probe;
   StreamCopyFn stream_copy;
+  MomentRangeFn adam_moments;
 };
 
 // Software prefetch for the streaming loops: every 16 elements (one 64-byte line of fp32),
@@ -156,6 +160,50 @@ void dispatch_adam_range(const AdamTensorArgs& a, int64_t begin, int64_t end) {
     case DType::kNone: break;
   }
 #undef SS_ADAM_CASE_P
+}
+
+// Calls Impl::template run<GD, PD, kAmsgrad, MK>(a, begin, end) for a compressed-moment
+// tensor's dtypes and encoding.
+template <class Impl>
+void dispatch_moments_range(const MomentTensorArgs& a, int64_t begin, int64_t end) {
+  const bool ams = a.vmax != nullptr;
+#define SS_MOM_CASE_K(GD, PD)                                                                \
+  if (a.kind == MomentKind::kBF16) {                                                         \
+    return ams ? Impl::template run<GD, PD, true, MomentKind::kBF16>(a, begin, end)          \
+               : Impl::template run<GD, PD, false, MomentKind::kBF16>(a, begin, end);        \
+  }                                                                                          \
+  return ams ? Impl::template run<GD, PD, true, MomentKind::kInt8>(a, begin, end)            \
+             : Impl::template run<GD, PD, false, MomentKind::kInt8>(a, begin, end);
+#define SS_MOM_CASE_P(GD)                                                                    \
+  switch (a.p_dtype) {                                                                       \
+    case DType::kNone: SS_MOM_CASE_K(GD, DType::kNone)                                       \
+    case DType::kF32: SS_MOM_CASE_K(GD, DType::kF32)                                         \
+    case DType::kF16: SS_MOM_CASE_K(GD, DType::kF16)                                         \
+    case DType::kBF16: SS_MOM_CASE_K(GD, DType::kBF16)                                       \
+  }
+  switch (a.g_dtype) {
+    case DType::kF32: SS_MOM_CASE_P(DType::kF32) break;
+    case DType::kF16: SS_MOM_CASE_P(DType::kF16) break;
+    case DType::kBF16: SS_MOM_CASE_P(DType::kBF16) break;
+    case DType::kNone: break;
+  }
+#undef SS_MOM_CASE_P
+#undef SS_MOM_CASE_K
+}
+
+// Scalar compressed-moment loop over [begin, end): bf16 element by element, int8 block by
+// block (the last block may be partial).
+template <DType GD, DType PD, bool kAmsgrad, MomentKind MK>
+inline void moments_scalar_range(const MomentTensorArgs& a, int64_t begin, int64_t end) {
+  if constexpr (MK == MomentKind::kBF16) {
+    for (int64_t i = begin; i < end; ++i) adam_element_bf16m<GD, PD, kAmsgrad>(i, a);
+  } else {
+    float mt[kQBlock], vt[kQBlock];
+    for (int64_t b = begin; b < end; b += kQBlock) {
+      const int64_t e = b + kQBlock < end ? b + kQBlock : end;
+      adam_block_int8<GD, PD, kAmsgrad>(a, b, e, mt, vt);
+    }
+  }
 }
 
 // Scalar loop over [begin, end): the reference every SIMD tail uses.

@@ -211,6 +211,136 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList e
   run_adam(*active().load(), jobs);
 }
 
+// Runs k.adam_moments over every tensor, in parallel over fixed chunks (kChunk is a multiple
+// of kQBlock, so int8 blocks never straddle two threads).
+void run_moments(const SimdKernels& k, const std::vector<MomentTensorArgs>& jobs) {
+  static_assert(kChunk % kQBlock == 0, "chunks must hold whole int8 blocks");
+  std::vector<int64_t> prefix(jobs.size() + 1, 0);
+  int64_t total = 0;
+  for (size_t t = 0; t < jobs.size(); ++t) {
+    prefix[t + 1] = prefix[t] + (jobs[t].n + kChunk - 1) / kChunk;
+    total += jobs[t].n;
+  }
+  if (total <= 2 * kChunk || at::get_num_threads() <= 1 || at::in_parallel_region()) {
+    for (const auto& j : jobs) k.adam_moments(j, 0, j.n);
+    return;
+  }
+  at::parallel_for(0, prefix.back(), 1, [&](int64_t cb, int64_t ce) {
+    size_t t = static_cast<size_t>(std::upper_bound(prefix.begin(), prefix.end(), cb) - prefix.begin()) - 1;
+    for (int64_t c = cb; c < ce;) {
+      while (prefix[t + 1] <= c) ++t;
+      const int64_t cend = std::min(ce, prefix[t + 1]);
+      const int64_t b = (c - prefix[t]) * kChunk;
+      const int64_t e = std::min(jobs[t].n, (cend - prefix[t]) * kChunk);
+      k.adam_moments(jobs[t], b, e);
+      c = cend;
+    }
+  });
+}
+
+void check_dtype(const at::Tensor& t, at::ScalarType want, const char* name, size_t i) {
+  TORCH_CHECK(t.scalar_type() == want, "adam_step_moments_: ", name, "[", i, "] must be ",
+              want, ", got ", t.scalar_type());
+}
+
+// Adam over compressed moments: exp_avgs / exp_avg_sqs hold bf16 codes (kind 1) or int8 /
+// uint8 codes with one fp32 scale per block of kQBlock elements (kind 2).
+void adam_step_moments_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                           at::TensorList exp_avg_sqs, at::TensorList exp_avg_scales,
+                           at::TensorList exp_avg_sq_scales, at::TensorList max_exp_avg_sqs,
+                           const c10::List<std::optional<at::Tensor>>& masters,
+                           at::ArrayRef<double> step_sizes, at::ArrayRef<double> bc2_sqrts,
+                           at::ArrayRef<int64_t> seeds_m, at::ArrayRef<int64_t> seeds_v,
+                           at::ArrayRef<int64_t> offsets, int64_t kind, bool stochastic,
+                           double lr, double beta1, double beta2, double eps,
+                           double weight_decay, bool adamw_mode, bool maximize,
+                           double grad_scale) {
+  const size_t n = params.size();
+  TORCH_CHECK(kind == static_cast<int64_t>(MomentKind::kBF16) ||
+                  kind == static_cast<int64_t>(MomentKind::kInt8),
+              "adam_step_moments_: kind must be 1 (bf16) or 2 (int8), got ", kind);
+  const MomentKind mk = static_cast<MomentKind>(kind);
+  const bool int8 = mk == MomentKind::kInt8;
+  TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n,
+              "adam_step_moments_: grads, exp_avgs and exp_avg_sqs need one tensor per param (",
+              n, ")");
+  TORCH_CHECK(!int8 || (exp_avg_scales.size() == n && exp_avg_sq_scales.size() == n),
+              "adam_step_moments_: int8 needs exp_avg_scales and exp_avg_sq_scales, one per param");
+  TORCH_CHECK(max_exp_avg_sqs.empty() || max_exp_avg_sqs.size() == n,
+              "adam_step_moments_: max_exp_avg_sqs must be empty or have one tensor per param");
+  TORCH_CHECK(masters.empty() || masters.size() == n,
+              "adam_step_moments_: masters must be empty or have one entry per param");
+  TORCH_CHECK(step_sizes.size() == n && bc2_sqrts.size() == n && seeds_m.size() == n &&
+                  seeds_v.size() == n && offsets.size() == n,
+              "adam_step_moments_: step_sizes, bc2_sqrts, seeds and offsets need one value per param");
+  TORCH_CHECK(std::isfinite(grad_scale) && grad_scale > 0, "adam_step_moments_: grad_scale "
+              "must be a positive finite number, got ", grad_scale);
+  const bool amsgrad = !max_exp_avg_sqs.empty();
+  std::vector<MomentTensorArgs> jobs;
+  jobs.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& p = params[i];
+    std::optional<at::Tensor> master;
+    if (!masters.empty()) master = masters.get(i);
+    const bool has_master = master.has_value() && master->defined();
+    const int64_t numel = p.numel();
+    check_tensor(p, "params", i, numel);
+    check_tensor(grads[i], "grads", i, numel);
+    check_tensor(exp_avgs[i], "exp_avgs", i, numel);
+    check_tensor(exp_avg_sqs[i], "exp_avg_sqs", i, numel);
+    check_dtype(exp_avgs[i], int8 ? at::kChar : at::kBFloat16, "exp_avgs", i);
+    check_dtype(exp_avg_sqs[i], int8 ? at::kByte : at::kBFloat16, "exp_avg_sqs", i);
+    MomentTensorArgs a{};
+    if (int8) {
+      const int64_t nb = (numel + kQBlock - 1) / kQBlock;
+      check_tensor(exp_avg_scales[i], "exp_avg_scales", i, nb);
+      check_tensor(exp_avg_sq_scales[i], "exp_avg_sq_scales", i, nb);
+      check_f32(exp_avg_scales[i], "exp_avg_scales", i);
+      check_f32(exp_avg_sq_scales[i], "exp_avg_sq_scales", i);
+      TORCH_CHECK(offsets[i] % kQBlock == 0, "adam_step_moments_: offsets[", i, "] = ",
+                  offsets[i], " is not a multiple of ", kQBlock);
+      a.m_scale = exp_avg_scales[i].data_ptr<float>();
+      a.v_scale = exp_avg_sq_scales[i].data_ptr<float>();
+    }
+    a.g_dtype = storage_of(grads[i].scalar_type());
+    TORCH_CHECK(a.g_dtype != DType::kNone, "adam_step_moments_: grads[", i,
+                "] must be float32, float16 or bfloat16, got ", grads[i].scalar_type());
+    if (amsgrad) {
+      check_tensor(max_exp_avg_sqs[i], "max_exp_avg_sqs", i, numel);
+      check_f32(max_exp_avg_sqs[i], "max_exp_avg_sqs", i);
+      a.vmax = max_exp_avg_sqs[i].data_ptr<float>();
+    }
+    if (has_master) {
+      check_tensor(*master, "masters", i, numel);
+      check_f32(*master, "masters", i);
+      a.p_dtype = storage_of(p.scalar_type());
+      TORCH_CHECK(a.p_dtype != DType::kNone, "adam_step_moments_: params[", i,
+                  "] (with an fp32 master) must be float32, float16 or bfloat16, got ",
+                  p.scalar_type());
+      a.w = master->data_ptr<float>();
+      a.p_out = p.data_ptr();
+    } else {
+      TORCH_CHECK(p.scalar_type() == at::kFloat, "adam_step_moments_: params[", i, "] is ",
+                  p.scalar_type(), " without an fp32 master; pass masters[", i, "]");
+      a.p_dtype = DType::kNone;
+      a.w = p.data_ptr<float>();
+    }
+    a.g = grads[i].data_ptr();
+    a.m = exp_avgs[i].data_ptr();
+    a.v = exp_avg_sqs[i].data_ptr();
+    a.kind = mk;
+    a.stochastic = stochastic;
+    a.seed_m = static_cast<uint32_t>(seeds_m[i]);
+    a.seed_v = static_cast<uint32_t>(seeds_v[i]);
+    a.offset = offsets[i];
+    a.n = numel;
+    a.s = make_adam_scalars(lr, beta1, beta2, eps, weight_decay, adamw_mode, maximize,
+                            grad_scale, step_sizes[i], bc2_sqrts[i]);
+    if (numel > 0) jobs.push_back(a);
+  }
+  run_moments(*active().load(), jobs);
+}
+
 bool grads_finite_cpu(at::TensorList grads) {
   struct Job { const void* data; DType dtype; int64_t n; };
   std::vector<Job> jobs;
@@ -304,11 +434,19 @@ TORCH_LIBRARY(statestore, m) {
       "float[] step_sizes, float[] bc2_sqrts, float lr, float beta1, float beta2, float eps, "
       "float weight_decay, bool adamw_mode, bool maximize, float grad_scale) -> ()");
   m.def("grads_finite(Tensor[] grads) -> bool");
+  m.def(
+      "adam_step_moments_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
+      "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] exp_avg_scales, Tensor(e!)[] exp_avg_sq_scales, "
+      "Tensor(f!)[] max_exp_avg_sqs, Tensor(g!)?[] masters, float[] step_sizes, "
+      "float[] bc2_sqrts, int[] seeds_m, int[] seeds_v, int[] offsets, int kind, "
+      "bool stochastic, float lr, float beta1, float beta2, float eps, float weight_decay, "
+      "bool adamw_mode, bool maximize, float grad_scale) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(statestore, CPU, m) {
   m.impl("adam_step_", &statestore::cpu::adam_step_cpu);
   m.impl("grads_finite", &statestore::cpu::grads_finite_cpu);
+  m.impl("adam_step_moments_", &statestore::cpu::adam_step_moments_cpu);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -12,6 +12,17 @@ struct ScalarAdam {
   }
 };
 
+struct ScalarMoments {
+  template <DType GD, DType PD, bool kAmsgrad, MomentKind MK>
+  static void run(const MomentTensorArgs& a, int64_t begin, int64_t end) {
+    moments_scalar_range<GD, PD, kAmsgrad, MK>(a, begin, end);
+  }
+};
+
+void scalar_moments(const MomentTensorArgs& a, int64_t begin, int64_t end) {
+  dispatch_moments_range<ScalarMoments>(a, begin, end);
+}
+
 STATESTORE_DEFINE_PROBE(scalar_probe)
 
 // No streaming stores without SIMD: a plain copy.
@@ -26,7 +37,8 @@ void scalar_adam(const AdamTensorArgs& a, int64_t begin, int64_t end) {
 }  // namespace
 
 const SimdKernels& scalar_kernels() {
-  static const SimdKernels k{"scalar", 32, &scalar_adam, &finite_range_scalar, &scalar_probe, &scalar_stream_copy};
+  static const SimdKernels k{"scalar", 32, &scalar_adam, &finite_range_scalar, &scalar_probe, &scalar_stream_copy,
+                                &scalar_moments};
   return k;
 }
 

@@ -27,6 +27,38 @@ template <class V> struct VecIO<V, DType::kF16> {
   static void store(void* p, int64_t i, typename V::F x) { V::store_f16(static_cast<uint16_t*>(p) + i, x); }
 };
 
+// The vector form of statestore::adam_update: the same operations in the same order.
+template <class V>
+struct VecAdam {
+  using F = typename V::F;
+  F grad_mul, l2_decay, decay_mul, beta1_c, beta2, beta2_c, neg_step, inv_bc2_sqrt, eps;
+  bool use_l2;
+  explicit VecAdam(const AdamScalars& s)
+      : grad_mul(V::set1(s.grad_mul)), l2_decay(V::set1(s.l2_decay)),
+        decay_mul(V::set1(s.decay_mul)), beta1_c(V::set1(s.beta1_c)), beta2(V::set1(s.beta2)),
+        beta2_c(V::set1(s.beta2_c)), neg_step(V::set1(s.neg_step_size)),
+        inv_bc2_sqrt(V::set1(s.inv_bc2_sqrt)), eps(V::set1(s.eps)),
+        use_l2(s.l2_decay != 0.0f) {}
+  // w, m, v in: current values; out: updated. vmax_at: amsgrad's max_exp_avg_sq (W floats).
+  template <bool kAmsgrad>
+  inline void update(F& w, F g, F& m, F& v, float* vmax_at) const {
+    g = V::mul(g, grad_mul);
+    if (use_l2) g = V::fma(l2_decay, w, g);
+    F wd = V::mul(w, decay_mul);
+    F mn = V::fma(beta1_c, V::sub(g, m), m);
+    F vn = V::fma(V::mul(beta2_c, g), g, V::mul(beta2, v));
+    F vm = vn;
+    if constexpr (kAmsgrad) {
+      vm = V::max(V::load(vmax_at), vn);
+      V::store(vmax_at, vm);
+    }
+    F d = V::fma(V::sqrt(vm), inv_bc2_sqrt, eps);
+    w = V::fma(neg_step, V::div(mn, d), wd);
+    m = mn;
+    v = vn;
+  }
+};
+
 template <class V>
 struct SimdAdam {
   template <DType GD, DType PD, bool kAmsgrad>
@@ -34,16 +66,7 @@ struct SimdAdam {
     using F = typename V::F;
     constexpr int64_t W = V::kWidth;
     const AdamScalars& s = a.s;
-    const F grad_mul = V::set1(s.grad_mul);
-    const F l2_decay = V::set1(s.l2_decay);
-    const bool use_l2 = s.l2_decay != 0.0f;
-    const F decay_mul = V::set1(s.decay_mul);
-    const F beta1_c = V::set1(s.beta1_c);
-    const F beta2 = V::set1(s.beta2);
-    const F beta2_c = V::set1(s.beta2_c);
-    const F neg_step = V::set1(s.neg_step_size);
-    const F inv_bc2_sqrt = V::set1(s.inv_bc2_sqrt);
-    const F eps = V::set1(s.eps);
+    const VecAdam<V> c(s);
     float* const wp = a.w;
     float* const mp = a.m;
     float* const vp = a.v;
@@ -61,22 +84,11 @@ struct SimdAdam {
       F g = VecIO<V, GD>::load(a.g, i);
       F m = V::load(mp + i);
       F v = V::load(vp + i);
-      g = V::mul(g, grad_mul);
-      if (use_l2) g = V::fma(l2_decay, w, g);
-      F wd = V::mul(w, decay_mul);
-      F mn = V::fma(beta1_c, V::sub(g, m), m);
-      F vn = V::fma(V::mul(beta2_c, g), g, V::mul(beta2, v));
-      F vm = vn;
-      if constexpr (kAmsgrad) {
-        vm = V::max(V::load(vmaxp + i), vn);
-        V::store(vmaxp + i, vm);
-      }
-      F d = V::fma(V::sqrt(vm), inv_bc2_sqrt, eps);
-      F wn = V::fma(neg_step, V::div(mn, d), wd);
-      V::store(wp + i, wn);
-      V::store(mp + i, mn);
-      V::store(vp + i, vn);
-      if constexpr (PD != DType::kNone) VecIO<V, PD>::store(a.p_out, i, wn);
+      c.template update<kAmsgrad>(w, g, m, v, kAmsgrad ? vmaxp + i : nullptr);
+      V::store(wp + i, w);
+      V::store(mp + i, m);
+      V::store(vp + i, v);
+      if constexpr (PD != DType::kNone) VecIO<V, PD>::store(a.p_out, i, w);
     }
     for (; i < end; ++i) {
       statestore::adam_element<GD, PD, kAmsgrad>(i, a.w, a.g, a.m, a.v, a.vmax, a.p_out, s);

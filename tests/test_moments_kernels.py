@@ -1,0 +1,199 @@
+"""The compressed-moment kernels (``torch.ops.statestore.adam_step_moments_``) on every CPU
+path (AVX-512, AVX2, scalar), against
+
+* the unfused algorithm (decode with the torch reference, the fp32 kernel, encode with the
+  torch reference): bit for bit, so SIMD bodies, tails, threads and the reference agree;
+* a float64 reference of the same algorithm (decode exactly, update in float64, encode): the
+  weights to float32 rounding, the codes within one code (bf16: one ulp), scales to float32
+  rounding;
+
+parametrized over encodings, rounding, gradient/parameter dtypes, amsgrad and odd sizes that
+reach every SIMD tail and a partial last int8 block.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import statestore.kernels as K
+from statestore.kernels import _dispatch, _quant as Q
+from statestore.kernels._moments import _unfused, adam_step_moments
+from statestore.kernels._reference import adam_step_reference
+
+ext = _dispatch._load()
+SUPPORTED = list(ext.simd_supported()) if ext is not None else []
+PATHS = ["avx512", "avx2", "scalar"]
+SIZES = [1, 7, 15, 17, 255, 256, 257, 1000 + 3, 3 * 16384 + 5]
+HP = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, adamw_mode=True)
+pytestmark = pytest.mark.skipif(ext is None, reason="statestore._C_adam missing")
+
+
+@pytest.fixture
+def simd(request):
+    name = request.param
+    if name not in SUPPORTED:
+        pytest.skip(f"this processor lacks {name}")
+    K._set_simd(name)
+    yield name
+    K._set_simd("auto")
+
+
+def make(n, kind, *, gdtype=torch.float32, pdtype=torch.float32, amsgrad=False, seed=0,
+         offset=0):
+    g_ = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, generator=g_)
+    m = torch.randn(n, generator=g_) * 0.1 * 10.0 ** (-3 * torch.rand(n, generator=g_))
+    v = torch.rand(n, generator=g_) * 0.01 * 10.0 ** (-4 * torch.rand(n, generator=g_))
+    cm, sm = Q.encode(kind, 0, m, seed=1, offset=offset, rounding="nearest")
+    cv, sv = Q.encode(kind, 1, v, seed=2, offset=offset, rounding="nearest")
+    case = dict(g=(torch.randn(n, generator=g_) * 0.1).to(gdtype), m=cm, v=cv, ms=sm, vs=sv,
+                vmax=(Q.decode(kind, 1, cv, sv) + torch.rand(n, generator=g_) * 1e-3)
+                if amsgrad else None)
+    if pdtype == torch.float32:
+        case.update(p=w, master=None)
+    else:
+        case.update(p=w.to(pdtype), master=w.clone())
+    return case
+
+
+def copy(c):
+    return {k: (t.clone() if t is not None else None) for k, t in c.items()}
+
+
+def fused(c, kind, rounding, step=3, amsgrad=False, offset=0, seeds=(11, 12), **kw):
+    adam_step_moments([c["p"]], [c["g"]], [c["m"]], [c["v"]], kind=kind, rounding=rounding,
+                      steps=[step], seeds=[seeds], offsets=[offset],
+                      exp_avg_scales=[c["ms"]] if kind == "int8" else None,
+                      exp_avg_sq_scales=[c["vs"]] if kind == "int8" else None,
+                      amsgrad=amsgrad, max_exp_avg_sqs=[c["vmax"]] if amsgrad else None,
+                      masters=[c["master"]] if c["master"] is not None else None,
+                      **{**HP, **kw})
+
+
+def unfused(c, kind, rounding, step=3, amsgrad=False, offset=0, seeds=(11, 12), **kw):
+    _unfused([0], [c["p"]], [c["g"]], [c["m"]], [c["v"]], [c["ms"]], [c["vs"]],
+             [c["vmax"]], [c["master"]], kind, rounding, [step], [seeds], [offset], amsgrad,
+             c["master"] is not None, {**HP, **kw, "grad_scale": 1.0, "maximize": False})
+
+
+def same(a, b):
+    for k in a:
+        if a[k] is None:
+            continue
+        x, y = a[k], b[k]
+        if x.dtype in (torch.bfloat16, torch.float16):
+            x, y = x.view(torch.int16), y.view(torch.int16)
+        assert torch.equal(x, y) or (x.is_floating_point() and torch.equal(
+            torch.nan_to_num(x, nan=7.0), torch.nan_to_num(y, nan=7.0))), k
+
+
+@pytest.mark.parametrize("simd", PATHS, indirect=True)
+@pytest.mark.parametrize("kind", ["bf16", "int8"])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("n", SIZES)
+def test_fused_equals_unfused_bitwise(simd, kind, rounding, n):
+    c = make(n, kind, seed=n)
+    a, b = copy(c), copy(c)
+    fused(a, kind, rounding)
+    unfused(b, kind, rounding)
+    same(a, b)
+
+
+@pytest.mark.parametrize("simd", PATHS, indirect=True)
+@pytest.mark.parametrize("kind", ["bf16", "int8"])
+@pytest.mark.parametrize("gdtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("pdtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_dtypes_and_amsgrad_bitwise(simd, kind, gdtype, pdtype, amsgrad):
+    c = make(1000 + 3, kind, gdtype=gdtype, pdtype=pdtype, amsgrad=amsgrad)
+    a, b = copy(c), copy(c)
+    fused(a, kind, "stochastic", amsgrad=amsgrad, adamw_mode=False, weight_decay=0.1)
+    unfused(b, kind, "stochastic", amsgrad=amsgrad, adamw_mode=False, weight_decay=0.1)
+    same(a, b)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "int8"])
+def test_simd_paths_bit_identical(kind):
+    outs = []
+    for path in [p for p in PATHS if p in SUPPORTED]:
+        K._set_simd(path)
+        try:
+            c = make(4099, kind, pdtype=torch.bfloat16, amsgrad=True)
+            fused(c, kind, "stochastic", amsgrad=True)
+            outs.append(c)
+        finally:
+            K._set_simd("auto")
+    for o in outs[1:]:
+        same(outs[0], o)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "int8"])
+def test_threads_and_cuts_do_not_change_bits(kind):
+    n = 5 * 16384 + 300
+    c = make(n, kind, seed=4)
+    one = copy(c)
+    torch.set_num_threads(1)
+    try:
+        fused(one, kind, "stochastic")
+    finally:
+        torch.set_num_threads(2)
+    two = copy(c)
+    fused(two, kind, "stochastic")
+    same(one, two)
+    # the same tensor updated in two pieces (as two pipeline units), each with its offset
+    cut = 2 * 16384 + 512
+    parts = copy(c)
+    for a, b in [(0, cut), (cut, n)]:
+        piece = {k: (t[a:b] if k not in ("ms", "vs") else t[a // 256:-(-b // 256)])
+                 for k, t in parts.items() if t is not None}
+        piece.setdefault("master", None)
+        piece.setdefault("vmax", None)
+        fused(piece, kind, "stochastic", offset=a)
+    same(one, parts)
+
+
+@pytest.mark.parametrize("simd", PATHS, indirect=True)
+@pytest.mark.parametrize("kind", ["bf16", "int8"])
+@pytest.mark.parametrize("n", [7, 257, 1000 + 3])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_against_float64_reference(simd, kind, n, rounding):
+    c = make(n, kind, seed=n + 1)
+    got = copy(c)
+    fused(got, kind, rounding, step=5)
+    m64 = Q.decode(kind, 0, c["m"], c["ms"]).double()
+    v64 = Q.decode(kind, 1, c["v"], c["vs"]).double()
+    w64 = c["p"].double().clone()
+    adam_step_reference([w64], [c["g"].double()], [m64], [v64], steps=[5], **HP)
+    torch.testing.assert_close(got["p"].double(), w64, rtol=2e-6, atol=1e-7)
+    for which, x64, codes, sc in ((0, m64, got["m"], got["ms"]), (1, v64, got["v"], got["vs"])):
+        want, wsc = Q.encode(kind, which, x64.float(), seed=11 + which,
+                             offset=0, rounding=rounding)
+        if kind == "bf16":
+            diff = (codes.view(torch.int16).int() - want.view(torch.int16).int()).abs()
+        else:
+            torch.testing.assert_close(sc, wsc, rtol=1e-6, atol=0)
+            diff = (codes.int() - want.int()).abs()
+        assert int(diff.max()) <= 1
+
+
+def test_non_finite_moment_poisons_its_block_only():
+    c = make(600, "int8")
+    c["g"][300] = float("inf")
+    fused(c, "int8", "nearest")
+    assert torch.isnan(c["ms"][1]) and torch.isfinite(c["ms"][[0, 2]]).all()
+    assert torch.isnan(Q.decode("int8", 0, c["m"], c["ms"])[256:512]).all()
+
+
+def test_op_errors_name_the_argument():
+    c = make(300, "int8")
+    with pytest.raises(ValueError, match="offsets"):
+        fused(c, "int8", "nearest", offset=100)
+    with pytest.raises(RuntimeError, match="exp_avg_scales"):
+        torch.ops.statestore.adam_step_moments_(
+            [c["p"]], [c["g"]], [c["m"]], [c["v"]], [c["ms"][:1]], [c["vs"]], [], [],
+            [1.0], [1.0], [1], [2], [0], 2, False, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, False, 1.0)
+    with pytest.raises(RuntimeError, match="exp_avgs"):
+        torch.ops.statestore.adam_step_moments_(
+            [c["p"]], [c["g"]], [c["m"].view(torch.uint8)], [c["v"]], [c["ms"]], [c["vs"]], [],
+            [], [1.0], [1.0], [1], [2], [0], 2, False, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, False,
+            1.0)
