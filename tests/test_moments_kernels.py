@@ -197,3 +197,17 @@ def test_op_errors_name_the_argument():
             [c["p"]], [c["g"]], [c["m"].view(torch.uint8)], [c["v"]], [c["ms"]], [c["vs"]], [],
             [], [1.0], [1.0], [1], [2], [0], 2, False, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, False,
             1.0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or ext is None
+                    or not getattr(ext, "with_cuda", False), reason="needs CUDA and the CUDA kernel")
+@pytest.mark.parametrize("kind", ["bf16", "int8"])
+@pytest.mark.parametrize("pdtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_cuda_matches_cpu_bitwise(kind, pdtype, amsgrad):
+    c = make(3 * 16384 + 777, kind, pdtype=pdtype, amsgrad=amsgrad, seed=8)
+    cpu = copy(c)
+    fused(cpu, kind, "stochastic", amsgrad=amsgrad)
+    gpu = {k: (t.cuda() if t is not None else None) for k, t in c.items()}
+    fused(gpu, kind, "stochastic", amsgrad=amsgrad)
+    same(cpu, {k: (t.cpu() if t is not None else None) for k, t in gpu.items()})

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "cuda/fused_adam.h"
+#include "cuda/fused_adam_moments.h"
 
 namespace statestore {
 namespace cuda {
@@ -144,6 +145,128 @@ void adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
               cudaGetErrorString(static_cast<cudaError_t>(err)));
 }
 
+// Adam over compressed moments on CUDA (the CPU op's contract: csrc/adam/adam_ops.cpp).
+void adam_step_moments_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                            at::TensorList exp_avg_sqs, at::TensorList exp_avg_scales,
+                            at::TensorList exp_avg_sq_scales, at::TensorList max_exp_avg_sqs,
+                            const c10::List<std::optional<at::Tensor>>& masters,
+                            at::ArrayRef<double> step_sizes, at::ArrayRef<double> bc2_sqrts,
+                            at::ArrayRef<int64_t> seeds_m, at::ArrayRef<int64_t> seeds_v,
+                            at::ArrayRef<int64_t> offsets, int64_t kind, bool stochastic,
+                            double lr, double beta1, double beta2, double eps,
+                            double weight_decay, bool adamw_mode, bool maximize,
+                            double grad_scale) {
+  const size_t n = params.size();
+  if (n == 0) return;
+  TORCH_CHECK(kind == 1 || kind == 2, "adam_step_moments_: kind must be 1 (bf16) or 2 (int8), got ",
+              kind);
+  const bool int8 = kind == 2;
+  TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n,
+              "adam_step_moments_: grads, exp_avgs and exp_avg_sqs need one tensor per param");
+  TORCH_CHECK(!int8 || (exp_avg_scales.size() == n && exp_avg_sq_scales.size() == n),
+              "adam_step_moments_: int8 needs exp_avg_scales and exp_avg_sq_scales, one per param");
+  TORCH_CHECK(max_exp_avg_sqs.empty() || max_exp_avg_sqs.size() == n,
+              "adam_step_moments_: max_exp_avg_sqs must be empty or have one tensor per param");
+  TORCH_CHECK(masters.empty() || masters.size() == n,
+              "adam_step_moments_: masters must be empty or have one entry per param");
+  TORCH_CHECK(step_sizes.size() == n && bc2_sqrts.size() == n && seeds_m.size() == n &&
+                  seeds_v.size() == n && offsets.size() == n,
+              "adam_step_moments_: step_sizes, bc2_sqrts, seeds and offsets need one value per param");
+  TORCH_CHECK(std::isfinite(grad_scale) && grad_scale > 0,
+              "adam_step_moments_: grad_scale must be a positive finite number, got ", grad_scale);
+  const at::Device dev = params[0].device();
+  TORCH_CHECK(dev.is_cuda(), "adam_step_moments_: params[0] is on ", dev, ", expected CUDA");
+  const bool amsgrad = !max_exp_avg_sqs.empty();
+  const c10::cuda::CUDAGuard guard(dev);
+  std::vector<MomentTensorArgs> meta;
+  std::vector<int64_t> prefix(1, 0);
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& p = params[i];
+    const int64_t numel = p.numel();
+    check_tensor(p, "params", i, numel, dev);
+    check_tensor(grads[i], "grads", i, numel, dev);
+    check_tensor(exp_avgs[i], "exp_avgs", i, numel, dev);
+    check_tensor(exp_avg_sqs[i], "exp_avg_sqs", i, numel, dev);
+    TORCH_CHECK(exp_avgs[i].scalar_type() == (int8 ? at::kChar : at::kBFloat16) &&
+                    exp_avg_sqs[i].scalar_type() == (int8 ? at::kByte : at::kBFloat16),
+                "adam_step_moments_: exp_avgs[", i, "] / exp_avg_sqs[", i, "] have dtypes ",
+                exp_avgs[i].scalar_type(), " / ", exp_avg_sqs[i].scalar_type(),
+                int8 ? ", expected int8 / uint8" : ", expected bfloat16");
+    MomentTensorArgs t{};
+    if (int8) {
+      const int64_t nb = (numel + kQBlock - 1) / kQBlock;
+      check_tensor(exp_avg_scales[i], "exp_avg_scales", i, nb, dev);
+      check_tensor(exp_avg_sq_scales[i], "exp_avg_sq_scales", i, nb, dev);
+      check_f32(exp_avg_scales[i], "exp_avg_scales", i);
+      check_f32(exp_avg_sq_scales[i], "exp_avg_sq_scales", i);
+      TORCH_CHECK(offsets[i] % kQBlock == 0, "adam_step_moments_: offsets[", i,
+                  "] is not a multiple of ", kQBlock);
+      t.m_scale = exp_avg_scales[i].data_ptr<float>();
+      t.v_scale = exp_avg_sq_scales[i].data_ptr<float>();
+    }
+    t.g_dtype = storage_of(grads[i].scalar_type());
+    TORCH_CHECK(t.g_dtype != DType::kNone, "adam_step_moments_: grads[", i,
+                "] must be float32, float16 or bfloat16, got ", grads[i].scalar_type());
+    if (amsgrad) {
+      check_tensor(max_exp_avg_sqs[i], "max_exp_avg_sqs", i, numel, dev);
+      check_f32(max_exp_avg_sqs[i], "max_exp_avg_sqs", i);
+      t.vmax = max_exp_avg_sqs[i].data_ptr<float>();
+    }
+    std::optional<at::Tensor> master;
+    if (!masters.empty()) master = masters.get(i);
+    if (master.has_value() && master->defined()) {
+      check_tensor(*master, "masters", i, numel, dev);
+      check_f32(*master, "masters", i);
+      t.p_dtype = storage_of(p.scalar_type());
+      TORCH_CHECK(t.p_dtype != DType::kNone, "adam_step_moments_: params[", i,
+                  "] (with an fp32 master) must be float32, float16 or bfloat16");
+      t.w = master->data_ptr<float>();
+      t.p_out = p.data_ptr();
+    } else {
+      TORCH_CHECK(p.scalar_type() == at::kFloat, "adam_step_moments_: params[", i, "] is ",
+                  p.scalar_type(), " without an fp32 master; pass masters[", i, "]");
+      t.p_dtype = DType::kNone;
+      t.w = p.data_ptr<float>();
+    }
+    t.g = grads[i].data_ptr();
+    t.m = exp_avgs[i].data_ptr();
+    t.v = exp_avg_sqs[i].data_ptr();
+    t.kind = int8 ? MomentKind::kInt8 : MomentKind::kBF16;
+    t.stochastic = stochastic;
+    t.seed_m = static_cast<uint32_t>(seeds_m[i]);
+    t.seed_v = static_cast<uint32_t>(seeds_v[i]);
+    t.offset = offsets[i];
+    t.n = numel;
+    t.s = make_adam_scalars(lr, beta1, beta2, eps, weight_decay, adamw_mode, maximize,
+                            grad_scale, step_sizes[i], bc2_sqrts[i]);
+    if (numel == 0) continue;
+    meta.push_back(t);
+    prefix.push_back(prefix.back() + (numel + kQBlock - 1) / kQBlock);
+  }
+  if (meta.empty()) return;
+  const size_t meta_bytes = meta.size() * sizeof(MomentTensorArgs);
+  const size_t prefix_off = (meta_bytes + 15) / 16 * 16;
+  const size_t total = prefix_off + prefix.size() * sizeof(int64_t);
+  at::Tensor host = at::empty({static_cast<int64_t>(total)},
+                              at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  std::memcpy(host.data_ptr(), meta.data(), meta_bytes);
+  std::memcpy(static_cast<char*>(host.data_ptr()) + prefix_off, prefix.data(),
+              prefix.size() * sizeof(int64_t));
+  at::Tensor dmeta = host.to(dev, /*non_blocking=*/true);
+  const char* base = static_cast<const char*>(dmeta.data_ptr());
+  int num_sms = 0;
+  if (cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, dev.index()) != cudaSuccess) {
+    (void)cudaGetLastError();
+    num_sms = 32;
+  }
+  const int err = launch_fused_adam_moments(
+      reinterpret_cast<const MomentTensorArgs*>(base),
+      reinterpret_cast<const int64_t*>(base + prefix_off), static_cast<int>(meta.size()),
+      prefix.back(), amsgrad, int8, num_sms, c10::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(err == 0, "adam_step_moments_: CUDA kernel launch failed: ",
+              cudaGetErrorString(static_cast<cudaError_t>(err)));
+}
+
 bool grads_finite_cuda(at::TensorList grads) {
   if (grads.empty()) return true;
   std::vector<at::Tensor> flags;
@@ -159,4 +282,5 @@ bool grads_finite_cuda(at::TensorList grads) {
 TORCH_LIBRARY_IMPL(statestore, CUDA, m) {
   m.impl("adam_step_", &statestore::cuda::adam_step_cuda);
   m.impl("grads_finite", &statestore::cuda::grads_finite_cuda);
+  m.impl("adam_step_moments_", &statestore::cuda::adam_step_moments_cuda);
 }

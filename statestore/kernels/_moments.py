@@ -24,6 +24,22 @@ __all__ = ["adam_step_moments", "MOMENT_KINDS"]
 MOMENT_KINDS = {"bf16": 1, "int8": 2}
 
 
+_registered = []
+
+
+def _register_fake() -> None:
+    """Shape-only implementation of the op for torch.compile / FakeTensor tracing."""
+    if _registered:
+        return
+    _registered.append(True)
+    try:
+        @torch.library.register_fake("statestore::adam_step_moments_")
+        def _(*args):
+            return None
+    except (RuntimeError, AttributeError):   # already registered, or no such op
+        pass
+
+
 def _fused_ok(kind, p, g, m, v, ms, vs, vmax, master) -> bool:
     w = master if master is not None else p
     n = p.numel()
@@ -110,6 +126,8 @@ def adam_step_moments(
     vmax_l = list(max_exp_avg_sqs) if amsgrad else [None] * n
     mas_l = list(masters) if masters is not None else [None] * n
     ext = None if _force_reference() else _load()
+    if ext is not None:
+        _register_fake()
     fused, slow = [], []
     for i in range(n):
         dev = params[i].device.type

@@ -1,0 +1,129 @@
+// Fused multi-tensor CUDA Adam over compressed moments. Element math: csrc/adam_math.h
+// (adam_element_bf16m; adam_element_int8_update, make_qscale and encode_element_int8), the
+// functions the CPU kernels use. An int8 block of kQBlock elements is one thread block of
+// kQBlock threads: each thread decodes and updates its element (keeping the new moments in
+// registers), the block's largest magnitudes come from a warp-shuffle and shared-memory
+// reduction (max is exact, so the order does not matter), then each thread writes its codes.
+// No torch header: compiles with nvcc alone (scripts/check_cuda.sh).
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/fused_adam_moments.h"
+
+namespace statestore {
+namespace cuda {
+namespace {
+
+constexpr int kThreads = kQBlock;
+constexpr int kWarps = kThreads / 32;
+
+template <DType GD, DType PD, bool kAmsgrad>
+__device__ __forceinline__ void bf16_chunk(const MomentTensorArgs& t, int64_t b, int64_t e) {
+  const int64_t i = b + threadIdx.x;
+  if (i < e) adam_element_bf16m<GD, PD, kAmsgrad>(i, t);
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+  for (int off = 16; off > 0; off >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, off));
+  return x;
+}
+
+template <DType GD, DType PD, bool kAmsgrad>
+__device__ __forceinline__ void int8_chunk(const MomentTensorArgs& t, int64_t b, int64_t e,
+                                           float* red_m, float* red_v) {
+  const int64_t i = b + threadIdx.x;
+  const bool in = i < e;
+  const int64_t blk = b / kQBlock;
+  float mn = 0.0f, vn = 0.0f, am = 0.0f, av = 0.0f;
+  bool fm = true, fv = true;
+  if (in) {
+    adam_element_int8_update<GD, PD, kAmsgrad>(i, t, t.m_scale[blk], t.v_scale[blk], mn, vn);
+    absmax_step(mn, am, fm);          // NaN never wins: am, av are finite or inf
+    absmax_step(vn, av, fv);
+  }
+  am = warp_max(am);
+  av = warp_max(av);
+  if ((threadIdx.x & 31) == 0) {
+    red_m[threadIdx.x >> 5] = am;
+    red_v[threadIdx.x >> 5] = av;
+  }
+  // a barrier: every thread has read the old scales and written its warp's maxima
+  const bool all_fm = __syncthreads_and(fm) != 0;
+  const bool all_fv = __syncthreads_and(fv) != 0;
+  float AM = 0.0f, AV = 0.0f;
+  for (int w = 0; w < kWarps; ++w) {
+    AM = fmaxf(AM, red_m[w]);
+    AV = fmaxf(AV, red_v[w]);
+  }
+  const QScale qm = make_qscale(AM, all_fm), qv = make_qscale(AV, all_fv);
+  if (threadIdx.x == 0) {
+    t.m_scale[blk] = qm.scale;
+    t.v_scale[blk] = qv.scale;
+  }
+  if (in) encode_element_int8(i, t, qm, qv, mn, vn);
+  __syncthreads();                    // red_m/red_v are reused by the next chunk
+}
+
+template <bool kInt8, DType GD, bool kAmsgrad>
+__device__ __forceinline__ void chunk_p(const MomentTensorArgs& t, int64_t b, int64_t e,
+                                        float* rm, float* rv) {
+#define SS_CHUNK(PD)                                                 \
+  if (kInt8) int8_chunk<GD, PD, kAmsgrad>(t, b, e, rm, rv);          \
+  else bf16_chunk<GD, PD, kAmsgrad>(t, b, e);
+  switch (t.p_dtype) {
+    case DType::kNone: SS_CHUNK(DType::kNone) break;
+    case DType::kF32: SS_CHUNK(DType::kF32) break;
+    case DType::kF16: SS_CHUNK(DType::kF16) break;
+    case DType::kBF16: SS_CHUNK(DType::kBF16) break;
+  }
+#undef SS_CHUNK
+}
+
+// Grid-stride over the chunks of all tensors (every thread of a block takes the same chunks,
+// so the block-wide barriers of int8 are reached by all of them).
+template <bool kInt8, bool kAmsgrad>
+__global__ void __launch_bounds__(kThreads)
+fused_moments_kernel(const MomentTensorArgs* __restrict__ meta,
+                     const int64_t* __restrict__ prefix, int ntensors, int64_t nchunks) {
+  __shared__ float red_m[kWarps];
+  __shared__ float red_v[kWarps];
+  for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
+    int lo = 0, hi = ntensors - 1;  // last tensor with prefix[t] <= c
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (prefix[mid] <= c) lo = mid; else hi = mid - 1;
+    }
+    const MomentTensorArgs t = meta[lo];
+    const int64_t begin = (c - prefix[lo]) * kQBlock;
+    const int64_t end = begin + kQBlock < t.n ? begin + kQBlock : t.n;
+    switch (t.g_dtype) {
+      case DType::kF32: chunk_p<kInt8, DType::kF32, kAmsgrad>(t, begin, end, red_m, red_v); break;
+      case DType::kF16: chunk_p<kInt8, DType::kF16, kAmsgrad>(t, begin, end, red_m, red_v); break;
+      case DType::kBF16: chunk_p<kInt8, DType::kBF16, kAmsgrad>(t, begin, end, red_m, red_v); break;
+      case DType::kNone: break;
+    }
+  }
+}
+
+}  // namespace
+
+int launch_fused_adam_moments(const MomentTensorArgs* meta, const int64_t* chunk_prefix,
+                              int ntensors, int64_t nchunks, bool amsgrad, bool int8,
+                              int num_sms, void* stream) {
+  if (ntensors <= 0 || nchunks <= 0) return 0;
+  const int64_t max_blocks = static_cast<int64_t>(num_sms > 0 ? num_sms : 1) * 32;
+  const unsigned blocks = static_cast<unsigned>(nchunks < max_blocks ? nchunks : max_blocks);
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (int8) {
+    if (amsgrad) fused_moments_kernel<true, true><<<blocks, kThreads, 0, s>>>(meta, chunk_prefix, ntensors, nchunks);
+    else fused_moments_kernel<true, false><<<blocks, kThreads, 0, s>>>(meta, chunk_prefix, ntensors, nchunks);
+  } else {
+    if (amsgrad) fused_moments_kernel<false, true><<<blocks, kThreads, 0, s>>>(meta, chunk_prefix, ntensors, nchunks);
+    else fused_moments_kernel<false, false><<<blocks, kThreads, 0, s>>>(meta, chunk_prefix, ntensors, nchunks);
+  }
+  return static_cast<int>(cudaGetLastError());
+}
+
+}  // namespace cuda
+}  // namespace statestore
