@@ -21,6 +21,11 @@ time, ``--reps`` rounds; medians are reported, with ratios against the best peer
 the roofline. Roofline: a kernel with the memory traffic of an fp32 Adam step (read p, g, m, v,
 write p, m, v: 28 bytes a parameter) and no arithmetic, from the same extension and threads.
 Timing is informative only; nothing here is a test.
+
+Compressed moments (``--moments bf16,int8``, default): statestore's kernel over bf16 and int8
+moments runs in the same rotation; a second table gives, per moment dtype, params/s, the bytes
+an update moves per parameter, the roofline at those bytes (the probe's GB/s divided by them)
+and the ratio to fp32 moments.
 """
 from __future__ import annotations
 
@@ -91,6 +96,56 @@ class Ours(Contestant):
         self.n += 1
         self._step(self.params, self.grads, self.m, self.v, steps=[self.n] * len(self.params),
                    lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, adamw_mode=True)
+
+
+class OursMoments(Contestant):
+    """statestore's kernel with compressed moments (moment_dtype bf16 / int8)."""
+    peer = False
+    kind = "bf16"
+
+    def __init__(self, params, grads, gdtype):
+        import torch
+        from statestore.kernels import _quant as Q
+        from statestore.kernels._moments import adam_step_moments
+        super().__init__(params, grads, gdtype)
+        cm, cv = (torch.bfloat16, torch.bfloat16) if self.kind == "bf16" else (torch.int8, torch.uint8)
+        self.m = [torch.zeros(p.shape, dtype=cm) for p in params]
+        self.v = [torch.zeros(p.shape, dtype=cv) for p in params]
+        self.ms = [torch.zeros(Q.nblocks(p.numel())) for p in params] if self.kind == "int8" else None
+        self.vs = [torch.zeros(Q.nblocks(p.numel())) for p in params] if self.kind == "int8" else None
+        self.rounding = "stochastic" if self.kind == "bf16" else "nearest"
+        self.n = 0
+        self._step = adam_step_moments
+
+    def step(self):
+        self.n += 1
+        k = len(self.params)
+        self._step(self.params, self.grads, self.m, self.v, kind=self.kind,
+                   rounding=self.rounding, steps=[self.n] * k, seeds=[(self.n, ~self.n)] * k,
+                   offsets=[0] * k, exp_avg_scales=self.ms, exp_avg_sq_scales=self.vs,
+                   lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
+                   adamw_mode=True)
+
+
+class OursBF16(OursMoments):
+    name = "statestore bf16 moments"
+    kind = "bf16"
+
+
+class OursInt8(OursMoments):
+    name = "statestore int8 moments"
+    kind = "int8"
+
+
+MOMENT_CLASSES = {"bf16": OursBF16, "int8": OursInt8}
+
+
+def moment_bytes(kind: str, gdtype_bytes: int) -> float:
+    """Bytes an update moves per parameter (fp32 params): read p, g, m, v; write p, m, v;
+    int8 adds the two scales per 256 elements, read and written."""
+    mb = {"fp32": 4, "bf16": 2, "int8": 1}[kind]
+    extra = 4 * 4 / 256 if kind == "int8" else 0.0
+    return 4 + gdtype_bytes + 2 * mb + 4 + 2 * mb + extra
 
 
 def _upcast_into(bufs, grads):
@@ -240,6 +295,8 @@ def main():
     ap.add_argument("--no-foreach", action="store_true", help="skip torch foreach (slow)")
     ap.add_argument("--peers-python", default=None)
     ap.add_argument("--no-peers", action="store_true", help="stay in this interpreter")
+    ap.add_argument("--moments", default="bf16,int8",
+                    help="compressed moment dtypes to time beside fp32 ('' for none)")
     args = ap.parse_args()
     if args.quick:
         args.sizes, args.reps = "16", 5
@@ -257,6 +314,7 @@ def main():
     if args.no_foreach:
         peers = [p for p in peers if p is not TorchForeach]
     classes = [Ours] + peers
+    mclasses = [MOMENT_CLASSES[k] for k in args.moments.split(",") if k]
     gd = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     print(f"torch {torch.__version__}; statestore path {info['simd']} ({info['simd_width']}-bit); "
           f"cpu: {_cpu_name()}")
@@ -269,13 +327,15 @@ def main():
     header = (["params", "tensors", "thr", "grads"] + names +
               ["roofline", "ours/best peer", "ours/roofline"])
     rows = []
+    mrows = []
     old_threads = torch.get_num_threads()
     for size in [int(s) for s in args.sizes.split(",")]:
         for nt in [int(s) for s in args.tensors.split(",")]:
             for thr in [int(s) for s in args.threads.split(",")]:
                 for g in args.grads.split(","):
                     torch.set_num_threads(thr)
-                    med, roof_t = run_config(classes, size * M, nt, gd[g], args.reps, ext)
+                    med, roof_t = run_config(classes + mclasses, size * M, nt, gd[g], args.reps,
+                                             ext)
                     n = size * M
                     rate = {k: n / t for k, t in med.items()}
                     best_peer = max(v for k, v in rate.items() if k != Ours.name)
@@ -287,6 +347,14 @@ def main():
                             f"{100 * rate[Ours.name] / roof:.0f}%"]
                     rows.append(row)
                     print(" | ".join(row), flush=True)
+                    roof_bps = roof * 28
+                    for kind, cname in [("fp32", Ours.name)] + [(c.kind, c.name) for c in mclasses]:
+                        b = moment_bytes(kind, gd[g].itemsize)
+                        r = rate[cname]
+                        mrows.append([f"{size}M", str(nt), str(thr), g, kind, f"{r / 1e9:.2f} G",
+                                      f"{b:.2f}", f"{roof_bps / b / 1e9:.2f} G",
+                                      f"{100 * r / (roof_bps / b):.0f}%",
+                                      f"{r / rate[Ours.name]:.2f}x"])
     torch.set_num_threads(old_threads)
     print()
     print("| " + " | ".join(header) + " |")
@@ -296,6 +364,16 @@ def main():
     print("\nparams/s, medians of %d interleaved steps; roofline = 28 B/param probe, same run; "
           "peers with bf16 grads include the upcast they need (into preallocated fp32 "
           "buffers)." % args.reps)
+    if mclasses:
+        mh = ["params", "tensors", "thr", "grads", "moments", "params/s", "B/param",
+              "roofline at B/param", "of roofline", "vs fp32 moments"]
+        print("\n| " + " | ".join(mh) + " |")
+        print("|" + "---|" * len(mh))
+        for r in mrows:
+            print("| " + " | ".join(r) + " |")
+        print("\nB/param: bytes an update moves per fp32 parameter (read p, g, m, v; write p, "
+              "m, v; int8: plus 2 fp32 scales per 256 elements each way); roofline at B/param "
+              "= the probe's bytes/s / B/param.")
 
 
 def _cpu_name():

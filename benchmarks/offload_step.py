@@ -13,6 +13,10 @@ overlap efficiency ``max(io_floor, compute) / step`` (compute = the in-RAM step)
 
     .venv/bin/python benchmarks/offload_step.py            # 124M params, 2 rounds, 4 steps
     .venv/bin/python benchmarks/offload_step.py --scale 0.25 --rounds 1
+
+Compressed moments: ``--moments fp32,bf16,int8 --param-dtype bf16`` runs the disk store once
+per ``moment_dtype`` (bf16 parameters keep fp32 masters in the store) and adds a table of each
+step against the fp32-moment step on the same disk.
 """
 from __future__ import annotations
 
@@ -82,20 +86,23 @@ def worker(cfg: dict) -> None:
     torch.set_num_threads(cfg["threads"])
     shapes = gpt2_shapes(cfg["scale"])
     g = torch.Generator().manual_seed(0)
-    params = [(n, torch.nn.Parameter(torch.randn(s, generator=g) * 0.02)) for n, s in shapes]
+    pdt = getattr(torch, cfg.get("pdtype", "float32"))
+    params = [(n, torch.nn.Parameter((torch.randn(s, generator=g) * 0.02).to(pdt)))
+              for n, s in shapes]
     for _, p in params:
-        p.grad = torch.randn(p.shape, generator=g) * 1e-3
+        p.grad = (torch.randn(p.shape, generator=g) * 1e-3).to(pdt)
+    md = dict(moment_dtype=cfg.get("moments", "fp32"))
     frac = cfg["fraction"]
     store = None
     if frac is None:
-        opt = CPUAdam(params, lr=1e-4)
+        opt = CPUAdam(params, lr=1e-4, **md)
     else:
         kw = {"budget_bytes": cfg["budget"]} if cfg.get("budget") else {}
         if cfg.get("engine"):
             kw["engine"] = cfg["engine"]
         store = (ss.TieredStore.from_fraction(frac, cfg["dir"], **kw) if frac < 1.0
                  else ss.NVMeStore(cfg["dir"], **kw))
-        opt = CPUAdam(params, lr=1e-4, state_store=store)
+        opt = CPUAdam(params, lr=1e-4, state_store=store, **md)
     opt.step()                     # creates the states (first write)
     if store is not None:
         store.sync()
@@ -123,6 +130,7 @@ def worker(cfg: dict) -> None:
         "written_per_step": (st1.get("bytes_written", 0) - st0.get("bytes_written", 0)) / cfg["steps"],
         "nparams": nparams,
         "state_bytes": 8 * nparams,
+        "store_nbytes": store.stats()["nbytes"] if store is not None else None,
     }
     if store is not None:
         s = store.stats()
@@ -173,27 +181,39 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="directory on the disk (default: under benchmarks/)")
     ap.add_argument("--budget", default=None, help="budget_bytes of the disk stores, e.g. 64M "
                     "(default: the stores' default, 256 MiB)")
+    ap.add_argument("--moments", default=None, help="moment dtypes, e.g. fp32,bf16,int8: the "
+                    "disk store once per moment_dtype (default: fp32 only, and the tiered store)")
+    ap.add_argument("--param-dtype", default="fp32", choices=["fp32", "bf16"],
+                    help="parameter dtype (bf16: fp32 masters in the store)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         worker(json.loads(args.worker))
         return
     root = tempfile.mkdtemp(prefix="offload-step-", dir=args.dir or HERE)
-    configs = [("states in RAM", None, None), ("fully on disk (NVMeStore)", 1.0, None),
-               ("fraction 0.5 (TieredStore)", 0.5, None)]
+    # (name, fraction, engine, moment_dtype)
+    configs = [("states in RAM", None, None, "fp32"), ("fully on disk (NVMeStore)", 1.0, None, "fp32"),
+               ("fraction 0.5 (TieredStore)", 0.5, None, "fp32")]
     sys.path.insert(0, os.path.dirname(HERE))
     from statestore.io import probe_engine
-    if probe_engine("tensornvme") is None:
-        configs.append(("fully on disk (TensorNVMe store)", 1.0, "tensornvme"))
-    res = {name: [] for name, _, _ in configs}
+    moments = args.moments.split(",") if args.moments else []
+    if moments:
+        configs = [("states in RAM", None, None, "fp32")] + [
+            ("fully on disk (NVMeStore)" if m == "fp32" else f"NVMeStore, {m} moments", 1.0,
+             None, m) for m in moments]
+    elif probe_engine("tensornvme") is None:
+        configs.append(("fully on disk (TensorNVMe store)", 1.0, "tensornvme", "fp32"))
+    pdtype = {"fp32": "float32", "bf16": "bfloat16"}[args.param_dtype]
+    res = {name: [] for name, *_ in configs}
     probes = []
     try:
         for rnd in range(args.rounds):
             probes.append(probe(root))
-            for name, frac, engine in configs:
+            for name, frac, engine, mdt in configs:
                 d = os.path.join(root, f"s{rnd}")
                 os.makedirs(d, exist_ok=True)
                 cfg = dict(fraction=frac, engine=engine, dir=d, scale=args.scale, steps=args.steps,
+                           moments=mdt, pdtype=pdtype,
                            threads=args.threads, budget=_parse_size(args.budget) if args.budget else None)
                 p = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker",
                                     json.dumps(cfg)], capture_output=True, text=True)
@@ -218,14 +238,14 @@ def main() -> None:
     compute = med("states in RAM", "step")
     any_run = next((r for v in res.values() for r in v), None)
     n = any_run["nparams"] if any_run else 0
-    print(f"\n## Optimizer step, {n / 1e6:.1f}M fp32 params (GPT-2 small shapes), CPUAdam, "
+    print(f"\n## Optimizer step, {n / 1e6:.1f}M {args.param_dtype} params (GPT-2 small shapes), CPUAdam, "
           f"{args.threads} threads, median of {args.rounds} rounds x {args.steps} steps, "
           f"disk budget {args.budget or 'default (256 MiB)'}")
     print(f"probe (plain O_DIRECT, 1 thread, 1 GiB, same dir): write {pw:.2f} GB/s, read {pr:.2f} GB/s")
     print("| states | step (s) | step() returns (s) | peak RSS (MiB) | page cache grown (MiB) | "
           "read/step (MB) | written/step (MB) | I/O floor (s) | step / floor | overlap eff. |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for name, _, _ in configs:
+    for name, *_ in configs:
         if not res[name]:
             print(f"| {name} | failed | | | | | | | | |")
             continue
@@ -237,7 +257,17 @@ def main() -> None:
         print(f"| {name} | {step:.3f} | {med(name, 'step_returns'):.3f} | "
               f"{med(name, 'maxrss') / 2**20:.0f} | {med(name, 'cache_growth') / 2**20:.0f} | "
               f"{rd / 1e6:.0f} | {wr / 1e6:.0f} | {floor:.3f} | {ratio} | {eff:.2f} |")
-    if any_run:
+    if moments and res.get("fully on disk (NVMeStore)"):
+        base = med("fully on disk (NVMeStore)", "step")
+        print(f"\n### Moment dtypes on the disk store ({args.param_dtype} params)")
+        print("| moments | store nbytes (MiB) | step (s) | vs fp32 moments |")
+        print("|---|---|---|---|")
+        for name, frac, _, mdt in configs:
+            if frac is None or not res[name]:
+                continue
+            print(f"| {mdt} | {med(name, 'store_nbytes') / 2**20:.0f} | {med(name, 'step'):.3f} | "
+                  f"{med(name, 'step') / base:.2f}x |")
+    if any_run and not moments:
         ram, disk = med("states in RAM", "maxrss"), med("fully on disk (NVMeStore)", "maxrss")
         print(f"\nRSS saved fully on disk: {(ram - disk) / 2**20:.0f} MiB of the states' "
               f"{any_run['state_bytes'] / 2**20:.0f} MiB (8N bytes) = "
