@@ -115,7 +115,8 @@ def to_torch_state_dict(path: str, verify: bool = True) -> Dict[str, Any]:
 
     Parameters are numbered in the order of the optimizer metadata's ``param_groups`` (torch's
     numbering); tensors of local checkpoints are memory-mapped, so only the pages being
-    written out are in RAM. ``verify`` checks every checksum on the way.
+    written out are in RAM. ``verify`` checks every checksum on the way. Compressed moments
+    (metadata ``moment_dtype`` "bf16"/"int8") are decoded to fp32 tensors (in RAM).
     """
     import torch
     from .checkpoint import _by_file, _check_shard_header, read_manifest
@@ -156,6 +157,15 @@ def to_torch_state_dict(path: str, verify: bool = True) -> Dict[str, Any]:
         entry = state.setdefault(index[r["param"]],
                                  {"step": torch.tensor(float(steps.get(r["param"], 0)))})
         entry[r["state"]] = _open_tensor(m, r, verify)
+    moment_dtype = m.metadata.get("moment_dtype", "fp32")
+    if moment_dtype != "fp32":      # compressed moments: torch's fp32 exp_avg / exp_avg_sq
+        from .optim._moments import SCALE_OF, MomentFormat
+        fmt = MomentFormat(moment_dtype)
+        for entry in state.values():
+            for n, sn in SCALE_OF.items():
+                if n in entry:
+                    sc = entry.pop(sn, None)
+                    entry[n] = fmt.to_fp32(n, entry[n], sc).view(entry[n].shape)
     return {"state": dict(sorted(state.items())), "param_groups": out_groups}
 
 

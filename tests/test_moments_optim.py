@@ -244,3 +244,21 @@ def test_amsgrad_and_low_precision_params_with_int8(store):
     assert store.spec(K("p1", "master")).dtype == torch.float32
     assert store.spec(K("p1", "max_exp_avg_sq")).dtype == torch.float32
     assert all(torch.isfinite(p.float()).all() for p in params)
+
+
+@pytest.mark.parametrize("md", MOMENTS)
+def test_convert_to_torch_decodes_moments(tmp_path, md):
+    from statestore.__main__ import to_torch_state_dict
+    params = make_params()
+    with ss.DeviceStore("cpu") as st:
+        o = CPUAdam(named(params), lr=1e-2, state_store=st, moment_dtype=md)
+        train(o, params, grads_for(params, 2))
+        want = o.state_dict()
+        st.save_checkpoint(str(tmp_path / "ck"))
+    sd = to_torch_state_dict(str(tmp_path / "ck"))
+    for i, st_ in want["state"].items():
+        assert set(sd["state"][i]) == {"step", "exp_avg", "exp_avg_sq"}
+        for n in ("exp_avg", "exp_avg_sq"):
+            assert sd["state"][i][n].dtype == torch.float32
+            assert torch.equal(sd["state"][i][n], st_[n])
+    torch.optim.AdamW(clone(params), lr=1e-2).load_state_dict(sd)
