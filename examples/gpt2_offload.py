@@ -12,6 +12,9 @@ and the output says so.
 
     benchmarks/.venv-peers/bin/python examples/gpt2_offload.py
     benchmarks/.venv-peers/bin/python examples/gpt2_offload.py --steps 5 --dir /nvme/tmp
+    benchmarks/.venv-peers/bin/python examples/gpt2_offload.py --fractions 1.0+,1.0+:bf16,1.0+:int8
+
+A ``:bf16`` / ``:int8`` suffix sets ``moment_dtype`` (compressed Adam moments in the store).
 """
 from __future__ import annotations
 
@@ -98,7 +101,8 @@ def _model():
     return Stack(), 50257, "GPT-2-small-shaped stack (transformers not installed)"
 
 
-def train(fraction: float, steps: int, directory: str, in_backward: bool = False) -> dict:
+def train(fraction: float, steps: int, directory: str, in_backward: bool = False,
+          moment_dtype: str = "fp32") -> dict:
     import torch
     from torch import nn
 
@@ -109,7 +113,7 @@ def train(fraction: float, steps: int, directory: str, in_backward: bool = False
     loss_fn = nn.CrossEntropyLoss()
     opt = HybridAdam(model.parameters(), nvme_offload_fraction=fraction,
                      nvme_offload_dir=directory if fraction > 0 else None,
-                     update_in_backward=in_backward)
+                     update_in_backward=in_backward, moment_dtype=moment_dtype)
     numel = sum(p.numel() for p in model.parameters())
     print(f"{what}")
     print(f"Model numel: {numel / 1024 ** 3:.3f} B")
@@ -145,7 +149,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--dir", default=None, help="nvme_offload_dir (default: a temporary directory)")
     ap.add_argument("--fractions", default="0.0,1.0,1.0+",
-                    help="comma-separated; a trailing + also sets update_in_backward=True")
+                    help="comma-separated; a trailing + also sets update_in_backward=True, "
+                         "a suffix :bf16 or :int8 the moment_dtype (e.g. 1.0+:int8)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run the configurations this many times, interleaved (the disk and "
                          "the CPU here are noisy); the table gives medians over all rounds")
@@ -153,20 +158,25 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker is not None:
         cfg = json.loads(args.worker)
-        out = train(cfg["fraction"], cfg["steps"], cfg["dir"], cfg["in_backward"])
+        out = train(cfg["fraction"], cfg["steps"], cfg["dir"], cfg["in_backward"],
+                    cfg.get("moment_dtype", "fp32"))
         print("@@JSON " + json.dumps(out), flush=True)
         return
     runs: dict = {}
     with tempfile.TemporaryDirectory(prefix="gpt2-offload-", dir=args.dir) as d:
         for rnd in range(args.rounds):
             for spec in args.fractions.split(","):
+                spec, _, md = spec.partition(":")
+                md = md or "fp32"
                 f, plus = float(spec.rstrip("+")), spec.endswith("+")
                 name = f"{f}, update_in_backward" if plus else f"{f}"
+                if md != "fp32":
+                    name += f", {md} moments"
                 print(f"\n### nvme_offload_fraction={name}"
                       + (f" (round {rnd + 1}/{args.rounds})" if args.rounds > 1 else ""))
                 p = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker",
                                     json.dumps(dict(fraction=f, steps=args.steps, dir=d,
-                                                    in_backward=plus))],
+                                                    in_backward=plus, moment_dtype=md))],
                                    capture_output=True, text=True)
                 for line in p.stdout.splitlines():
                     if line.startswith("@@JSON "):
