@@ -262,3 +262,41 @@ def test_convert_to_torch_decodes_moments(tmp_path, md):
             assert sd["state"][i][n].dtype == torch.float32
             assert torch.equal(sd["state"][i][n], st_[n])
     torch.optim.AdamW(clone(params), lr=1e-2).load_state_dict(sd)
+
+
+def test_checkpoint_of_other_moment_dtype_loaded_under_a_live_optimizer_raises(tmp_path):
+    """torch's order (optimizer first, then the checkpoint into its store): a step over states
+    of another encoding is refused with a message naming both, nothing is updated."""
+    params = make_params()
+    with ss.DeviceStore("cpu") as st:
+        o = CPUAdam(named(params), state_store=st, moment_dtype="fp32")
+        train(o, params, grads_for(params, 1))
+        st.save_checkpoint(str(tmp_path / "ck"))
+    with ss.DeviceStore("cpu") as st:
+        o = CPUAdam(named(params), state_store=st, moment_dtype="int8")
+        st.load_checkpoint(str(tmp_path / "ck"))
+        before = [p.detach().clone() for p in params]
+        with pytest.raises(StateStoreValueError, match="moment_dtype='int8'"):
+            train(o, params, grads_for(params, 1))
+        assert all(torch.equal(a, b) for a, b in zip(params, before))
+
+
+@pytest.mark.parametrize("md", MOMENTS)
+def test_update_in_backward_same_bits(tmp_path, md):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(40, 300), nn.Tanh(), nn.Linear(300, 5))
+    twin = nn.Sequential(nn.Linear(40, 300), nn.Tanh(), nn.Linear(300, 5))
+    twin.load_state_dict(model.state_dict())
+    x = torch.randn(16, 40)
+    with ss.NVMeStore(str(tmp_path / "a"), budget_bytes=4 << 20) as a, \
+            ss.NVMeStore(str(tmp_path / "b"), budget_bytes=4 << 20) as b:
+        o1 = CPUAdam(model.parameters(), lr=1e-2, state_store=a, moment_dtype=md)
+        o2 = CPUAdam(twin.parameters(), lr=1e-2, state_store=b, moment_dtype=md,
+                     update_in_backward=True)
+        for _ in range(4):
+            for m_, o in ((model, o1), (twin, o2)):
+                m_(x).pow(2).mean().backward()
+                o.step()
+                o.zero_grad()
+        for p, q in zip(model.parameters(), twin.parameters()):
+            assert torch.equal(p, q)

@@ -167,6 +167,8 @@ class _StoreAdam(torch.optim.Optimizer):
                  moment_dtype: str = "fp32", moment_rounding: Optional[str] = None, **unused):
         _validate_hyper(lr, betas, eps, weight_decay)
         self._moments = MomentFormat(moment_dtype, moment_rounding)
+        self._moment_dtypes = (self._moments.spec("exp_avg", (1,))[1],
+                               self._moments.spec("exp_avg_sq", (1,))[1])
         if not bias_correction:
             raise ValueError("bias_correction=False is not supported (results would differ "
                              "from torch.optim.AdamW)")
@@ -1048,6 +1050,13 @@ class _StoreAdam(torch.optim.Optimizer):
             gs.append(g)
             m.append(st["exp_avg"])
             v.append(st["exp_avg_sq"])
+            if (m[-1].dtype, v[-1].dtype) != self._moment_dtypes:
+                raise StateStoreValueError(
+                    f"parameter {self._keys[p]!r}: the store holds exp_avg/exp_avg_sq as "
+                    f"{m[-1].dtype}/{v[-1].dtype}, but this optimizer keeps moment_dtype="
+                    f"{self._moments.name!r} ({self._moment_dtypes[0]}/"
+                    f"{self._moment_dtypes[1]}); was a checkpoint of another moment_dtype "
+                    f"loaded into its store?")
             vmax.append(st.get("max_exp_avg_sq"))
             masters.append(st.get("master"))
             steps.append(self._steps[self._keys[p]])
