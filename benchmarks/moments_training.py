@@ -94,11 +94,13 @@ def run(kind, args, data):
                 t = (step - warm) / max(1, args.steps - warm)
                 g["lr"] = args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * t)))
         loss = model(x, labels=x).loss
+        if not math.isfinite(float(loss.detach())):
+            raise FloatingPointError(f"loss is {float(loss.detach())} at step {step}")
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses, time.perf_counter() - t0, sum(p.numel() for p in model.parameters())
 
 
@@ -122,29 +124,45 @@ def main():
                     help="also bf16 with nearest and int8 with stochastic rounding")
     ap.add_argument("--peers", action="store_true",
                     help="also bitsandbytes AdamW8bit and torchao AdamW8bit where importable")
+    ap.add_argument("--dump", default=None, help="append each finished run's losses to this "
+                    "JSON-lines file")
+    ap.add_argument("--from-dump", default=None, help="print the tables from a --dump file "
+                    "(runs that finished) instead of training")
     ap.add_argument("--tolerance", type=float, default=0.02,
                     help="stated tolerance: largest windowed loss gap to fp32 moments, relative")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     data = corpus(4 << 20)
-    kinds = ["statestore:fp32:default", "statestore:bf16:default", "statestore:int8:default"]
-    if args.all_roundings:
-        kinds += ["statestore:bf16:nearest", "statestore:int8:stochastic"]
+    kinds = ["statestore:fp32:default", "statestore:int8:default", "statestore:bf16:default"]
     skipped = {}
-    if args.peers:
+    res = {}
+    if args.from_dump:
+        import json
+        with open(args.from_dump) as f:
+            for line in f:
+                d = json.loads(line)
+                res[d["kind"]] = (d["losses"], d["secs"], d["nparams"])
+        kinds = []
+    if args.peers and not args.from_dump:
         for k, mod in (("bnb-adamw8bit", "bitsandbytes"), ("torchao-adamw8bit", "torchao.optim")):
             try:
                 __import__(mod)
                 kinds.append(k)
             except Exception as e:  # noqa: BLE001 - report and go on
                 skipped[k] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
-    res = {}
+    if args.all_roundings and not args.from_dump:
+        kinds += ["statestore:bf16:nearest", "statestore:int8:stochastic"]
     for k in kinds:
         try:
             res[k] = run(k, args, data)
         except Exception as e:  # noqa: BLE001
             skipped[k] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
             continue
+        if args.dump:
+            import json
+            with open(args.dump, "a") as f:
+                f.write(json.dumps({"kind": k, "losses": res[k][0], "secs": res[k][1],
+                                    "nparams": res[k][2]}) + "\n")
         print(f"# {k}: final loss {statistics.fmean(res[k][0][-args.window:]):.4f}, "
               f"{res[k][1]:.0f} s", file=sys.stderr, flush=True)
     ref = windows(res["statestore:fp32:default"][0], args.window)

@@ -1,12 +1,15 @@
 """Adam/AdamW update kernels, dispatched by device: C++ SIMD on CPU, fused CUDA on GPU,
 the vectorized torch reference as the fallback (see ``docs/kernels.md``).
 
-The optimizers call :func:`adam_step` and :func:`grads_finite` only; kernels never touch
+The optimizers call :func:`adam_step` (:func:`adam_step_moments` for compressed moments)
+and :func:`grads_finite` only; kernels never touch
 stores. :func:`stream_copy_` is the copy stores use to fill a ring buffer bound for disk.
 """
 from __future__ import annotations
 
 from ._dispatch import _set_simd, adam_step, grads_finite, kernels_info, stream_copy_
+from ._moments import adam_step_moments
 from ._reference import adam_step_reference
 
-__all__ = ["adam_step", "adam_step_reference", "grads_finite", "kernels_info", "stream_copy_"]
+__all__ = ["adam_step", "adam_step_moments", "adam_step_reference", "grads_finite",
+           "kernels_info", "stream_copy_"]

@@ -148,22 +148,23 @@ class MomentFormat:
         return Q.decode(self.name, which, codes.reshape(-1).cpu(),
                         None if scales is None else scales.reshape(-1).cpu()).to(codes.device)
 
-    def from_fp32(self, name: str, x: Tensor, key: str = "", step: int = 0
-                  ) -> Dict[str, Tensor]:
-        """Store states (flat) encoding fp32 moment ``name``: ``{name: codes}`` plus its
-        scale for int8. Loading a state dict uses nearest rounding (no step to draw for)."""
+    def from_fp32(self, name: str, x: Tensor) -> Dict[str, Tensor]:
+        """Store states (flat, on the CPU) encoding fp32 moment ``name``: ``{name: codes}``
+        plus its scale for int8. Loading a state dict rounds to nearest (deterministic:
+        the same state dict always gives the same codes)."""
         flat = x.detach().reshape(-1).float().cpu()
         if not self.compressed:
             return {name: flat}
         which = 0 if name == "exp_avg" else 1
-        codes, scales = Q.encode(self.name, which, flat, seed=Q.moment_seed(key, which, step),
-                                 rounding="nearest")
+        codes, scales = Q.encode(self.name, which, flat, rounding="nearest")
         out = {name: codes}
         if scales is not None:
             out[SCALE_OF[name]] = scales
         return out
 
     def seeds(self, key: str, step: int) -> Tuple[int, int]:
+        """Seeds of the random bits of (exp_avg, exp_avg_sq) of parameter ``key`` at step
+        count ``step`` (after the update)."""
         return Q.moment_seed(key, 0, step), Q.moment_seed(key, 1, step)
 
 

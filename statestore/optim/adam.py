@@ -1273,7 +1273,7 @@ class _StoreAdam(torch.optim.Optimizer):
             fmt = self._moments
             new = []
             for n, src in entries:
-                enc = fmt.from_fp32(n, src, key, step) \
+                enc = fmt.from_fp32(n, src) \
                     if fmt.compressed and n in SCALE_OF else {n: src.detach().float().cpu()}
                 for sn, t in enc.items():
                     shape, dtype = fmt.spec(sn, tuple(p.shape))
