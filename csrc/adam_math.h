@@ -274,12 +274,15 @@ SS_HD float decode_v8(uint8_t c, float scale) {
   return (q * q) * scale;
 }
 
-// A block's stored scale and the reciprocal its codes are computed with, from the largest
-// finite magnitude of its new values and whether all were finite: a non-finite block gets
-// scale NaN, a block below 2^-126 scale 0; both then get codes 0 (encode_block_ok false).
+// A block's stored scale and the factors its codes are computed with (inv = 1/scale for
+// exp_avg, sinv = 1/sqrt(scale) for exp_avg_sq, which is encoded from sqrt(v), the root the
+// update computes anyway), from the largest finite magnitude of its new values and whether
+// all were finite: a non-finite block gets scale NaN, a block below 2^-126 scale 0; both then
+// get codes 0 (encode_block_ok false).
 struct QScale {
   float scale;
   float inv;
+  float sinv;
 };
 SS_HD QScale make_qscale(float absmax, bool finite) {
   QScale q;
@@ -289,6 +292,7 @@ SS_HD QScale make_qscale(float absmax, bool finite) {
     q.scale = absmax < kFltMin ? 0.0f : absmax;
   }
   q.inv = q.scale > 0.0f ? 1.0f / q.scale : 0.0f;
+  q.sinv = q.scale > 0.0f ? 1.0f / sqrtf(q.scale) : 0.0f;
   return q;
 }
 SS_HD bool encode_block_ok(const QScale& q) { return q.scale > 0.0f; }
@@ -303,9 +307,10 @@ SS_HD int8_t encode_m8(float x, float inv, float u) {
   const int ci = static_cast<int>(c);
   return static_cast<int8_t>(x < 0.0f ? -ci : ci);
 }
-SS_HD uint8_t encode_v8(float x, float inv, float u) {
-  const float r = ss_absf(x) * inv;
-  float y = sqrtf(sqrtf(r)) * kVLevels;
+// exp_avg_sq from sv = sqrt(v): y = 255 sqrt(sqrt(v) / sqrt(scale)), the quarter-power map.
+SS_HD uint8_t encode_v8(float sv, float sinv, float u) {
+  const float r = ss_absf(sv) * sinv;
+  float y = sqrtf(r) * kVLevels;
   y = y + u;
   float c = floorf(y);
   c = c > kVLevels ? kVLevels : c;
@@ -381,18 +386,18 @@ SS_HD void adam_element_int8_update(int64_t i, const MomentTensorArgs& a, float 
   }
 }
 
-// Phase 2 of an int8 element: its codes from the block's new scales.
+// Phase 2 of an int8 element: its codes from the block's new scales; sv = sqrt(vn).
 SS_HD void encode_element_int8(int64_t i, const MomentTensorArgs& a, const QScale& qm,
-                               const QScale& qv, float mn, float vn) {
+                               const QScale& qv, float mn, float sv) {
   const uint32_t idx = static_cast<uint32_t>(a.offset + i);
   const float um = a.stochastic ? ss_uniform(ss_hash32(a.seed_m, idx)) : 0.5f;
   const float uv = a.stochastic ? ss_uniform(ss_hash32(a.seed_v, idx)) : 0.5f;
   static_cast<int8_t*>(a.m)[i] = encode_block_ok(qm) ? encode_m8(mn, qm.inv, um) : int8_t(0);
-  static_cast<uint8_t*>(a.v)[i] = encode_block_ok(qv) ? encode_v8(vn, qv.inv, uv) : uint8_t(0);
+  static_cast<uint8_t*>(a.v)[i] = encode_block_ok(qv) ? encode_v8(sv, qv.sinv, uv) : uint8_t(0);
 }
 
 // One whole int8 block [b, e) (e - b <= kQBlock, b a multiple of kQBlock), sequentially:
-// the CPU scalar path and every SIMD tail block. mt, vt: block-sized buffers.
+// the CPU scalar path. mt, vt: block-sized buffers (vt keeps sqrt of the new exp_avg_sq).
 template <DType GD, DType PD, bool kAmsgrad>
 SS_HD void adam_block_int8(const MomentTensorArgs& a, int64_t b, int64_t e, float* mt,
                            float* vt) {
@@ -404,6 +409,7 @@ SS_HD void adam_block_int8(const MomentTensorArgs& a, int64_t b, int64_t e, floa
     adam_element_int8_update<GD, PD, kAmsgrad>(i, a, sm, sv, mt[i - b], vt[i - b]);
     absmax_step(mt[i - b], am, fm);
     absmax_step(vt[i - b], av, fv);
+    vt[i - b] = sqrtf(vt[i - b]);
   }
   const QScale qm = make_qscale(am, fm), qv = make_qscale(av, fv);
   a.m_scale[blk] = qm.scale;

@@ -8,7 +8,8 @@
 // an element gets the same bits on every path. int8 works block by block: pass 1 decodes with
 // the block's old scales, updates, writes w and keeps the new fp32 moments of the block (256
 // floats each, on the stack: never a temporary of a whole tensor); pass 2 takes the block's
-// new scales from their largest magnitudes and writes the codes.
+// new scales from their largest magnitudes and writes the codes (exp_avg_sq from the square
+// root of its new value, which the update computed for its denominator: one root saved).
 
 using statestore::MomentKind;
 using statestore::MomentTensorArgs;
@@ -109,11 +110,12 @@ struct SimdMoments {
       const F cv = V::load_u8(vc + i);
       const F q = V::mul(V::mul(cv, cv), inv_v2);
       F v = V::mul(V::mul(q, q), svv);
-      c.template update<kAmsgrad>(w, g, m, v, kAmsgrad ? a.vmax + i : nullptr);
+      F sv;
+      c.template update<kAmsgrad>(w, g, m, v, kAmsgrad ? a.vmax + i : nullptr, &sv);
       V::store(a.w + i, w);
       if constexpr (PD != DType::kNone) VecIO<V, PD>::store(a.p_out, i, w);
       V::store(mt + (i - b), m);
-      V::store(vt + (i - b), v);
+      V::store(vt + (i - b), sv);
       const F ma = V::abs(m), va = V::abs(v);
       am = V::max(ma, am);
       av = V::max(va, av);
@@ -125,6 +127,7 @@ struct SimdMoments {
       statestore::adam_element_int8_update<GD, PD, kAmsgrad>(i, a, sm, sv, mt[i - b], vt[i - b]);
       statestore::absmax_step(mt[i - b], amx, fm);
       statestore::absmax_step(vt[i - b], avx, fv);
+      vt[i - b] = sqrtf(vt[i - b]);
     }
     const QScale qm = statestore::make_qscale(amx, fm), qv = statestore::make_qscale(avx, fv);
     a.m_scale[blk] = qm.scale;
@@ -133,13 +136,13 @@ struct SimdMoments {
     int8_t* const mo = static_cast<int8_t*>(a.m);
     uint8_t* const vo = static_cast<uint8_t*>(a.v);
     const bool okm = statestore::encode_block_ok(qm), okv = statestore::encode_block_ok(qv);
-    const F invm = V::set1(qm.inv), invv = V::set1(qv.inv);
+    const F invm = V::set1(qm.inv), sinvv = V::set1(qv.sinv);
     const F lm = V::set1(statestore::kMLevels), lv = V::set1(statestore::kVLevels);
     const F half = V::set1(0.5f);
     for (i = b; i + W <= e; i += W) {
       const uint32_t first = static_cast<uint32_t>(a.offset + i);
       const F m = V::load(mt + (i - b));
-      const F v = V::load(vt + (i - b));
+      const F v = V::load(vt + (i - b));     // sqrt of the new exp_avg_sq
       if (okm) {
         const F u = a.stochastic ? VecHash<V>::uniform(VecHash<V>::lanes(a.seed_m, first)) : half;
         F y = V::mul(V::sqrt(V::mul(V::abs(m), invm)), lm);
@@ -151,7 +154,7 @@ struct SimdMoments {
       }
       if (okv) {
         const F u = a.stochastic ? VecHash<V>::uniform(VecHash<V>::lanes(a.seed_v, first)) : half;
-        F y = V::mul(V::sqrt(V::sqrt(V::mul(V::abs(v), invv))), lv);
+        F y = V::mul(V::sqrt(V::mul(V::abs(v), sinvv)), lv);
         y = V::add(y, u);
         const F cf = V::min(V::floor(y), lv);
         V::store_u8(vo + i, V::cvtt_f2i(cf));

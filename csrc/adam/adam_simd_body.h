@@ -40,8 +40,9 @@ struct VecAdam {
         inv_bc2_sqrt(V::set1(s.inv_bc2_sqrt)), eps(V::set1(s.eps)),
         use_l2(s.l2_decay != 0.0f) {}
   // w, m, v in: current values; out: updated. vmax_at: amsgrad's max_exp_avg_sq (W floats).
+  // sqrt_v (optional): sqrt of the new v (the root of the denominator without amsgrad).
   template <bool kAmsgrad>
-  inline void update(F& w, F g, F& m, F& v, float* vmax_at) const {
+  inline void update(F& w, F g, F& m, F& v, float* vmax_at, F* sqrt_v = nullptr) const {
     g = V::mul(g, grad_mul);
     if (use_l2) g = V::fma(l2_decay, w, g);
     F wd = V::mul(w, decay_mul);
@@ -52,10 +53,12 @@ struct VecAdam {
       vm = V::max(V::load(vmax_at), vn);
       V::store(vmax_at, vm);
     }
-    F d = V::fma(V::sqrt(vm), inv_bc2_sqrt, eps);
+    const F root = V::sqrt(vm);
+    F d = V::fma(root, inv_bc2_sqrt, eps);
     w = V::fma(neg_step, V::div(mn, d), wd);
     m = mn;
     v = vn;
+    if (sqrt_v != nullptr) *sqrt_v = kAmsgrad ? V::sqrt(vn) : root;
   }
 };
 

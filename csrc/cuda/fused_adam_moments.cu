@@ -61,7 +61,7 @@ __device__ __forceinline__ void int8_chunk(const MomentTensorArgs& t, int64_t b,
     t.m_scale[blk] = qm.scale;
     t.v_scale[blk] = qv.scale;
   }
-  if (in) encode_element_int8(i, t, qm, qv, mn, vn);
+  if (in) encode_element_int8(i, t, qm, qv, mn, sqrtf(vn));
   __syncthreads();                    // red_m/red_v are reused by the next chunk
 }
 

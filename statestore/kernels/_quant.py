@@ -24,7 +24,8 @@ same fp32 moments (the tests check it). The format is specified in ``docs/kernel
     * ``exp_avg``: int8 ``c`` in [-127, 127], value ``sign(c) * (c / 127)**2 * scale``
       (encode: ``c = sign(x) * round(127 * sqrt(|x| / scale))``);
     * ``exp_avg_sq``: uint8 ``c`` in [0, 255], value ``(c / 255)**4 * scale``
-      (encode: ``c = round(255 * sqrt(sqrt(x / scale)))``).
+      (encode: ``c = round(255 * sqrt(sqrt(x) * (1 / sqrt(scale))))``, from the square root
+      of ``x`` that the update computes for its denominator).
 
     Rounding of the code is stochastic (``floor(y + u)``, ``u`` uniform in [0, 1) from the same
     hash) or nearest (``floor(y + 0.5)``). A block whose scale is below 2**-126 (subnormal) is
@@ -59,6 +60,13 @@ _M32 = 0xFFFFFFFF
 _INV_M2 = torch.tensor(1.0 / (M_LEVELS * M_LEVELS), dtype=torch.float32)
 _INV_V2 = torch.tensor(1.0 / (V_LEVELS * V_LEVELS), dtype=torch.float32)
 _2M24 = 2.0 ** -24
+
+
+def _sqrt(x: Tensor) -> Tensor:
+    """float32 square root, correctly rounded (IEEE, as sqrtps / sqrtf / CUDA's sqrtf):
+    computed in float64 and rounded once. (torch.sqrt of float32 on CPU is not always
+    correctly rounded: its vectorized path differs in the last bit for ~17% of inputs here.)"""
+    return torch.sqrt(x.to(torch.float64)).to(torch.float32)
 
 
 def nblocks(n: int) -> int:
@@ -168,7 +176,7 @@ def int8_encode_m(x: Tensor, *, seed: int = 0, offset: int = 0,
     a = xb.abs()
     scale, inv = _scales(a)
     r = a * inv[:, None]
-    y = torch.sqrt(r) * float(M_LEVELS)
+    y = _sqrt(r) * float(M_LEVELS)
     idx = torch.arange(offset, offset + xb.numel(), dtype=torch.int64).view_as(xb)
     y = y + _uniform(seed, idx, rounding == "stochastic")
     c = torch.clamp(torch.floor(y), max=float(M_LEVELS))
@@ -191,9 +199,12 @@ def int8_encode_v(x: Tensor, *, seed: int = 0, offset: int = 0,
     _check_rounding(rounding)
     xb, n = _blocks(x.reshape(-1).to(torch.float32))
     a = xb.abs()
-    scale, inv = _scales(a)
-    r = a * inv[:, None]
-    y = torch.sqrt(torch.sqrt(r)) * float(V_LEVELS)
+    scale, _ = _scales(a)
+    ok = scale > 0
+    sinv = torch.where(ok, 1.0 / _sqrt(torch.where(ok, scale, torch.ones_like(scale))),
+                       torch.zeros_like(scale))
+    r = _sqrt(a) * sinv[:, None]              # sqrt(v): the root the update computes anyway
+    y = _sqrt(r) * float(V_LEVELS)
     idx = torch.arange(offset, offset + xb.numel(), dtype=torch.int64).view_as(xb)
     y = y + _uniform(seed, idx, rounding == "stochastic")
     c = torch.clamp(torch.floor(y), max=float(V_LEVELS))
