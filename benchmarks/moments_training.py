@@ -87,12 +87,16 @@ def run(kind, args, data):
     t0 = time.perf_counter()
     warm = max(1, args.steps // 20)
     for step, x in enumerate(batches(data, args.steps, args.batch, args.ctx, args.seed + 1)):
-        for g in opt.param_groups:             # linear warm-up, then cosine to 10%
-            if step < warm:
-                g["lr"] = args.lr * (step + 1) / warm
+        if step < warm:                        # linear warm-up, then cosine to 10%
+            lr = args.lr * (step + 1) / warm
+        else:
+            t = (step - warm) / max(1, args.steps - warm)
+            lr = args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * t)))
+        for g in opt.param_groups:
+            if torch.is_tensor(g["lr"]):       # torchao keeps lr as a tensor
+                g["lr"].fill_(lr)
             else:
-                t = (step - warm) / max(1, args.steps - warm)
-                g["lr"] = args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * t)))
+                g["lr"] = lr
         loss = model(x, labels=x).loss
         if not math.isfinite(float(loss.detach())):
             raise FloatingPointError(f"loss is {float(loss.detach())} at step {step}")
