@@ -27,6 +27,7 @@ from .._types import Slice, StateKey
 from ..errors import (CheckpointMismatchError, StateStoreClosedError, StateStoreError,
                       StateStoreValueError)
 from ..kernels import adam_step, grads_finite
+from ..offload._handle import is_offloaded, param_value, update_begin, update_end
 from ..distributed import group_info, partition
 from . import _offload_path
 from ..pipeline import plan_units
@@ -575,8 +576,11 @@ class _StoreAdam(torch.optim.Optimizer):
                 sk = StateKey(key, name)
                 if sk in store:
                     continue
-                init = p.detach().float() if name == "master" else None
+                init = param_value(p).float() if name == "master" else None
                 entries.append((sk, tuple(p.shape), torch.float32, init))
+            if entries and is_offloaded(p):     # read from its store: one parameter at a time
+                store.create_many(entries)
+                entries = []
         if entries:
             store.create_many(entries)
 
@@ -936,6 +940,7 @@ class _StoreAdam(torch.optim.Optimizer):
 
     def _update_unit(self, tensors: List[Tensor], group: dict, entries, grads, grad_scale,
                      dev: torch.device) -> None:
+        offloaded = update_begin(entries)   # offloaded parameters: fetched for the update
         params, gs, m, v, vmax, masters, steps, writeback = [], [], [], [], [], [], [], []
         pos = 0
         off, uploads = self._offload, []
@@ -986,6 +991,7 @@ class _StoreAdam(torch.optim.Optimizer):
                 p.detach().copy_(flat.view(p.shape))
         for p, a, b in uploads:
             off.upload(p, a, b)
+        update_end(offloaded)               # ... and written back to their store
 
     # ------------------------------------------------------------------ torch's state_dict
     def state_dict(self) -> Dict[str, Any]:
@@ -1129,7 +1135,7 @@ class _StoreAdam(torch.optim.Optimizer):
             for n in names:
                 src = st.get(n)
                 if n == "master" and src is None:
-                    src = p.detach()
+                    src = param_value(p)
                 if not isinstance(src, Tensor):
                     raise TypeError(f"state {n!r} of parameter {key!r} must be a tensor, got "
                                     f"{type(src).__name__}")
