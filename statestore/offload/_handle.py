@@ -32,6 +32,7 @@ does not own it (``x @ self.emb.weight.t()`` in a parent's forward) is fetched o
 """
 from __future__ import annotations
 
+import os
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -49,6 +50,27 @@ __all__ = ["PARAM_STATE", "OffloadHandle", "offload_parameters", "update_begin",
 #: State name under which a parameter's data is kept in the store: ``(name, "param")``.
 PARAM_STATE = "param"
 _ATTR = "_statestore_offload"          # set on every offloaded Parameter: its handle
+
+
+_MALLOC_FIXED = False
+
+
+def _fix_malloc_threshold() -> None:
+    """glibc raises its mmap threshold to the size of every large block freed (up to 32
+    MiB), after which parameter buffers of that size come from the heap, where freed ones
+    stay resident: measured on a 24-layer model of 4 MiB layers, RSS grew by ~60 MiB over
+    the working set. A fixed threshold (1 MiB) gives each large buffer back to the system
+    when freed. Process-wide, once; ``STATESTORE_MALLOPT=0`` leaves malloc alone."""
+    global _MALLOC_FIXED
+    if _MALLOC_FIXED or os.environ.get("STATESTORE_MALLOPT", "1") == "0":
+        return
+    _MALLOC_FIXED = True
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None)
+        libc.mallopt(-3, 1 << 20)       # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):   # not glibc
+        pass
 
 
 def _task() -> int:
@@ -328,6 +350,7 @@ class OffloadHandle:
         self._hooks: list = []
         self._foreign: Dict[int, List[Tensor]] = {}
         self._stats = {"reads": 0, "read_bytes": 0, "writes": 0, "sync_reads": 0}
+        _fix_malloc_threshold()
         self._offload_all(init)
         self._install_hooks()
 
@@ -353,12 +376,18 @@ class OffloadHandle:
         done: Set[Tensor] = set()
         created: List[StateKey] = []
         try:
-            for m, own in zip(self._modules, self._mod_params):
+            for i, m in enumerate(self._modules):
+                own = self._mod_params[i]
                 todo = [p for p in own if p not in done]
                 if not todo:
                     continue
                 if any(p.is_meta for p in todo):
                     self._materialize_meta(m, init)
+                    for old_p, new_p in zip(own, dict.fromkeys(m.parameters(recurse=False))):
+                        if new_p is not old_p:
+                            self._replace_param(old_p, new_p)
+                    todo = [p for p in dict.fromkeys(m.parameters(recurse=False))
+                            if p not in done]
                 store.create_many([(self._key[p], tuple(p.shape), p.dtype, p.detach())
                                    for p in todo])
                 created += [self._key[p] for p in todo]
@@ -382,6 +411,14 @@ class OffloadHandle:
                 pass
             raise
         store.sync()
+
+    def _replace_param(self, old: Tensor, new: Tensor) -> None:
+        """``to_empty`` gave a meta parameter a new Parameter object: track that one."""
+        self._params = [new if p is old else p for p in self._params]
+        for d in (self._name, self._key, self._names):
+            d[new] = d.pop(old)
+        self._by_key[self._key[new]] = new
+        self._mod_params = [[new if p is old else p for p in ps] for ps in self._mod_params]
 
     def _materialize_meta(self, m: nn.Module, init) -> None:
         """Parameters created on the meta device get memory here, one module at a time."""
