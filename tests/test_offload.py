@@ -468,3 +468,68 @@ def test_memory_bound_at_small_scale(tmp_path):
     assert growth <= bound, (growth, bound, m)
     assert growth < m["model"] / 2, (growth, m)      # far from holding the model
     print(m, growth, bound)
+
+
+def test_model_state_dict_and_load_state_dict(tmp_path):
+    model = Net(dtype=torch.bfloat16)
+    ref = {k: v.clone() for k, v in model.state_dict().items()}
+    store = _store("nvme", tmp_path / "p")
+    with ss.offload_parameters(model, store) as handle:
+        sd = model.state_dict()
+        assert sd.keys() == ref.keys()
+        assert all(torch.equal(sd[k], ref[k]) for k in ref)
+        new = {k: torch.randn_like(v.float()).to(v.dtype) for k, v in ref.items()}
+        new["head.weight"] = new["emb.weight"]
+        model.load_state_dict(new)
+        assert handle.stats()["materialized"] == 0
+        got = handle.state_dict()
+        assert all(torch.equal(got[k], new[k]) for k in new)
+        assert torch.equal(store.get(("blocks.1.fc1.weight", PARAM_STATE)), new["blocks.1.fc1.weight"])
+    assert all(torch.equal(v, new[k]) for k, v in model.state_dict().items())
+    store.close()
+
+
+def test_optimizer_on_the_parameter_store_is_refused(tmp_path):
+    model = Net()
+    store = _store("nvme", tmp_path / "p")
+    with ss.offload_parameters(model, store):
+        # refused as it is built (the store holds states that are no optimizer's) or, had
+        # the optimizer come first, at its step
+        with pytest.raises(ss.CheckpointMismatchError, match="unexpected state 'param'"):
+            HybridAdam(model.named_parameters(), state_store=store)
+    store.close()
+    model = Net()
+    store = _store("nvme", tmp_path / "q")
+    opt = HybridAdam(model.named_parameters(), state_store=store)
+    with ss.offload_parameters(model, store):
+        _loss(model, 0).backward()
+        with pytest.raises(ss.StateStoreValueError, match="store of their own"):
+            opt.step()
+    store.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["pinned", "nvme", "device-cpu"])
+@pytest.mark.parametrize("uib", [False, True])
+def test_cuda_compute_bit_exact(backend, uib, tmp_path):
+    """Modules compute on the GPU, parameters live in a host store (fetched to pinned memory,
+    copied on a side stream): the same training as the model on the GPU without offload."""
+    def run(offload):
+        model = Net(dtype=torch.bfloat16).cuda()
+        handle = ss.offload_parameters(model, _store(backend, tmp_path / f"p{offload}"),
+                                       device="cuda") if offload else None
+        opt = HybridAdam(model.named_parameters(), lr=1e-2, update_in_backward=uib,
+                         state_store=ss.DeviceStore("cuda"))
+        for step in range(3):
+            ids = _batch(step).cuda()
+            logits = model(ids).float()
+            nn.functional.cross_entropy(logits.reshape(-1, VOCAB), ids.reshape(-1)).backward()
+            opt.step()
+            opt.zero_grad()
+        if handle:
+            for p in model.parameters():
+                assert p.device.type == "cuda"
+            handle.close()
+        return {k: v.cpu() for k, v in model.state_dict().items()}
+    a, b = run(False), run(True)
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -442,6 +442,9 @@ class OffloadHandle:
             if p.requires_grad:
                 self._hooks.append(p.register_hook(self._make_pre_acc(p)))
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._post_acc))
+        self._hooks.append(self.model._register_state_dict_hook(self._state_dict_hook))
+        self._hooks.append(self.model.register_load_state_dict_pre_hook(self._load_pre_hook))
+        self._hooks.append(self.model.register_load_state_dict_post_hook(self._load_post_hook))
         from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                            register_optimizer_step_pre_hook)
         self._hooks.append(register_optimizer_step_pre_hook(self._before_step))
@@ -870,6 +873,12 @@ class OffloadHandle:
     def _before_step(self, optimizer, args, kwargs) -> None:
         from ..optim.adam import _StoreAdam
         if isinstance(optimizer, _StoreAdam):
+            if self._io and getattr(optimizer, "state_store", None) is self.store \
+                    and self._ours(optimizer):
+                raise StateStoreValueError(
+                    f"{type(optimizer).__name__}: its state_store is the store the parameters "
+                    f"are offloaded to; give the parameters a store of their own (two "
+                    f"pipelines at once on one disk store could wait on each other)")
             return      # updates parameters a unit at a time through update_begin/update_end
         ps = self._ours(optimizer)
         if ps:          # another optimizer reads every parameter: materialize them all
@@ -894,6 +903,40 @@ class OffloadHandle:
             run = _Run(True, plan)
             self._open_window(run, 0)
             self._next_run = run
+
+    # ------------------------------------------------------------------ model.state_dict()
+    def _state_dict_hook(self, module, state_dict, prefix, local_metadata) -> None:
+        """``model.state_dict()`` gives the stored values (``keep_vars=True``: the
+        parameters themselves, as torch)."""
+        for p in self._params:
+            for n in self._names[p]:
+                k = prefix + n
+                v = state_dict.get(k)
+                if v is not None and not isinstance(v, nn.Parameter):
+                    state_dict[k] = self._value(p).detach()
+
+    def _load_pre_hook(self, module, state_dict, prefix, *args) -> None:
+        """``model.load_state_dict()``: every parameter materialized for torch to copy into,
+        written back by :meth:`_load_post_hook`."""
+        self._suspend()
+        self._fetch(self._params)
+        self._opt.update(self._params)
+        self._loading = True
+
+    def _load_post_hook(self, module, incompatible_keys) -> None:
+        if not getattr(self, "_loading", False):
+            return
+        self._loading = False
+        for p in self._params:
+            if self._alias or p not in self._data:
+                pass
+            elif self.store.resident:
+                self.store.put(self._key[p], self._data[p])
+            else:
+                self._dirty[p] = self._data[p]
+            self._opt.discard(p)
+            self._maybe_release(p)
+        self._flush_dirty()
 
     # ------------------------------------------------------------------ public
     @property
