@@ -569,20 +569,23 @@ class _StoreAdam(torch.optim.Optimizer):
     # ------------------------------------------------------------------ step
     def _ensure_states(self, store: StateStore, params: Sequence[Tensor]) -> None:
         groups = self._group_of()
-        entries = []
+        entries, later = [], []
         for p in params:
             key = self._keys[p]
             for name in self._state_names(p, groups[p]):
                 sk = StateKey(key, name)
                 if sk in store:
                     continue
-                init = param_value(p).float() if name == "master" else None
+                if name == "master" and is_offloaded(p):
+                    later.append((sk, p))       # read from its store, one at a time, below
+                    init = None
+                else:
+                    init = p.detach().float() if name == "master" else None
                 entries.append((sk, tuple(p.shape), torch.float32, init))
-            if entries and is_offloaded(p):     # read from its store: one parameter at a time
-                store.create_many(entries)
-                entries = []
         if entries:
             store.create_many(entries)
+        for sk, p in later:
+            store.put(sk, param_value(p).float())
 
     def _grad_of(self, p: Tensor) -> Tensor:
         g = p.grad
