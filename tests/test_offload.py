@@ -44,7 +44,7 @@ class Net(nn.Module):
     residual blocks, optionally checkpointed, optionally the first block frozen."""
 
     def __init__(self, tie="module", dtype=torch.float32, ckpt=None, frozen=False, d=32,
-                 layers=3):
+                 layers=2):
         super().__init__()
         torch.manual_seed(0)
         self.emb = nn.Embedding(VOCAB, d)
@@ -85,7 +85,7 @@ def _store(backend, path):
     return make_store(backend, path)
 
 
-def _train(backend, tmp, offload, steps=4, uib=False, **kw):
+def _train(backend, tmp, offload, steps=3, uib=False, **kw):
     model = Net(**kw)
     handle = ss.offload_parameters(model, _store(backend, tmp / "p"), prefetch=2) if offload else None
     opt_store = _store(backend, tmp / "o")
@@ -533,3 +533,24 @@ def test_cuda_compute_bit_exact(backend, uib, tmp_path):
         return {k: v.cpu() for k, v in model.state_dict().items()}
     a, b = run(False), run(True)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_failed_forward_and_backward_leave_the_handle_usable(tmp_path):
+    model = Net()
+    store = _store("nvme", tmp_path / "p")
+    with ss.offload_parameters(model, store) as handle:
+        with pytest.raises(IndexError):
+            model(torch.full((2, 3), VOCAB + 5))          # out-of-range ids: forward raises
+        assert handle.stats()["materialized"] == 0
+
+        def boom(g):
+            raise RuntimeError("boom")
+        loss = _loss(model, 0)
+        h = loss.register_hook(boom)
+        with pytest.raises(RuntimeError, match="boom"):
+            loss.backward()
+        h.remove()
+        _loss(model, 1).backward()                         # trains on afterwards
+        assert handle.stats()["materialized"] == 0
+        assert all(p.grad is not None for p in model.parameters())
+    store.close()

@@ -133,7 +133,7 @@ def save_checkpoint(handle, path: str, optimizer_store=None, **kwargs) -> None:
     if "metadata" in kwargs:
         raise StateStoreValueError("save_checkpoint: metadata comes from the optimizer's store "
                                    "(and the handle); it cannot be overridden here")
-    if handle._stack or handle._tasks:
+    if handle._stack or torch._C._current_graph_task_id() >= 0:
         raise StateStoreError("save_checkpoint called during the model's forward or backward")
     handle._suspend()
     handle.store.sync()
@@ -231,7 +231,7 @@ def _pieces(f, start: int, nbytes: int, piece: int):
 
 def load_checkpoint(handle, path: str, optimizer_store=None) -> None:
     """See :meth:`OffloadHandle.load_checkpoint`."""
-    if handle._stack or handle._tasks:
+    if handle._stack or torch._C._current_graph_task_id() >= 0:
         raise StateStoreError("load_checkpoint called during the model's forward or backward")
     m = read_manifest(path)
     off = m.metadata.get("offload") if isinstance(m.metadata, dict) else None

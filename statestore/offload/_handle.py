@@ -658,6 +658,15 @@ class OffloadHandle:
     def _begin_iteration(self) -> None:
         if self._run is not None:
             self._end_iteration()
+        if self._tasks or self._outer_task is not None:
+            # a backward that raised never reached its end callbacks: no backward runs now
+            self._tasks.clear()
+            self._outer_task = None
+            for p, tasks in self._bw.items():
+                if tasks:
+                    tasks.clear()
+                    self._to_release.append(p)
+            self._flush_releases()
         grad = torch.is_grad_enabled()
         nxt, self._next_run = self._next_run, None
         if nxt is not None and nxt.grad == grad and nxt.plan is self._plans.get(grad):
@@ -1014,9 +1023,14 @@ class OffloadHandle:
         the parameters' data from the store. Idempotent."""
         if self._closed:
             return
-        if self._stack or self._tasks:
+        if self._stack or _task() >= 0:
             raise StateStoreError("offload handle: close() called during the model's forward "
                                   "or backward")
+        self._tasks.clear()
+        self._outer_task = None
+        self._bw.clear()
+        self._fwd.clear()
+        self._opt.clear()
         err = None
         try:
             self._suspend()
