@@ -366,6 +366,7 @@ def main():
         out["disk_bytes"] = _du(args.dir)
         out["train_hwm"] = _status("VmHWM")
         if handle is not None:
+            out["handle"] = handle.stats()
             handle.store.close()
         states.close()
         del model, handle, states, opt
@@ -409,6 +410,10 @@ def report(args, out, w_bw, r_bw):
         floor = s["bytes_read"] / (r_bw * GB) + s["bytes_written"] / (w_bw * GB)
         print(f"| {s['phase']} step {s['step']} | {s['seconds']:.1f} s; I/O floor {floor:.1f} s "
               f"({s['bytes_read'] / 1e9:.1f} GB read, {s['bytes_written'] / 1e9:.1f} GB written) |")
+    if "handle" in out:
+        h = out["handle"]
+        print(f"| parameter reads (train process) | {h['reads']} ({h['read_bytes'] / 1e9:.1f} GB), "
+              f"{h['sync_reads']} outside the read-ahead; {h['writes']} write-backs |")
     print(f"| resumed bit for bit | {'yes' if out['bit_exact'] else 'NO'} |")
 
 
