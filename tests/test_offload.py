@@ -206,7 +206,7 @@ def test_bad_arguments(tmp_path):
     h.close()
     other = Net()
     store.create(("emb.weight", PARAM_STATE), (1,))
-    with pytest.raises(ss.StateKeyError, match="already holds"):
+    with pytest.raises(ss.StateKeyError, match="store of its own"):
         ss.offload_parameters(other, store)
     assert all(p.data.untyped_storage().nbytes() > 8 for p in other.parameters())  # untouched
     with pytest.raises(ss.StateStoreError, match="closed"):
@@ -489,14 +489,14 @@ def test_model_state_dict_and_load_state_dict(tmp_path):
     store.close()
 
 
-def test_optimizer_on_the_parameter_store_is_refused(tmp_path):
+def test_optimizer_on_the_parameters_disk_store_is_refused(tmp_path):
     model = Net()
     store = _store("nvme", tmp_path / "p")
     with ss.offload_parameters(model, store):
-        # refused as it is built (the store holds states that are no optimizer's) or, had
-        # the optimizer come first, at its step
-        with pytest.raises(ss.CheckpointMismatchError, match="unexpected state 'param'"):
-            HybridAdam(model.named_parameters(), state_store=store)
+        opt = HybridAdam(model.named_parameters(), state_store=store)
+        _loss(model, 0).backward()
+        with pytest.raises(ss.StateStoreValueError, match="store of their own"):
+            opt.step()
     store.close()
     model = Net()
     store = _store("nvme", tmp_path / "q")
@@ -554,3 +554,36 @@ def test_failed_forward_and_backward_leave_the_handle_usable(tmp_path):
         assert handle.stats()["materialized"] == 0
         assert all(p.grad is not None for p in model.parameters())
     store.close()
+
+
+@pytest.mark.parametrize("backend", ["device-cpu", "pinned", "file"])
+def test_one_resident_store_for_parameters_and_states(backend, tmp_path):
+    """A resident store may hold the parameters and the optimizer's states together: one
+    store.save_checkpoint(path) then holds both, and a store loaded from it gives the
+    parameters back to a new handle (the stored values replace the model's)."""
+    ref, _ = _train("device-cpu", tmp_path / "ref", False, steps=4, dtype=torch.bfloat16)
+
+    def run(store, steps, model):
+        opt = HybridAdam(model.named_parameters(), lr=1e-2, weight_decay=0.1, state_store=store)
+        _steps(model, opt, steps)
+
+    model = Net(dtype=torch.bfloat16)
+    store = _store(backend, tmp_path / "s")
+    handle = ss.offload_parameters(model, store)
+    run(store, range(2), model)
+    ck = str(tmp_path / "ck")
+    store.save_checkpoint(ck)
+    handle.close()
+    store.close()
+    fresh = Net(dtype=torch.bfloat16)
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    store2 = _store(backend, tmp_path / "s2")
+    store2.load_checkpoint(ck)
+    handle2 = ss.offload_parameters(fresh, store2)
+    run(store2, range(2, 4), fresh)
+    handle2.close()
+    got = fresh.state_dict()
+    assert all(torch.equal(ref[k], got[k]) for k in ref)
+    store2.close()

@@ -368,11 +368,24 @@ class OffloadHandle:
 
     def _offload_all(self, init) -> None:
         store = self.store
-        existing = [self._name[p] for p in self._params if self._key[p] in store]
+        existing = [p for p in self._params if self._key[p] in store]
         if existing:
-            raise StateKeyError(f"offload_parameters: the store already holds parameter data "
-                                f"of {existing[:5]}{'...' if len(existing) > 5 else ''}; give each "
-                                f"model a store of its own (or close the earlier handle)")
+            bad = [self._name[p] for p in self._params
+                   if self._key[p] not in store
+                   or store.spec(self._key[p]).shape != tuple(p.shape)
+                   or store.spec(self._key[p]).dtype != p.dtype]
+            if bad:
+                raise StateKeyError(
+                    f"offload_parameters: the store holds parameter data of "
+                    f"{[self._name[p] for p in existing][:5]} but not (or not of the model's "
+                    f"shape and dtype) of {bad[:5]}{'...' if len(bad) > 5 else ''}; give each "
+                    f"model a store of its own (or close the earlier handle)")
+            # the store holds every parameter (e.g. loaded from a checkpoint that has them):
+            # those values are the model's from now on
+            for p in self._params:
+                setattr(p, _ATTR, self)
+                self._release_now(p)
+            return
         done: Set[Tensor] = set()
         created: List[StateKey] = []
         try:

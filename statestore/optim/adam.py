@@ -27,7 +27,7 @@ from .._types import Slice, StateKey
 from ..errors import (CheckpointMismatchError, StateStoreClosedError, StateStoreError,
                       StateStoreValueError)
 from ..kernels import adam_step, grads_finite
-from ..offload._handle import is_offloaded, param_value, update_begin, update_end
+from ..offload._handle import PARAM_STATE, is_offloaded, param_value, update_begin, update_end
 from ..distributed import group_info, partition
 from . import _offload_path
 from ..pipeline import plan_units
@@ -423,7 +423,8 @@ class _StoreAdam(torch.optim.Optimizer):
             return
         stored_params: Dict[str, Dict[str, Any]] = {}
         for k in store.keys():
-            stored_params.setdefault(k.param, {})[k.state] = store.spec(k)
+            if k.state != PARAM_STATE:      # not a parameter's data (offload_parameters)
+                stored_params.setdefault(k.param, {})[k.state] = store.spec(k)
         every = {self._keys[p]: p for p in self._params}
         saved = meta.get("params")
         saved = saved if isinstance(saved, dict) and saved else None
