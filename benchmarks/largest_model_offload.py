@@ -371,6 +371,8 @@ def main():
         states.close()
         del model, handle, states, opt
         gc.collect()
+        for tag in ("params-train", "states-train"):     # the checkpoint keeps what it links
+            shutil.rmtree(os.path.join(args.dir, tag), ignore_errors=True)
         cmd = [sys.executable, os.path.abspath(__file__), "--role", "resume"] + sys.argv[1:]
         t = time.perf_counter()
         r = subprocess.run(cmd, capture_output=True, text=True)
