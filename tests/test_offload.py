@@ -151,23 +151,32 @@ def test_parameters_stay_the_same_objects_and_are_released(backend, tmp_path):
 
 
 @pytest.mark.parametrize("backend", DISK)
-def test_read_ahead_serves_steady_state(backend, tmp_path):
+@pytest.mark.parametrize("uib", [False, True])
+def test_read_ahead_serves_steady_state(backend, uib, tmp_path):
     """From the second iteration on, every module's parameters come from the read-ahead
-    (the recorded order), none from a synchronous read."""
+    (the recorded order), none from a synchronous read; with update_in_backward, the
+    optimizer's updates need none either (each parameter is kept from its gradient to its
+    update)."""
     model = Net(ckpt="nonreentrant")
     store = _store(backend, tmp_path / "p")
-    opt_store = _store("device-cpu", tmp_path / "o")
+    opt_store = _store(backend, tmp_path / "o")
     with ss.offload_parameters(model, store, prefetch=2) as handle:
-        opt = HybridAdam(model.named_parameters(), lr=1e-2, state_store=opt_store)
+        opt = HybridAdam(model.named_parameters(), lr=1e-2, state_store=opt_store,
+                         update_in_backward=uib)
         for step in range(3):
             before = handle.stats()["sync_reads"]
             _loss(model, step).backward()
-            after = handle.stats()["sync_reads"]
+            after_backward = handle.stats()["sync_reads"]
             opt.step()
             opt.zero_grad()
-        assert after == before          # third iteration: forward and backward read ahead
+            after_step = handle.stats()["sync_reads"]
+            assert handle.stats()["materialized"] == 0
+        assert after_backward == before     # third iteration: forward and backward read ahead
+        if uib:
+            assert after_step == before
         assert handle.stats()["reads"] > 0
     store.close()
+    opt_store.close()
 
 
 def test_foreign_optimizer_bit_exact(tmp_path):

@@ -334,6 +334,9 @@ class OffloadHandle:
         self._fwd: Dict[Tensor, int] = {}
         self._bw: Dict[Tensor, Set[int]] = {}
         self._opt: Set[Tensor] = set()
+        self._uib: Set[Tensor] = set()          # parameters an optimizer updates in backward
+        self._opt_wait: Set[Tensor] = set()     # ... kept from their gradient to their update
+        self._applied: Set[Tensor] = set()      # ... updated before their accumulation hook
         self._dirty: Dict[Tensor, Tensor] = {}      # updated values not yet written back
         self._to_release: List[Tensor] = []
         self._placeholders: Dict[Tuple[torch.dtype, torch.device], Tensor] = {}
@@ -671,6 +674,11 @@ class OffloadHandle:
     def _begin_iteration(self) -> None:
         if self._run is not None:
             self._end_iteration()
+        self._applied.clear()
+        for p in self._opt_wait:            # step() was not called: nothing will update them
+            self._opt.discard(p)
+            self._to_release.append(p)
+        self._opt_wait.clear()
         if self._tasks or self._outer_task is not None:
             # a backward that raised never reached its end callbacks: no backward runs now
             self._tasks.clear()
@@ -815,6 +823,13 @@ class OffloadHandle:
         tasks = self._bw.get(p)
         if tasks and task in tasks:
             tasks.discard(task)
+        if p in self._applied:              # its update came first (the optimizer's hook ran
+            self._applied.discard(p)        # before this one)
+        elif p in self._uib:
+            # an optimizer updates it during backward, maybe only once its states arrive:
+            # keep it until then rather than read it again (released by _opt_done)
+            self._opt.add(p)
+            self._opt_wait.add(p)
         self._to_release.append(p)
 
     def _fallback_forward(self, p: Tensor) -> None:
@@ -866,6 +881,8 @@ class OffloadHandle:
     # ------------------------------------------------------------------ optimizers
     def _opt_acquire(self, items) -> None:
         ps = [p for p, _, _ in items]
+        if _task() >= 0:
+            self._uib.update(ps)            # updated during backward (update_in_backward)
         self._fetch(ps)
         self._opt.update(ps)
 
@@ -874,6 +891,10 @@ class OffloadHandle:
             if b >= p.numel():
                 self._write_back(p)
                 self._opt.discard(p)
+                if p in self._opt_wait:
+                    self._opt_wait.discard(p)
+                elif _task() >= 0:
+                    self._applied.add(p)
                 self._maybe_release(p)
 
     def _write_back(self, p: Tensor) -> None:
@@ -1044,6 +1065,7 @@ class OffloadHandle:
         self._bw.clear()
         self._fwd.clear()
         self._opt.clear()
+        self._opt_wait.clear()
         err = None
         try:
             self._suspend()
