@@ -517,7 +517,7 @@ def test_optimizer_on_the_parameters_disk_store_is_refused(tmp_path):
     store.close()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 @pytest.mark.parametrize("backend", ["pinned", "nvme", "device-cpu"])
 @pytest.mark.parametrize("uib", [False, True])
 def test_cuda_compute_bit_exact(backend, uib, tmp_path):
