@@ -8,18 +8,21 @@ Public API::
     ss.StateStore, ss.StateKey, ss.Slice                             # the interface
     ss.StateStoreError (and subclasses in statestore.errors)
     from statestore.optim import CPUAdam, HybridAdam
+    ss.offload_parameters(model, store, prefetch=2)                  # parameters in a store too
 """
 from ._types import Slice, StateKey, StateSpec
 from .backends import DeviceStore, FileStore, PinnedCPUStore
 from .errors import *  # noqa: F401,F403
 from .errors import __all__ as _errors_all
 from .kernels import kernels_info
+from .offload import OffloadHandle, offload_parameters
 from .store import DEFAULT_BUDGET_BYTES, StateStore
 
 __version__ = "0.1.0"
 
 __all__ = ["StateStore", "StateKey", "StateSpec", "Slice", "DEFAULT_BUDGET_BYTES",
            "DeviceStore", "PinnedCPUStore", "FileStore", "kernels_info",
+           "offload_parameters", "OffloadHandle",
            "__version__"] + list(_errors_all)
 
 try:  # backends that land separately register here when present

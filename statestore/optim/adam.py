@@ -28,6 +28,7 @@ from ..errors import (CheckpointMismatchError, StateStoreClosedError, StateStore
 from ..kernels import adam_step, grads_finite
 from ..kernels._moments import adam_step_moments
 from ._moments import SCALE_OF, MomentFormat, export_fp32
+from ..offload._handle import PARAM_STATE, is_offloaded, param_value, update_begin, update_end
 from ..distributed import group_info, partition
 from . import _offload_path
 from ..pipeline import plan_units
@@ -464,7 +465,8 @@ class _StoreAdam(torch.optim.Optimizer):
             return
         stored_params: Dict[str, Dict[str, Any]] = {}
         for k in store.keys():
-            stored_params.setdefault(k.param, {})[k.state] = store.spec(k)
+            if k.state != PARAM_STATE:      # not a parameter's data (offload_parameters)
+                stored_params.setdefault(k.param, {})[k.state] = store.spec(k)
         every = {self._keys[p]: p for p in self._params}
         saved = meta.get("params")
         saved = saved if isinstance(saved, dict) and saved else None
@@ -622,19 +624,25 @@ class _StoreAdam(torch.optim.Optimizer):
     # ------------------------------------------------------------------ step
     def _ensure_states(self, store: StateStore, params: Sequence[Tensor]) -> None:
         groups = self._group_of()
-        entries = []
+        entries, later = [], []
         for p in params:
             key = self._keys[p]
             for name in self._stored_names(p, groups[p]):
                 sk = StateKey(key, name)
                 if sk in store:
                     continue
-                # the parameter itself: the store converts it a chunk at a time (a whole
-                # fp32 copy of every parameter would come before the first step)
-                init = p.detach() if name == "master" else None
+                if name == "master" and is_offloaded(p):
+                    later.append((sk, p))       # read from its store, one at a time, below
+                    init = None
+                else:
+                    # the parameter itself: the store converts it a chunk at a time (a whole
+                    # fp32 copy of every parameter would come before the first step)
+                    init = p.detach() if name == "master" else None
                 entries.append((sk, *self._moments.spec(name, tuple(p.shape)), init))
         if entries:
             store.create_many(entries)
+        for sk, p in later:
+            store.put(sk, param_value(p).float())
 
     def _grad_of(self, p: Tensor) -> Tensor:
         g = p.grad
@@ -1022,6 +1030,7 @@ class _StoreAdam(torch.optim.Optimizer):
 
     def _update_unit(self, tensors: List[Tensor], group: dict, entries, grads, grad_scale,
                      dev: torch.device) -> None:
+        offloaded = update_begin(entries)   # offloaded parameters: fetched for the update
         params, gs, m, v, vmax, masters, steps, writeback = [], [], [], [], [], [], [], []
         scales: list = []
         pos = 0
@@ -1090,6 +1099,7 @@ class _StoreAdam(torch.optim.Optimizer):
                 p.detach().copy_(flat.view(p.shape))
         for p, a, b in uploads:
             off.upload(p, a, b)
+        update_end(offloaded)               # ... and written back to their store
 
     # ------------------------------------------------------------------ torch's state_dict
     def state_dict(self) -> Dict[str, Any]:
@@ -1243,7 +1253,7 @@ class _StoreAdam(torch.optim.Optimizer):
             for n in names:
                 src = st.get(n)
                 if n == "master" and src is None:
-                    src = p.detach()
+                    src = param_value(p)
                 if not isinstance(src, Tensor):
                     raise TypeError(f"state {n!r} of parameter {key!r} must be a tensor, got "
                                     f"{type(src).__name__}")
