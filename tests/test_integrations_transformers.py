@@ -1,0 +1,77 @@
+"""HF transformers Trainer: resume from checkpoint-N bit for bit, with the integration
+(``StateStoreTrainer``: the optimizer saved by ``save_checkpoint`` into checkpoint-N/statestore)
+and without it (plain ``Trainer`` with ``optimizers=(opt, sched)``: ``torch.save`` of
+``state_dict()``), on a disk store and a resident one."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from integration_helpers import (STORES, TokenDataset, assert_same_params, make_optimizer,  # noqa: E402
+                                 params_of, tiny_llama, warmup)
+
+from statestore.integrations.transformers import StateStoreTrainer  # noqa: E402
+
+STEPS, SAVE_AT = 6, 3
+
+
+def _args(out):
+    from transformers import TrainingArguments
+    return TrainingArguments(
+        output_dir=str(out), max_steps=STEPS, save_strategy="steps", save_steps=SAVE_AT,
+        per_device_train_batch_size=2, gradient_accumulation_steps=2, max_grad_norm=1.0,
+        logging_strategy="no", report_to=[], use_cpu=True, seed=7, data_seed=7,
+        dataloader_num_workers=0, disable_tqdm=True)
+
+
+def _run(trainer_cls, tmp_path, store_name, tag, resume=None, dtype=torch.float32):
+    model = tiny_llama(dtype=dtype)
+    store = STORES[store_name](tmp_path / f"store-{tag}")
+    opt = make_optimizer(model, store)
+    trainer = trainer_cls(model=model, args=_args(tmp_path / "out"),
+                          train_dataset=TokenDataset(32), optimizers=(opt, warmup(opt)))
+    trainer.train(resume_from_checkpoint=resume)
+    out = params_of(model)
+    lr = opt.param_groups[0]["lr"]
+    store.close()
+    return out, lr
+
+
+@pytest.mark.parametrize("store_name", list(STORES))
+@pytest.mark.parametrize("integration", [True, False], ids=["integration", "plain"])
+def test_trainer_resume_bit_for_bit(tmp_path, store_name, integration):
+    from transformers import Trainer
+    cls = StateStoreTrainer if integration else Trainer
+    full, lr_full = _run(cls, tmp_path, store_name, "full")
+    ckpt = tmp_path / "out" / f"checkpoint-{SAVE_AT}"
+    if integration:
+        assert (ckpt / "statestore" / "manifest.parquet").exists() or \
+            any(f.startswith("manifest") for f in os.listdir(ckpt / "statestore"))
+        assert not (ckpt / "optimizer.pt").exists()
+    else:
+        assert (ckpt / "optimizer.pt").exists()
+    resumed, lr_resumed = _run(cls, tmp_path, store_name, "resumed", resume=str(ckpt))
+    assert lr_resumed == lr_full
+    assert_same_params(full, resumed)
+
+
+def test_trainer_resume_bf16_masters(tmp_path):
+    """bf16 parameters: the fp32 masters come back from checkpoint-N/statestore."""
+    full, _ = _run(StateStoreTrainer, tmp_path, "nvme", "full", dtype=torch.bfloat16)
+    resumed, _ = _run(StateStoreTrainer, tmp_path, "nvme", "resumed", dtype=torch.bfloat16,
+                      resume=str(tmp_path / "out" / f"checkpoint-{SAVE_AT}"))
+    assert_same_params(full, resumed)
+
+
+def test_trainer_reads_plain_checkpoint(tmp_path):
+    """A checkpoint written by a plain Trainer (optimizer.pt) resumes under StateStoreTrainer."""
+    from transformers import Trainer
+    full, _ = _run(Trainer, tmp_path, "nvme", "full")
+    resumed, _ = _run(StateStoreTrainer, tmp_path, "nvme", "resumed",
+                      resume=str(tmp_path / "out" / f"checkpoint-{SAVE_AT}"))
+    assert_same_params(full, resumed)
