@@ -1,0 +1,149 @@
+"""torch.distributed.checkpoint (DCP): a ``Stateful`` over a statestore optimizer whose
+``state_dict``/``load_state_dict`` stream through the store's RAM budget.
+
+What a user writes::
+
+    import torch.distributed.checkpoint as dcp
+    from statestore.integrations.dcp import StateStoreStateful
+    dcp.save({"model": model.state_dict(), "optim": StateStoreStateful(opt)}, checkpoint_id=path)
+    ...
+    dcp.load({"model": model.state_dict(), "optim": StateStoreStateful(opt)}, checkpoint_id=path)
+
+The state dict is keyed by parameter name (the optimizer's parameter keys: names where it
+was given ``named_parameters()``/``param_names``, else indices), one entry per parameter of
+the optimizer, so that saving and loading ask DCP for the same keys whatever has stepped::
+
+    {"state": {name: {"step": tensor, "exp_avg": ..., "exp_avg_sq": ...,
+                      ["max_exp_avg_sq"], ["master"]}},
+     "param_groups": [{"lr": ..., "betas": ..., ..., "params": [names]}]}
+
+A parameter without states yet is saved as zeros with ``step`` 0 and left without states
+when loaded. On a disk store (``NVMeStore``, ``FileStore``, tiered) the tensors are not in
+RAM: ``state_dict()`` streams the states through the store's pipeline into an unlinked
+temporary file in the store's folder and hands out tensors mapped from it (the kernel loads
+and evicts their pages), DCP reads into / writes from those, and ``load_state_dict`` writes
+them into the store one parameter at a time. On a resident store the tensors are views of
+the states themselves. Step counts and hyperparameters travel too; the scheduler is saved
+by the user as usual.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any, Dict, List
+
+import torch
+
+from ..errors import CheckpointMismatchError
+from ._common import find_store_optimizer
+
+__all__ = ["StateStoreStateful"]
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _zeros_mapped(numels: List[int], directory: str) -> List[torch.Tensor]:
+    """fp32 zero tensors backed by one unlinked sparse file (no RAM until written)."""
+    offsets, pos = [], 0
+    for n in numels:
+        offsets.append(pos)
+        pos += n * 4
+        pos += (-pos) % 64
+    fd, path = tempfile.mkstemp(prefix=".dcp-states-", dir=directory)
+    try:
+        os.ftruncate(fd, max(pos, 1))
+        flat = torch.from_file(path, shared=True, size=max(pos, 1), dtype=torch.uint8)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return [flat[o:o + n * 4].view(torch.float32) for o, n in zip(offsets, numels)]
+
+
+class StateStoreStateful:
+    """``torch.distributed.checkpoint.stateful.Stateful`` over a statestore optimizer (or a
+    framework wrapper of one). See the module docstring."""
+
+    def __init__(self, optimizer: Any):
+        opt = find_store_optimizer(optimizer)
+        if opt is None:
+            raise TypeError(f"StateStoreStateful needs a statestore optimizer (CPUAdam or "
+                            f"HybridAdam), got {type(optimizer).__name__}")
+        self.optimizer = opt
+
+    # ------------------------------------------------------------------ layout
+    def _params(self):
+        """(index, name, param, group) for every parameter, in torch's numbering."""
+        out, i = [], 0
+        for g in self.optimizer.param_groups:
+            names = g.get("param_names")
+            for j, p in enumerate(g["params"]):
+                out.append((i, str(names[j]) if names is not None else str(i), p, g))
+                i += 1
+        return out
+
+    @staticmethod
+    def _state_names(p, group) -> List[str]:
+        names = ["exp_avg", "exp_avg_sq"]
+        if group.get("amsgrad"):
+            names.append("max_exp_avg_sq")
+        if p.dtype in _LOW_PRECISION:
+            names.append("master")
+        return names
+
+    def _directory(self) -> str:
+        store = self.optimizer.state_store
+        d = getattr(store, "dir", None) if store is not None else None
+        return d if d and os.path.isdir(d) else tempfile.gettempdir()
+
+    # ------------------------------------------------------------------ Stateful
+    def state_dict(self) -> Dict[str, Any]:
+        torch_sd = self.optimizer.state_dict()      # disk stores: file-backed, streamed
+        params = self._params()
+        state: Dict[str, Dict[str, torch.Tensor]] = {}
+        missing = []
+        for i, name, p, g in params:
+            st = torch_sd["state"].get(i)
+            want = self._state_names(p, g)
+            if st is None or any(n not in st for n in want):
+                missing.append((i, name, p, want))
+                continue
+            entry = {"step": torch.as_tensor(st["step"], dtype=torch.float32).clone()}
+            for n in want:
+                entry[n] = st[n]
+            state[name] = entry
+        if missing:
+            numels = [p.numel() for _, _, p, want in missing for _ in want]
+            zeros = iter(_zeros_mapped(numels, self._directory()))
+            for i, name, p, want in missing:
+                entry = {"step": torch.zeros((), dtype=torch.float32)}
+                for n in want:
+                    entry[n] = next(zeros).view(p.shape)
+                state[name] = entry
+        groups = []
+        for sg, g in zip(torch_sd["param_groups"], self.optimizer.param_groups):
+            ng = {k: v for k, v in sg.items() if k != "params"}
+            ng["params"] = [params[i][1] for i in sg["params"]]
+            groups.append(ng)
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        params = self._params()
+        by_name = {name: i for i, name, _, _ in params}
+        saved = state_dict.get("state", {})
+        unknown = sorted(set(saved) - set(by_name))
+        if unknown:
+            raise CheckpointMismatchError(
+                f"DCP optimizer state names {len(unknown)} parameter(s) the optimizer does not "
+                f"have (first: {unknown[:3]}); build the optimizer over the same named parameters")
+        state = {}
+        for name, entry in saved.items():
+            step = entry.get("step", 0)
+            step = float(step.item()) if isinstance(step, torch.Tensor) else float(step)
+            if step > 0:
+                state[by_name[name]] = dict(entry, step=torch.tensor(step))
+        groups = []
+        for g in state_dict.get("param_groups", []):
+            ng = dict(g)
+            ng["params"] = [by_name[n] for n in g.get("params", [])]
+            groups.append(ng)
+        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
