@@ -21,7 +21,7 @@ $(PY):
 $(STAMP): $(PY) $(SOURCES)
 	bash scripts/system_deps.sh
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0 setuptools wheel ninja
-	$(PY) -m pip install -q --disable-pip-version-check --no-build-isolation -e '.[test]'
+	$(PY) -m pip install -q --disable-pip-version-check --no-build-isolation -c scripts/torch-constraint.txt -e '.[test]'
 	bash scripts/install_tensornvme.sh $(PY)
 	touch $(STAMP)
 

@@ -18,7 +18,7 @@ from integration_helpers import (STORES, TokenDataset, assert_same_params, make_
 from statestore.integrations.lightning import StateStoreCheckpoint  # noqa: E402
 
 EPOCHS = 2
-pytestmark = [pytest.mark.filterwarnings("ignore:.*treespec.*:DeprecationWarning"),
+pytestmark = [pytest.mark.filterwarnings("ignore:.*treespec"),
               pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty")]
 
 
