@@ -14,9 +14,10 @@ model's weights are saved and loaded alike in both modes). Peak RSS growth is Vm
 process's peak RSS overall. Disk: bytes the checkpoint's optimizer files add (files
 hard-linked to the store's files count nothing) and the peak growth, during the save, of
 the disk held by the run's folder (each inode once) plus the unlinked files the process
-holds open (``state_dict()``'s temporary file), sampled every 5 ms.
+holds open or mapped (``state_dict()``'s temporary file), sampled every 5 ms.
 Between the two processes the checkpoint's pages are dropped from the page cache
-(``posix_fadvise(DONTNEED)``), so the resume reads the disk.
+(``posix_fadvise(DONTNEED)``), so the resume reads the disk. ``--rounds N`` repeats every
+mode N times, interleaved, and prints medians.
 """
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ import json
 import os
 import resource
 import shutil
+import stat
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -66,12 +69,17 @@ def _disk_held(root: str) -> int:
             if st.st_ino not in seen:
                 seen.add(st.st_ino)
                 total += st.st_blocks * 512
-    for fd in os.listdir("/proc/self/fd"):
+    # Unlinked files still open or mapped: /proc/self/fd, and /proc/self/map_files for
+    # mappings whose descriptor was closed (needs root; else those are not counted).
+    held = [f"/proc/self/fd/{fd}" for fd in os.listdir("/proc/self/fd")]
+    with open("/proc/self/maps") as f:
+        held += [f"/proc/self/map_files/{ln.split()[0]}" for ln in f if ln.rstrip().endswith("(deleted)")]
+    for path in held:
         try:
-            st = os.stat(f"/proc/self/fd/{fd}")
+            st = os.stat(path)
         except OSError:
             continue
-        if st.st_nlink == 0 and st.st_ino not in seen and os.path.isfile(f"/proc/self/fd/{fd}"):
+        if st.st_nlink == 0 and st.st_ino not in seen and stat.S_ISREG(st.st_mode):
             seen.add(st.st_ino)
             total += st.st_blocks * 512
     return total
@@ -211,6 +219,7 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=1, help="repeat every mode; medians")
     ap.add_argument("--phase", choices=("save", "resume"), help=argparse.SUPPRESS)
     ap.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -221,30 +230,37 @@ def main() -> None:
     if a.dir is None:
         tmp = a.dir = tempfile.mkdtemp(prefix="trainer_checkpoint-")
     os.makedirs(a.dir, exist_ok=True)
-    rows = {}
+    runs = {}
     try:
-        for mode in a.modes.split(","):
-            for phase in ("save", "resume"):
-                if phase == "resume":
-                    _drop_cache(os.path.join(a.dir, f"out-{mode}"))
-                argv = [sys.executable, __file__, "--phase", phase, "--mode", mode] + \
-                    [x for k in ("dir", "vocab", "hidden", "inter", "layers", "heads",
-                                 "kv_heads", "seq", "threads")
-                     for x in (f"--{k.replace('_', '-')}", str(getattr(a, k)))]
-                p = subprocess.run(argv, capture_output=True, text=True)
-                line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
-                if p.returncode != 0 or line is None:
-                    sys.stderr.write(p.stdout[-4000:] + p.stderr[-4000:])
-                    raise SystemExit(f"{mode}/{phase} failed (exit {p.returncode})")
-                rows.setdefault(mode, {}).update(json.loads(line[len("RESULT "):]))
-            shutil.rmtree(os.path.join(a.dir, f"out-{mode}"), ignore_errors=True)
+        for _ in range(a.rounds):               # interleaved rounds: medians below
+            for mode in a.modes.split(","):
+                row = {}
+                for phase in ("save", "resume"):
+                    if phase == "resume":
+                        _drop_cache(os.path.join(a.dir, f"out-{mode}"))
+                    argv = [sys.executable, __file__, "--phase", phase, "--mode", mode] + \
+                        [x for k in ("dir", "vocab", "hidden", "inter", "layers", "heads",
+                                     "kv_heads", "seq", "threads")
+                         for x in (f"--{k.replace('_', '-')}", str(getattr(a, k)))]
+                    p = subprocess.run(argv, capture_output=True, text=True)
+                    line = next((ln for ln in p.stdout.splitlines()
+                                 if ln.startswith("RESULT ")), None)
+                    if p.returncode != 0 or line is None:
+                        sys.stderr.write(p.stdout[-4000:] + p.stderr[-4000:])
+                        raise SystemExit(f"{mode}/{phase} failed (exit {p.returncode})")
+                    row.update(json.loads(line[len("RESULT "):]))
+                for name in (f"out-{mode}", f"store-{mode}-save", f"store-{mode}-resume"):
+                    shutil.rmtree(os.path.join(a.dir, name), ignore_errors=True)
+                runs.setdefault(mode, []).append(row)
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
+    rows = {m: {k: (statistics.median(r[k] for r in rs) if isinstance(rs[0][k], (int, float))
+                    else rs[0][k]) for k in rs[0]} for m, rs in runs.items()}
     any_row = next(iter(rows.values()))
     print(f"\nHF Trainer checkpoint of HybridAdam on NVMeStore: Llama config, "
           f"{any_row['params'] / 1e6:.1f}M parameters, {_mib(any_row['state_bytes'])} MiB of "
-          f"optimizer states\n")
+          f"optimizer states; medians of {a.rounds} round(s)\n")
     cols = [("save s", lambda r: f"{r['save_s']:.2f}"),
             ("save peak RSS +MiB", lambda r: _mib(r["save_peak_rss"])),
             ("save peak disk +MiB", lambda r: _mib(r["save_peak_disk"])),

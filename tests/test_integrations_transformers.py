@@ -75,3 +75,36 @@ def test_trainer_reads_plain_checkpoint(tmp_path):
     resumed, _ = _run(StateStoreTrainer, tmp_path, "nvme", "resumed",
                       resume=str(tmp_path / "out" / f"checkpoint-{SAVE_AT}"))
     assert_same_params(full, resumed)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_example_hf_trainer_resumes_in_a_new_process(tmp_path):
+    """examples/hf_trainer.py: train, checkpoint, resume in a fresh process, bit for bit."""
+    import subprocess
+    import sys
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "hf_trainer.py"),
+                          "--dir", str(tmp_path), "--steps", "4", "--save-at", "2"],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "bit for bit: True" in res.stdout
+
+
+def test_trainer_checkpoint_benchmark_prints_both_modes(tmp_path):
+    """benchmarks/trainer_checkpoint.py on a tiny config: a row per mode, a number per cell
+    (figures are not checked: timing never decides a test)."""
+    import re
+    import subprocess
+    import sys
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "trainer_checkpoint.py"),
+                          "--dir", str(tmp_path / "b"), "--vocab", "256", "--hidden", "32",
+                          "--inter", "64", "--layers", "1", "--heads", "4", "--kv-heads", "2",
+                          "--seq", "16", "--threads", "1"],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    rows = [ln for ln in res.stdout.splitlines() if re.match(r"(integration|plain) +\|", ln)]
+    assert len(rows) == 2, res.stdout
+    for row in rows:
+        cells = [c.strip() for c in row.split("|")[1:]]
+        assert all(re.match(r"^[0-9.,/]+$", c) for c in cells), row
