@@ -80,6 +80,7 @@ def test_trainer_reads_plain_checkpoint(tmp_path):
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_example_hf_trainer_resumes_in_a_new_process(tmp_path):
     """examples/hf_trainer.py: train, checkpoint, resume in a fresh process, bit for bit."""
     import subprocess
@@ -91,6 +92,7 @@ def test_example_hf_trainer_resumes_in_a_new_process(tmp_path):
     assert "bit for bit: True" in res.stdout
 
 
+@pytest.mark.slow
 def test_trainer_checkpoint_benchmark_prints_both_modes(tmp_path):
     """benchmarks/trainer_checkpoint.py on a tiny config: a row per mode, a number per cell
     (figures are not checked: timing never decides a test)."""
