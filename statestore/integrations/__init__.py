@@ -3,12 +3,10 @@
 Each framework has its own module, imported on demand (the framework itself is imported only
 there; a missing framework raises ``ImportError`` with the ``pip install`` line):
 
-=====================================  ==================================================
-``statestore.integrations.transformers``  ``StateStoreTrainer`` / ``StateStoreTrainerMixin``
-``statestore.integrations.accelerate``    ``prepare(accelerator, ...)``, ``register(...)``
-``statestore.integrations.lightning``     ``StateStoreCheckpoint`` (a ``Callback``)
-``statestore.integrations.dcp``           ``StateStoreStateful`` (for ``torch.distributed.checkpoint``)
-=====================================  ==================================================
+- ``statestore.integrations.transformers``: ``StateStoreTrainer`` / ``StateStoreTrainerMixin``
+- ``statestore.integrations.accelerate``: ``prepare(accelerator, ...)``, ``register(...)``
+- ``statestore.integrations.lightning``: ``StateStoreCheckpoint`` (a ``Callback``)
+- ``statestore.integrations.dcp``: ``StateStoreStateful`` (for ``torch.distributed.checkpoint``)
 
 Without them every framework still resumes exactly through ``optimizer.state_dict()`` /
 ``load_state_dict()``; what they add is that the optimizer's states go to disk as a statestore
