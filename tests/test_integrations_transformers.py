@@ -77,6 +77,50 @@ def test_trainer_reads_plain_checkpoint(tmp_path):
     assert_same_params(full, resumed)
 
 
+
+def test_trainer_builds_the_optimizer(tmp_path):
+    """optimizer_cls_and_kwargs=(HybridAdam, {"state_store": store, ...}) and the Trainer's own
+    warmup schedule: the Trainer builds both, and resumes bit for bit through the store."""
+    from statestore.optim import HybridAdam
+    import statestore as ss
+
+    def run(tag, resume=None):
+        model = tiny_llama()
+        store = ss.NVMeStore(str(tmp_path / f"store-{tag}"), budget_bytes=1 << 20)
+        args = _args(tmp_path / "out")
+        args.lr_scheduler_type, args.warmup_steps, args.learning_rate = "linear", 2, 3e-3
+        trainer = StateStoreTrainer(model=model, args=args, train_dataset=TokenDataset(32),
+                                    optimizer_cls_and_kwargs=(HybridAdam, {"state_store": store}))
+        trainer.train(resume_from_checkpoint=resume)
+        assert trainer.optimizer.optimizer.state_store is store
+        out = params_of(model)
+        store.close()
+        return out
+    full = run("full")
+    assert (tmp_path / "out" / f"checkpoint-{SAVE_AT}" / "statestore").is_dir()
+    assert_same_params(full, run("resumed", str(tmp_path / "out" / f"checkpoint-{SAVE_AT}")))
+
+
+def test_trainer_resume_colossalai_style_tiered(tmp_path):
+    """HybridAdam(..., nvme_offload_fraction=0.5, nvme_offload_dir=...): the tiered store the
+    optimizer makes is opt.state_store, and checkpoints through it."""
+    from statestore.optim import HybridAdam
+    from integration_helpers import param_groups
+
+    def run(tag, resume=None):
+        model = tiny_llama()
+        opt = HybridAdam(param_groups(model), lr=3e-3, nvme_offload_fraction=0.5,
+                         nvme_offload_dir=str(tmp_path / f"offload-{tag}"))
+        trainer = StateStoreTrainer(model=model, args=_args(tmp_path / "out"),
+                                    train_dataset=TokenDataset(32), optimizers=(opt, warmup(opt)))
+        trainer.train(resume_from_checkpoint=resume)
+        out = params_of(model)
+        opt.close()
+        return out
+    full = run("full")
+    assert (tmp_path / "out" / f"checkpoint-{SAVE_AT}" / "statestore").is_dir()
+    assert_same_params(full, run("resumed", str(tmp_path / "out" / f"checkpoint-{SAVE_AT}")))
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
