@@ -3,7 +3,6 @@ download), token data, a warmup schedule, and the stores each integration is tes
 from __future__ import annotations
 
 import os
-import warnings
 
 import torch
 
@@ -79,7 +78,3 @@ def assert_same_params(a, b):
     assert a.keys() == b.keys()
     diff = [n for n in a if not torch.equal(a[n], b[n])]
     assert not diff, f"parameters differ after resume: {diff[:5]}"
-
-
-def quiet():
-    warnings.filterwarnings("ignore", category=RuntimeWarning)
