@@ -27,31 +27,11 @@ import warnings
 import torch
 
 import statestore as ss
+from _common import peak_growth, reset_peak
 
 KINDS = ["device-cpu", "pinned", "file"] + (["nvme", "nvme-copy"] if hasattr(ss, "NVMeStore")
                                              else [])
 N_TENSORS = 16
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def _reset_peak() -> int:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-    return _status("VmRSS")
-
-
-def _peak_growth(base: int) -> int:
-    return max(0, _status("VmHWM") - base)
 
 
 def _drop_cache(path: str) -> None:
@@ -113,22 +93,22 @@ def case_store(kind: str, d: str, nbytes: int) -> dict:
     if kind == "nvme":
         extra["pass_before_s"] = _rw_pass(store)
     ck = os.path.join(d, "ckpt")
-    base = _reset_peak()
+    base = reset_peak()
     t = time.perf_counter()
     store.save_checkpoint(ck, progress=False, link=link)
     save_s = time.perf_counter() - t
-    save_rss = _peak_growth(base)
+    save_rss = peak_growth(base)
     if kind == "nvme":
         # The step after a save: with linked shards its writes go to new files.
         extra["pass_after_s"] = _rw_pass(store)
     store.close()
     _drop_cache(ck)
     store = _make_store(kind, os.path.join(d, "b"))
-    base = _reset_peak()
+    base = reset_peak()
     t = time.perf_counter()
     store.load_checkpoint(ck, progress=False)
     load_s = time.perf_counter() - t
-    load_rss = _peak_growth(base)
+    load_rss = peak_growth(base)
     store.close()
     return {"save_s": save_s, "load_s": load_s, "save_rss": save_rss, "load_rss": load_rss,
             **extra}
@@ -142,21 +122,21 @@ def case_torch(kind: str, d: str, nbytes: int) -> dict:
     for i in range(N_TENSORS):
         sd["state"][i // 2]["exp_avg" if i % 2 == 0 else "exp_avg_sq"] = src.clone()
     path = os.path.join(d, "torch.pt")
-    base = _reset_peak()
+    base = reset_peak()
     t = time.perf_counter()
     with open(path, "wb") as f:
         torch.save(sd, f)
         f.flush()
         os.fsync(f.fileno())
     save_s = time.perf_counter() - t
-    save_rss = _peak_growth(base)
+    save_rss = peak_growth(base)
     del sd
     _drop_cache(d)
-    base = _reset_peak()
+    base = reset_peak()
     t = time.perf_counter()
     sd = torch.load(path)
     load_s = time.perf_counter() - t
-    load_rss = _peak_growth(base)
+    load_rss = peak_growth(base)
     return {"save_s": save_s, "load_s": load_s, "save_rss": save_rss, "load_rss": load_rss}
 
 

@@ -36,10 +36,7 @@ Results (and the commands that produced them): docs/scale.md.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import gc
 import json
-import mmap
 import os
 import shutil
 import signal
@@ -53,33 +50,12 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
+from _common import folder_bytes, probe_disk, proc_status, reset_peak  # noqa: E402
+
 GiB = 1 << 30
 
 
 # ------------------------------------------------------------------ memory figures
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def _reset_peak() -> int:
-    """Trim the heap, reset VmHWM to the current RSS (``/proc/self/clear_refs``); returns it."""
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-    return _status("VmRSS")
-
-
 class Phase:
     """Times a phase and records its peak RSS (VmHWM after a reset)."""
 
@@ -87,7 +63,7 @@ class Phase:
         self.out, self.name, self.extra = out, name, extra
 
     def __enter__(self):
-        self.rss0 = _reset_peak()
+        self.rss0 = reset_peak(trim=True)
         self.t0 = time.perf_counter()
         return self
 
@@ -95,7 +71,7 @@ class Phase:
         if exc[0] is None:
             self.out.setdefault("phases", []).append(dict(
                 name=self.name, seconds=time.perf_counter() - self.t0, rss_before=self.rss0,
-                peak=_status("VmHWM"), **self.extra))
+                peak=proc_status("VmHWM"), **self.extra))
 
 
 # ------------------------------------------------------------------ children
@@ -160,7 +136,7 @@ def child_train(args) -> None:
         model = llama.build(c, seed=args.seed)
     out["params"] = sum(p.numel() for p in model.parameters())
     out["param_bytes"] = llama.param_bytes(model)
-    out["base_rss"] = _reset_peak()
+    out["base_rss"] = reset_peak(trim=True)
     if args.compute_probe:
         # forward + backward alone, no optimizer: the step's compute, for comparison
         ids = llama.batch(0, c, args.batch, args.seq)
@@ -213,7 +189,7 @@ def child_resume(args) -> None:
     out: dict = {"role": "resume"}
     with Phase(out, "build model (uninitialized)"):
         model = llama.build(c, init=False)
-    out["base_rss"] = _reset_peak()
+    out["base_rss"] = reset_peak(trim=True)
     store = ss.NVMeStore(os.path.join(args.dir, "run-b"), budget_bytes=args.budget_mib << 20)
     t0 = time.perf_counter()
     with Phase(out, "load_checkpoint"):
@@ -254,7 +230,7 @@ def child_reference(args) -> None:
     c = _config(args)
     out: dict = {"role": "reference"}
     model = llama.build(c, seed=args.seed)
-    out["base_rss"] = _reset_peak()
+    out["base_rss"] = reset_peak(trim=True)
     store = ss.NVMeStore(os.path.join(args.dir, "run-c"), budget_bytes=args.budget_mib << 20)
     opt = _optimizer(model, store, args)
     digests = []
@@ -271,33 +247,6 @@ def child_reference(args) -> None:
 
 
 # ------------------------------------------------------------------ parent
-def probe_disk(d: str, nbytes: int) -> tuple:
-    """Sequential O_DIRECT write (then fdatasync) and read of ``nbytes`` in 64 MiB requests:
-    (write GB/s, read GB/s)."""
-    path = os.path.join(d, "probe.bin")
-    chunk = 64 << 20
-    buf = mmap.mmap(-1, chunk)
-    buf.write(os.urandom(1 << 20) * (chunk >> 20))
-    mv = memoryview(buf)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
-    try:
-        t = time.perf_counter()
-        for off in range(0, nbytes, chunk):
-            os.pwrite(fd, mv, off)
-        os.fdatasync(fd)
-        w = nbytes / (time.perf_counter() - t) / 1e9
-        t = time.perf_counter()
-        for off in range(0, nbytes, chunk):
-            os.preadv(fd, [mv], off)
-        r = nbytes / (time.perf_counter() - t) / 1e9
-    finally:
-        os.close(fd)
-        os.unlink(path)
-        mv.release()
-        buf.close()
-    return w, r
-
-
 class DiskSampler(threading.Thread):
     """Largest disk use (allocated blocks, each inode once) under ``d``, sampled every
     0.5 s: the filesystem is shared, so its own used-bytes figure would count others' files."""
@@ -308,21 +257,7 @@ class DiskSampler(threading.Thread):
 
     def run(self):
         while not self.stop.wait(0.5):
-            self.peak = max(self.peak, _du(self.d))
-
-
-def _du(d: str) -> int:
-    total, seen = 0, set()
-    for root, _, files in os.walk(d):
-        for f in files:
-            try:
-                st = os.stat(os.path.join(root, f))
-            except OSError:
-                continue
-            if st.st_ino not in seen:
-                seen.add(st.st_ino)
-                total += st.st_blocks * 512
-    return total
+            self.peak = max(self.peak, folder_bytes(self.d, follow_symlinks=True))
 
 
 def _gb(n: float) -> str:
@@ -417,7 +352,7 @@ def main() -> None:
     if not killed:
         sys.exit(f"the train process exited ({rc}) before it could be killed")
     print(f"train process killed part-way through a step (exit {rc})", flush=True)
-    disk_after_train = _du(args.dir)
+    disk_after_train = folder_bytes(args.dir, follow_symlinks=True)
     shutil.rmtree(os.path.join(args.dir, "run-a"), ignore_errors=True)
     rc = subprocess.call(me + ["--role", "resume"])
     if rc:

@@ -37,7 +37,6 @@ import gc
 import inspect
 import json
 import math
-import mmap
 import os
 import shutil
 import subprocess
@@ -47,6 +46,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
+
+from _common import folder_bytes, probe_disk, proc_status  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
@@ -156,56 +157,6 @@ def batch(step, args):
 
 
 # ------------------------------------------------------------------ measurement
-def _status(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def _du(d):
-    total = 0
-    seen = set()
-    for root, _, files in os.walk(d):
-        for n in files:
-            try:
-                st = os.lstat(os.path.join(root, n))
-            except OSError:
-                continue
-            if st.st_ino in seen:
-                continue
-            seen.add(st.st_ino)
-            total += st.st_blocks * 512
-    return total
-
-
-def probe_disk(d, nbytes):
-    """Sequential O_DIRECT write (+ fdatasync) and read of ``nbytes``: (write, read) GB/s."""
-    path = os.path.join(d, "probe.bin")
-    chunk = 64 << 20
-    buf = mmap.mmap(-1, chunk)
-    buf.write(os.urandom(1 << 20) * (chunk >> 20))
-    mv = memoryview(buf)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
-    try:
-        t = time.perf_counter()
-        for off in range(0, nbytes, chunk):
-            os.pwrite(fd, mv, off)
-        os.fdatasync(fd)
-        w = nbytes / (time.perf_counter() - t) / GB
-        t = time.perf_counter()
-        for off in range(0, nbytes, chunk):
-            os.preadv(fd, [mv], off)
-        r = nbytes / (time.perf_counter() - t) / GB
-    finally:
-        os.close(fd)
-        os.unlink(path)
-        mv.release()
-        buf.close()
-    return w, r
-
-
 def digest(model, handle) -> str:
     """xxh3-128 of every parameter, one at a time (read from the store when offloaded)."""
     import xxhash
@@ -271,7 +222,7 @@ def run_steps(model, handle, states, opt, steps, args, out, name, digests=None):
         dt = time.perf_counter() - t
         r1, w1 = stores_io(handle, states)
         row = dict(phase=name, step=step, seconds=dt, loss=loss.item(), bytes_read=r1 - r0,
-                   bytes_written=w1 - w0, rss=_status("VmRSS"), hwm=_status("VmHWM"))
+                   bytes_written=w1 - w0, rss=proc_status("VmRSS"), hwm=proc_status("VmHWM"))
         if digests is not None:
             row["digest"] = digest(model, handle)
             digests.append(row["digest"])
@@ -300,7 +251,7 @@ def child_resume(args):
     run_steps(model, handle, states, opt, range(s0, s0 + args.check_steps), args, out, "resume",
               digests)
     out["digests"] = digests
-    out["hwm"] = _status("VmHWM")
+    out["hwm"] = proc_status("VmHWM")
     print("RESULT " + json.dumps(out), flush=True)
 
 
@@ -359,12 +310,12 @@ def main():
             save_file({k: v.contiguous() for k, v in model.state_dict().items()},
                       os.path.join(ck, "model.safetensors"))
         out["save_seconds"] = time.perf_counter() - t
-        out["checkpoint_bytes"] = _du(ck)
+        out["checkpoint_bytes"] = folder_bytes(ck)
         digests = []
         run_steps(model, handle, states, opt, range(args.steps, args.steps + args.check_steps),
                   args, out, "train-on", digests)
-        out["disk_bytes"] = _du(args.dir)
-        out["train_hwm"] = _status("VmHWM")
+        out["disk_bytes"] = folder_bytes(args.dir)
+        out["train_hwm"] = proc_status("VmHWM")
         if handle is not None:
             out["handle"] = handle.stats()
             handle.store.close()

@@ -34,41 +34,18 @@ import tempfile
 import threading
 import time
 
+from _common import folder_bytes, peak_growth, reset_peak
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 MODES = ("integration", "plain")
 
 
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def _reset_peak() -> int:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-    return _status("VmRSS")
-
-
 def _disk_held(root: str) -> int:
     """Bytes of disk that files under ``root`` hold (each inode once), plus files this process
     holds open that are unlinked (``state_dict()``'s temporary file on a disk store)."""
-    seen, total = set(), 0
-    for d, _, files in os.walk(root):
-        for n in files:
-            try:
-                st = os.lstat(os.path.join(d, n))
-            except OSError:
-                continue
-            if st.st_ino not in seen:
-                seen.add(st.st_ino)
-                total += st.st_blocks * 512
+    seen = set()
+    total = folder_bytes(root, seen=seen)
     # Unlinked files still open or mapped: /proc/self/fd, and /proc/self/map_files for
     # mappings whose descriptor was closed (needs root; else those are not counted).
     held = [f"/proc/self/fd/{fd}" for fd in os.listdir("/proc/self/fd")]
@@ -111,12 +88,12 @@ class _DiskPeak:
 
 def _measured(fn, disk_path, out: dict, prefix: str):
     def wrapper(*a, **k):
-        base = _reset_peak()
+        base = reset_peak()
         with _DiskPeak(disk_path) as fs:
             t = time.perf_counter()
             fn(*a, **k)
             out[prefix + "_s"] = time.perf_counter() - t
-        out[prefix + "_peak_rss"] = max(0, _status("VmHWM") - base)
+        out[prefix + "_peak_rss"] = peak_growth(base)
         out[prefix + "_peak_disk"] = fs.peak_used
     return wrapper
 
