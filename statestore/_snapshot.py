@@ -27,7 +27,7 @@ import torch
 
 from ._types import Slice, StateKey
 
-__all__ = ["export_states"]
+__all__ = ["export_states", "unlinked_buffer"]
 
 _NO_SHARD_LIMIT = 1 << 62
 
@@ -73,6 +73,19 @@ def _linked(store, keys: Sequence[StateKey], out: Dict[StateKey, torch.Tensor]) 
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def unlinked_buffer(nbytes: int, directory: str, prefix: str) -> torch.Tensor:
+    """``nbytes`` (at least 1) of zero bytes, a shared mapping of a sparse temporary file made
+    in ``directory`` (its name starting with ``prefix``) and unlinked at once: no RAM until
+    written, the kernel loads and evicts its pages, the disk is freed with the last reference."""
+    fd, path = tempfile.mkstemp(prefix=prefix, dir=directory)
+    try:
+        os.ftruncate(fd, max(nbytes, 1))
+        return torch.from_file(path, shared=True, size=max(nbytes, 1), dtype=torch.uint8)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
 def _copied(store, keys: List[StateKey]) -> Dict[StateKey, torch.Tensor]:
     """Stream ``keys`` into an unlinked temporary file of their size and map it."""
     out: Dict[StateKey, torch.Tensor] = {}
@@ -82,13 +95,7 @@ def _copied(store, keys: List[StateKey]) -> Dict[StateKey, torch.Tensor]:
         pos += store.spec(k).nbytes
         pos += (-pos) % 64
     directory = _disk_dir(store) or tempfile.gettempdir()
-    fd, path = tempfile.mkstemp(prefix=".state_dict-", dir=directory)
-    try:
-        os.ftruncate(fd, max(pos, 1))
-        flat = torch.from_file(path, shared=True, size=max(pos, 1), dtype=torch.uint8)
-    finally:
-        os.close(fd)
-        os.unlink(path)
+    flat = unlinked_buffer(pos, directory, ".state_dict-")
     for k in keys:
         spec = store.spec(k)
         dst = flat[offsets[k]:offsets[k] + spec.nbytes].view(spec.dtype).view(-1)

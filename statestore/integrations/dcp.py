@@ -34,6 +34,7 @@ from typing import Any, Dict, List
 
 import torch
 
+from .._snapshot import unlinked_buffer
 from ..errors import CheckpointMismatchError
 from ._common import find_store_optimizer
 
@@ -49,13 +50,7 @@ def _zeros_mapped(numels: List[int], directory: str) -> List[torch.Tensor]:
         offsets.append(pos)
         pos += n * 4
         pos += (-pos) % 64
-    fd, path = tempfile.mkstemp(prefix=".dcp-states-", dir=directory)
-    try:
-        os.ftruncate(fd, max(pos, 1))
-        flat = torch.from_file(path, shared=True, size=max(pos, 1), dtype=torch.uint8)
-    finally:
-        os.close(fd)
-        os.unlink(path)
+    flat = unlinked_buffer(pos, directory, ".dcp-states-")
     return [flat[o:o + n * 4].view(torch.float32) for o, n in zip(offsets, numels)]
 
 
