@@ -122,6 +122,26 @@ def make_store(name: str, tmp_path) -> ss.StateStore:
     return _FACTORIES[name](tmp_path)
 
 
+class TiedNet(torch.nn.Module):
+    """Embedding tied to the output layer (its gradient is final last, as GPT-2's), a
+    hidden layer, and a bias-free layer used only on some steps (``use_extra``)."""
+
+    def __init__(self, dtype=torch.float32):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(300, 48)
+        self.hid = torch.nn.Linear(48, 80)
+        self.out = torch.nn.Linear(80, 48)
+        self.extra = torch.nn.Linear(48, 48, bias=False)
+        self.to(dtype)
+
+    def forward(self, ids, use_extra=True):
+        x = self.emb(ids)
+        if use_extra:
+            x = x + self.extra(x)
+        return self.out(torch.tanh(self.hid(x))) @ self.emb.weight.t()
+
+
 @pytest.fixture(params=BACKEND_NAMES)
 def backend(request):
     """The name of the backend under test (one test per entry of BACKENDS)."""

@@ -16,30 +16,10 @@ import statestore as ss
 from statestore.optim import CPUAdam, HybridAdam
 from statestore.optim import _offload_path
 
-from conftest import BACKEND_NAMES, CUDA_BACKEND_NAMES, make_store
+from conftest import BACKEND_NAMES, CUDA_BACKEND_NAMES, TiedNet, make_store
 from _deferred_lane import DeferredLane
 
 CPU_BACKENDS = [b for b in BACKEND_NAMES if b not in CUDA_BACKEND_NAMES]
-
-
-class _Net(torch.nn.Module):
-    """Embedding tied to the output (its gradient is final last), a hidden layer, and a
-    layer used only on some steps."""
-
-    def __init__(self, dtype=torch.float32):
-        super().__init__()
-        torch.manual_seed(0)
-        self.emb = torch.nn.Embedding(300, 48)
-        self.hid = torch.nn.Linear(48, 80)
-        self.out = torch.nn.Linear(80, 48)
-        self.extra = torch.nn.Linear(48, 48, bias=False)
-        self.to(dtype)
-
-    def forward(self, ids, use_extra=True):
-        x = self.emb(ids)
-        if use_extra:
-            x = x + self.extra(x)
-        return self.out(torch.tanh(self.hid(x))) @ self.emb.weight.t()
 
 
 def _backward(model, step, scale=1.0):
@@ -67,7 +47,7 @@ class _Lanes:
 
 def _train(store, lanes=None, dtype=torch.float32, steps=4, between=None, backwards=1,
            step_kw=None, opt_cls=HybridAdam, **kw):
-    model = _Net(dtype)
+    model = TiedNet(dtype)
     opt = opt_cls(model.named_parameters(), lr=1e-2, weight_decay=0.1, state_store=store, **kw)
     path = _offload_path.install(opt, lanes) if lanes is not None else None
     for step in range(steps):
@@ -106,7 +86,7 @@ def test_bit_identical_to_the_ordinary_path(backend, dtype, tmp_path):
     lanes, got = _pair(backend, tmp_path, dtype=dtype)
     path = got[3]
     assert lanes.total("copies") > 0 and not any(l.queue for l in lanes.made)
-    nparams = len(list(_Net().parameters()))
+    nparams = len(list(TiedNet().parameters()))
     # every update went through the staging buffers: one upload at least per parameter-step
     assert lanes.total("queued") >= 4 * nparams
     assert path.stats()["offload_params"] == nparams
@@ -137,7 +117,7 @@ def test_gradients_are_staged_during_backward(tmp_path):
         seen.append((lanes.total("queued"), lanes.total("copies")))
 
     _train(ss.DeviceStore("cpu"), lanes, between=between, steps=3)
-    nparams = len(list(_Net().parameters()))
+    nparams = len(list(TiedNet().parameters()))
     (q0, c0), (q1, c1) = seen[0], seen[1]
     assert q0 >= nparams - 1 and c0 == 0       # step 0: `extra` included, nothing waited yet
     # between two backward passes: the uploads of the step before, then this backward's copies

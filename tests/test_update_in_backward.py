@@ -11,31 +11,10 @@ import torch
 import statestore as ss
 from statestore.optim import CPUAdam, HybridAdam
 
-from conftest import BACKEND_NAMES, make_store, wait_for_prefetch
+from conftest import BACKEND_NAMES, TiedNet, make_store, wait_for_prefetch
 from _simstore import SimDiskStore
 
 RESIDENT = ("device-cpu", "pinned", "file")
-
-
-class _Net(torch.nn.Module):
-    """Embedding tied to the output layer (its gradient is final last, as GPT-2's), a
-    hidden layer, and a bias-free layer used only on some steps."""
-
-    def __init__(self, dtype=torch.float32):
-        super().__init__()
-        torch.manual_seed(0)
-        self.emb = torch.nn.Embedding(300, 48)
-        self.hid = torch.nn.Linear(48, 80)
-        self.out = torch.nn.Linear(80, 48)
-        self.extra = torch.nn.Linear(48, 48, bias=False)
-        self.to(dtype)
-
-    def forward(self, ids, use_extra=True):
-        x = self.emb(ids)
-        if use_extra:
-            x = x + self.extra(x)
-        h = self.out(torch.tanh(self.hid(x)))
-        return h @ self.emb.weight.t()
 
 
 def _backward(model, step):
@@ -46,7 +25,7 @@ def _backward(model, step):
 
 
 def _train(store, in_backward, steps=5, dtype=torch.float32, between=None, **kw):
-    model = _Net(dtype)
+    model = TiedNet(dtype)
     opt = HybridAdam(model.named_parameters(), lr=1e-2, weight_decay=0.1, state_store=store,
                      update_in_backward=in_backward, **kw)
     for step in range(steps):
@@ -95,7 +74,7 @@ def test_parameters_change_during_backward(backend, tmp_path):
     """From the second step on, backward itself updates the parameters (the first step
     learns the order in which backward finishes gradients)."""
     store = make_store(backend, tmp_path)
-    model = _Net()
+    model = TiedNet()
     opt = CPUAdam(model.named_parameters(), lr=1e-2, state_store=store, update_in_backward=True)
     try:
         for step in range(4):
@@ -123,7 +102,7 @@ def test_checkpoint_resume_is_bit_exact(tmp_path):
     ck = str(tmp_path / "ck")
     saved = {}
     store = ss.NVMeStore(str(tmp_path / "s1"), budget_bytes=1 << 20)
-    model = _Net()
+    model = TiedNet()
     opt = HybridAdam(model.named_parameters(), lr=1e-2, state_store=store, update_in_backward=True)
     for step in range(5):
         _backward(model, step)
@@ -137,7 +116,7 @@ def test_checkpoint_resume_is_bit_exact(tmp_path):
 
     store2 = ss.NVMeStore(str(tmp_path / "s2"), budget_bytes=1 << 20)
     store2.load_checkpoint(ck)
-    model2 = _Net()
+    model2 = TiedNet()
     model2.load_state_dict(saved)
     opt2 = HybridAdam(model2.named_parameters(), lr=1e-2, state_store=store2,
                       update_in_backward=True)
@@ -154,7 +133,7 @@ def test_a_gradient_changed_after_backward_raises(tmp_path):
     the others from their current gradients (every parameter makes the step once), then
     raises; once the loop is fixed the next step works (it used to refuse every step)."""
     store = ss.DeviceStore("cpu")
-    model = _Net()
+    model = TiedNet()
     opt = CPUAdam(model.named_parameters(), lr=1e-2, state_store=store, update_in_backward=True)
     _backward(model, 0)
     opt.step()                                # step 0: nothing happens during backward
@@ -186,7 +165,7 @@ def test_misuse_is_refused_at_the_first_step_and_recoverable(backend, misuse, tm
 
     ref_w, _, _ = _train(make_store(backend, tmp_path / "a"), False, steps=4,
                          between=lambda step, m, o: after_backward(m, step))
-    model = _Net()
+    model = TiedNet()
     opt = HybridAdam(model.named_parameters(), lr=1e-2, weight_decay=0.1,
                      state_store=make_store(backend, tmp_path / "b"), update_in_backward=True)
     _backward(model, 0)
@@ -209,7 +188,7 @@ def test_misuse_is_refused_at_the_first_step_and_recoverable(backend, misuse, tm
 
 
 def test_div_scale_is_refused():
-    model = _Net()
+    model = TiedNet()
     opt = CPUAdam(model.named_parameters(), lr=1e-2, update_in_backward=True)
     _backward(model, 0)
     with pytest.raises(ss.StateStoreValueError, match="div_scale"):
@@ -223,7 +202,7 @@ def test_div_scale_is_refused():
 ])
 def test_bad_arguments(kw, exc, match):
     with pytest.raises(exc, match=match):
-        CPUAdam(_Net().parameters(), **kw)
+        CPUAdam(TiedNet().parameters(), **kw)
 
 
 def test_a_read_error_during_backward_surfaces_there_and_changes_nothing():
@@ -232,7 +211,7 @@ def test_a_read_error_during_backward_surfaces_there_and_changes_nothing():
     disk is back training goes on as if the failed step had never started."""
     store = SimDiskStore(budget_bytes=1 << 20)
     ref_store = SimDiskStore(budget_bytes=1 << 20)
-    model, ref = _Net(), _Net()
+    model, ref = TiedNet(), TiedNet()
     opt = CPUAdam(model.named_parameters(), lr=1e-2, state_store=store, update_in_backward=True)
     ref_opt = CPUAdam(ref.named_parameters(), lr=1e-2, state_store=ref_store)
     for m, o in ((model, opt), (ref, ref_opt)):
