@@ -92,30 +92,36 @@ using checks::check_f32_tensor;
 using checks::check_tensor;
 using checks::storage_of;
 
-// Runs k.adam over every tensor, in parallel over fixed chunks.
-void run_adam(const SimdKernels& k, const std::vector<AdamTensorArgs>& jobs) {
+// Runs kernel(job, b, e) over every element range [b, e) of every job, in parallel over fixed
+// chunks of kChunk elements.
+template <typename Job, typename Kernel>
+void run_chunked(const std::vector<Job>& jobs, Kernel kernel) {
   std::vector<int64_t> prefix(jobs.size() + 1, 0);
   int64_t total = 0;
   for (size_t t = 0; t < jobs.size(); ++t) {
     prefix[t + 1] = prefix[t] + (jobs[t].n + kChunk - 1) / kChunk;
     total += jobs[t].n;
   }
-  const int64_t nchunks = prefix.back();
   if (total <= 2 * kChunk || at::get_num_threads() <= 1 || at::in_parallel_region()) {
-    for (const auto& j : jobs) k.adam(j, 0, j.n);
+    for (const auto& j : jobs) kernel(j, 0, j.n);
     return;
   }
-  at::parallel_for(0, nchunks, 1, [&](int64_t cb, int64_t ce) {
+  at::parallel_for(0, prefix.back(), 1, [&](int64_t cb, int64_t ce) {
     size_t t = static_cast<size_t>(std::upper_bound(prefix.begin(), prefix.end(), cb) - prefix.begin()) - 1;
     for (int64_t c = cb; c < ce;) {
       while (prefix[t + 1] <= c) ++t;
       const int64_t cend = std::min(ce, prefix[t + 1]);
       const int64_t b = (c - prefix[t]) * kChunk;
       const int64_t e = std::min(jobs[t].n, (cend - prefix[t]) * kChunk);
-      k.adam(jobs[t], b, e);
+      kernel(jobs[t], b, e);
       c = cend;
     }
   });
+}
+
+// Runs k.adam over every tensor, in parallel over fixed chunks.
+void run_adam(const SimdKernels& k, const std::vector<AdamTensorArgs>& jobs) {
+  run_chunked(jobs, k.adam);
 }
 
 void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
@@ -188,27 +194,7 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList e
 // of kQBlock, so int8 blocks never straddle two threads).
 void run_moments(const SimdKernels& k, const std::vector<MomentTensorArgs>& jobs) {
   static_assert(kChunk % kQBlock == 0, "chunks must hold whole int8 blocks");
-  std::vector<int64_t> prefix(jobs.size() + 1, 0);
-  int64_t total = 0;
-  for (size_t t = 0; t < jobs.size(); ++t) {
-    prefix[t + 1] = prefix[t] + (jobs[t].n + kChunk - 1) / kChunk;
-    total += jobs[t].n;
-  }
-  if (total <= 2 * kChunk || at::get_num_threads() <= 1 || at::in_parallel_region()) {
-    for (const auto& j : jobs) k.adam_moments(j, 0, j.n);
-    return;
-  }
-  at::parallel_for(0, prefix.back(), 1, [&](int64_t cb, int64_t ce) {
-    size_t t = static_cast<size_t>(std::upper_bound(prefix.begin(), prefix.end(), cb) - prefix.begin()) - 1;
-    for (int64_t c = cb; c < ce;) {
-      while (prefix[t + 1] <= c) ++t;
-      const int64_t cend = std::min(ce, prefix[t + 1]);
-      const int64_t b = (c - prefix[t]) * kChunk;
-      const int64_t e = std::min(jobs[t].n, (cend - prefix[t]) * kChunk);
-      k.adam_moments(jobs[t], b, e);
-      c = cend;
-    }
-  });
+  run_chunked(jobs, k.adam_moments);
 }
 
 void check_dtype(const at::Tensor& t, at::ScalarType want, const char* name, size_t i) {
