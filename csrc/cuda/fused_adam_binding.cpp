@@ -28,6 +28,33 @@ void check_tensor(const at::Tensor& t, const char* name, size_t i, int64_t numel
   checks::check_tensor(t, name, i, numel, &dev);
 }
 
+// Copies meta and prefix into one pinned buffer (prefix at *prefix_off, 16-byte aligned), then
+// asynchronously to `dev` on the current stream; the caching host allocator keeps the buffer
+// alive until that copy has completed. Returns the device buffer.
+template <typename Meta>
+at::Tensor upload_meta(const std::vector<Meta>& meta, const std::vector<int64_t>& prefix,
+                       const at::Device& dev, size_t* prefix_off) {
+  const size_t meta_bytes = meta.size() * sizeof(Meta);
+  *prefix_off = (meta_bytes + 15) / 16 * 16;
+  const size_t total = *prefix_off + prefix.size() * sizeof(int64_t);
+  at::Tensor host = at::empty({static_cast<int64_t>(total)},
+                              at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  std::memcpy(host.data_ptr(), meta.data(), meta_bytes);
+  std::memcpy(static_cast<char*>(host.data_ptr()) + *prefix_off, prefix.data(),
+              prefix.size() * sizeof(int64_t));
+  return host.to(dev, /*non_blocking=*/true);
+}
+
+// The multiprocessor count of `dev`, or 32 where CUDA cannot tell (it only sizes the grid).
+int sm_count(const at::Device& dev) {
+  int num_sms = 0;
+  if (cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, dev.index()) != cudaSuccess) {
+    (void)cudaGetLastError();
+    num_sms = 32;
+  }
+  return num_sms;
+}
+
 void adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                     at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
                     const c10::List<std::optional<at::Tensor>>& masters,
@@ -94,23 +121,10 @@ void adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
   }
   if (meta.empty()) return;
 
-  // Metadata travels in one pinned buffer, copied asynchronously on the current stream; the
-  // caching host allocator keeps the buffer alive until that copy has completed.
-  const size_t meta_bytes = meta.size() * sizeof(CudaAdamTensor);
-  const size_t prefix_off = (meta_bytes + 15) / 16 * 16;
-  const size_t total = prefix_off + prefix.size() * sizeof(int64_t);
-  at::Tensor host = at::empty({static_cast<int64_t>(total)},
-                              at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-  std::memcpy(host.data_ptr(), meta.data(), meta_bytes);
-  std::memcpy(static_cast<char*>(host.data_ptr()) + prefix_off, prefix.data(),
-              prefix.size() * sizeof(int64_t));
-  at::Tensor dmeta = host.to(dev, /*non_blocking=*/true);
+  size_t prefix_off = 0;
+  at::Tensor dmeta = upload_meta(meta, prefix, dev, &prefix_off);
   const char* base = static_cast<const char*>(dmeta.data_ptr());
-  int num_sms = 0;
-  if (cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, dev.index()) != cudaSuccess) {
-    (void)cudaGetLastError();
-    num_sms = 32;  // only sizes the grid
-  }
+  const int num_sms = sm_count(dev);
   const int err = launch_fused_adam(reinterpret_cast<const CudaAdamTensor*>(base),
                                     reinterpret_cast<const int64_t*>(base + prefix_off),
                                     static_cast<int>(meta.size()), prefix.back(), amsgrad,
@@ -200,21 +214,10 @@ void adam_step_moments_cuda(at::TensorList params, at::TensorList grads, at::Ten
     prefix.push_back(prefix.back() + (numel + kQBlock - 1) / kQBlock);
   }
   if (meta.empty()) return;
-  const size_t meta_bytes = meta.size() * sizeof(MomentTensorArgs);
-  const size_t prefix_off = (meta_bytes + 15) / 16 * 16;
-  const size_t total = prefix_off + prefix.size() * sizeof(int64_t);
-  at::Tensor host = at::empty({static_cast<int64_t>(total)},
-                              at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-  std::memcpy(host.data_ptr(), meta.data(), meta_bytes);
-  std::memcpy(static_cast<char*>(host.data_ptr()) + prefix_off, prefix.data(),
-              prefix.size() * sizeof(int64_t));
-  at::Tensor dmeta = host.to(dev, /*non_blocking=*/true);
+  size_t prefix_off = 0;
+  at::Tensor dmeta = upload_meta(meta, prefix, dev, &prefix_off);
   const char* base = static_cast<const char*>(dmeta.data_ptr());
-  int num_sms = 0;
-  if (cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, dev.index()) != cudaSuccess) {
-    (void)cudaGetLastError();
-    num_sms = 32;
-  }
+  const int num_sms = sm_count(dev);
   const int err = launch_fused_adam_moments(
       reinterpret_cast<const MomentTensorArgs*>(base),
       reinterpret_cast<const int64_t*>(base + prefix_off), static_cast<int>(meta.size()),
