@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "adam/adam_checks.h"
 #include "adam/adam_kernels.h"
 
 namespace statestore {
@@ -86,54 +87,41 @@ pybind11::tuple simd_in_use() {
   return pybind11::make_tuple(std::string(k->name), k->width_bits);
 }
 
-DType storage_of(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return DType::kF32;
-    case at::kHalf: return DType::kF16;
-    case at::kBFloat16: return DType::kBF16;
-    default: return DType::kNone;
-  }
-}
+using checks::check_f32;
+using checks::check_f32_tensor;
+using checks::check_tensor;
+using checks::storage_of;
 
-void check_tensor(const at::Tensor& t, const char* name, size_t i, int64_t numel) {
-  TORCH_CHECK(t.defined(), "adam_step_: ", name, "[", i, "] is undefined");
-  TORCH_CHECK(t.device().is_cpu(), "adam_step_: ", name, "[", i, "] is on ", t.device(),
-              ", expected cpu");
-  TORCH_CHECK(t.is_contiguous(), "adam_step_: ", name, "[", i,
-              "] is not contiguous; call .contiguous() or use the reference path");
-  TORCH_CHECK(t.numel() == numel, "adam_step_: ", name, "[", i, "] has ", t.numel(),
-              " elements, params[", i, "] has ", numel);
-}
-
-void check_f32(const at::Tensor& t, const char* name, size_t i) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat, "adam_step_: ", name, "[", i, "] must be float32, got ",
-              t.scalar_type());
-}
-
-// Runs k.adam over every tensor, in parallel over fixed chunks.
-void run_adam(const SimdKernels& k, const std::vector<AdamTensorArgs>& jobs) {
+// Runs kernel(job, b, e) over every element range [b, e) of every job, in parallel over fixed
+// chunks of kChunk elements.
+template <typename Job, typename Kernel>
+void run_chunked(const std::vector<Job>& jobs, Kernel kernel) {
   std::vector<int64_t> prefix(jobs.size() + 1, 0);
   int64_t total = 0;
   for (size_t t = 0; t < jobs.size(); ++t) {
     prefix[t + 1] = prefix[t] + (jobs[t].n + kChunk - 1) / kChunk;
     total += jobs[t].n;
   }
-  const int64_t nchunks = prefix.back();
   if (total <= 2 * kChunk || at::get_num_threads() <= 1 || at::in_parallel_region()) {
-    for (const auto& j : jobs) k.adam(j, 0, j.n);
+    for (const auto& j : jobs) kernel(j, 0, j.n);
     return;
   }
-  at::parallel_for(0, nchunks, 1, [&](int64_t cb, int64_t ce) {
+  at::parallel_for(0, prefix.back(), 1, [&](int64_t cb, int64_t ce) {
     size_t t = static_cast<size_t>(std::upper_bound(prefix.begin(), prefix.end(), cb) - prefix.begin()) - 1;
     for (int64_t c = cb; c < ce;) {
       while (prefix[t + 1] <= c) ++t;
       const int64_t cend = std::min(ce, prefix[t + 1]);
       const int64_t b = (c - prefix[t]) * kChunk;
       const int64_t e = std::min(jobs[t].n, (cend - prefix[t]) * kChunk);
-      k.adam(jobs[t], b, e);
+      kernel(jobs[t], b, e);
       c = cend;
     }
   });
+}
+
+// Runs k.adam over every tensor, in parallel over fixed chunks.
+void run_adam(const SimdKernels& k, const std::vector<AdamTensorArgs>& jobs) {
+  run_chunked(jobs, k.adam);
 }
 
 void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
@@ -157,8 +145,7 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList e
   TORCH_CHECK(step_sizes.size() == n && bc2_sqrts.size() == n,
               "adam_step_: step_sizes and bc2_sqrts need one value per param (", n, "), got ",
               step_sizes.size(), " and ", bc2_sqrts.size());
-  TORCH_CHECK(std::isfinite(grad_scale) && grad_scale > 0, "adam_step_: grad_scale must be a "
-              "positive finite number, got ", grad_scale);
+  checks::check_grad_scale("adam_step_", grad_scale);
   const bool amsgrad = !max_exp_avg_sqs.empty();
 
   std::vector<AdamTensorArgs> jobs;
@@ -176,26 +163,18 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList e
     check_f32(exp_avgs[i], "exp_avgs", i);
     check_f32(exp_avg_sqs[i], "exp_avg_sqs", i);
     AdamTensorArgs a{};
-    a.g_dtype = storage_of(grads[i].scalar_type());
-    TORCH_CHECK(a.g_dtype != DType::kNone, "adam_step_: grads[", i,
-                "] must be float32, float16 or bfloat16, got ", grads[i].scalar_type());
+    a.g_dtype = checks::grad_dtype("adam_step_", grads[i], i);
     if (amsgrad) {
-      check_tensor(max_exp_avg_sqs[i], "max_exp_avg_sqs", i, numel);
-      check_f32(max_exp_avg_sqs[i], "max_exp_avg_sqs", i);
+      check_f32_tensor(max_exp_avg_sqs[i], "max_exp_avg_sqs", i, numel);
       a.vmax = max_exp_avg_sqs[i].data_ptr<float>();
     }
     if (has_master) {
-      check_tensor(*master, "masters", i, numel);
-      check_f32(*master, "masters", i);
-      a.p_dtype = storage_of(p.scalar_type());
-      TORCH_CHECK(a.p_dtype != DType::kNone, "adam_step_: params[", i,
-                  "] (with an fp32 master) must be float32, float16 or bfloat16, got ",
-                  p.scalar_type());
+      check_f32_tensor(*master, "masters", i, numel);
+      a.p_dtype = checks::param_dtype_with_master("adam_step_", p, i);
       a.w = master->data_ptr<float>();
       a.p_out = p.data_ptr();
     } else {
-      TORCH_CHECK(p.scalar_type() == at::kFloat, "adam_step_: params[", i,
-                  "] is ", p.scalar_type(), " without an fp32 master; pass masters[", i, "]");
+      checks::check_param_without_master("adam_step_", p, i);
       a.p_dtype = DType::kNone;
       a.w = p.data_ptr<float>();
       a.p_out = nullptr;
@@ -215,27 +194,7 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList e
 // of kQBlock, so int8 blocks never straddle two threads).
 void run_moments(const SimdKernels& k, const std::vector<MomentTensorArgs>& jobs) {
   static_assert(kChunk % kQBlock == 0, "chunks must hold whole int8 blocks");
-  std::vector<int64_t> prefix(jobs.size() + 1, 0);
-  int64_t total = 0;
-  for (size_t t = 0; t < jobs.size(); ++t) {
-    prefix[t + 1] = prefix[t] + (jobs[t].n + kChunk - 1) / kChunk;
-    total += jobs[t].n;
-  }
-  if (total <= 2 * kChunk || at::get_num_threads() <= 1 || at::in_parallel_region()) {
-    for (const auto& j : jobs) k.adam_moments(j, 0, j.n);
-    return;
-  }
-  at::parallel_for(0, prefix.back(), 1, [&](int64_t cb, int64_t ce) {
-    size_t t = static_cast<size_t>(std::upper_bound(prefix.begin(), prefix.end(), cb) - prefix.begin()) - 1;
-    for (int64_t c = cb; c < ce;) {
-      while (prefix[t + 1] <= c) ++t;
-      const int64_t cend = std::min(ce, prefix[t + 1]);
-      const int64_t b = (c - prefix[t]) * kChunk;
-      const int64_t e = std::min(jobs[t].n, (cend - prefix[t]) * kChunk);
-      k.adam_moments(jobs[t], b, e);
-      c = cend;
-    }
-  });
+  run_chunked(jobs, k.adam_moments);
 }
 
 void check_dtype(const at::Tensor& t, at::ScalarType want, const char* name, size_t i) {
@@ -256,25 +215,14 @@ void adam_step_moments_cpu(at::TensorList params, at::TensorList grads, at::Tens
                            double weight_decay, bool adamw_mode, bool maximize,
                            double grad_scale) {
   const size_t n = params.size();
-  TORCH_CHECK(kind == static_cast<int64_t>(MomentKind::kBF16) ||
-                  kind == static_cast<int64_t>(MomentKind::kInt8),
-              "adam_step_moments_: kind must be 1 (bf16) or 2 (int8), got ", kind);
-  const MomentKind mk = static_cast<MomentKind>(kind);
+  const MomentKind mk = checks::moment_kind(kind);
   const bool int8 = mk == MomentKind::kInt8;
   TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n,
               "adam_step_moments_: grads, exp_avgs and exp_avg_sqs need one tensor per param (",
               n, ")");
-  TORCH_CHECK(!int8 || (exp_avg_scales.size() == n && exp_avg_sq_scales.size() == n),
-              "adam_step_moments_: int8 needs exp_avg_scales and exp_avg_sq_scales, one per param");
-  TORCH_CHECK(max_exp_avg_sqs.empty() || max_exp_avg_sqs.size() == n,
-              "adam_step_moments_: max_exp_avg_sqs must be empty or have one tensor per param");
-  TORCH_CHECK(masters.empty() || masters.size() == n,
-              "adam_step_moments_: masters must be empty or have one entry per param");
-  TORCH_CHECK(step_sizes.size() == n && bc2_sqrts.size() == n && seeds_m.size() == n &&
-                  seeds_v.size() == n && offsets.size() == n,
-              "adam_step_moments_: step_sizes, bc2_sqrts, seeds and offsets need one value per param");
-  TORCH_CHECK(std::isfinite(grad_scale) && grad_scale > 0, "adam_step_moments_: grad_scale "
-              "must be a positive finite number, got ", grad_scale);
+  checks::check_moment_lists(n, int8, exp_avg_scales, exp_avg_sq_scales, max_exp_avg_sqs,
+                             masters, step_sizes, bc2_sqrts, seeds_m, seeds_v, offsets,
+                             grad_scale);
   const bool amsgrad = !max_exp_avg_sqs.empty();
   std::vector<MomentTensorArgs> jobs;
   jobs.reserve(n);
@@ -293,35 +241,24 @@ void adam_step_moments_cpu(at::TensorList params, at::TensorList grads, at::Tens
     MomentTensorArgs a{};
     if (int8) {
       const int64_t nb = (numel + kQBlock - 1) / kQBlock;
-      check_tensor(exp_avg_scales[i], "exp_avg_scales", i, nb);
-      check_tensor(exp_avg_sq_scales[i], "exp_avg_sq_scales", i, nb);
-      check_f32(exp_avg_scales[i], "exp_avg_scales", i);
-      check_f32(exp_avg_sq_scales[i], "exp_avg_sq_scales", i);
+      checks::check_scales(exp_avg_scales[i], exp_avg_sq_scales[i], i, nb);
       TORCH_CHECK(offsets[i] % kQBlock == 0, "adam_step_moments_: offsets[", i, "] = ",
                   offsets[i], " is not a multiple of ", kQBlock);
       a.m_scale = exp_avg_scales[i].data_ptr<float>();
       a.v_scale = exp_avg_sq_scales[i].data_ptr<float>();
     }
-    a.g_dtype = storage_of(grads[i].scalar_type());
-    TORCH_CHECK(a.g_dtype != DType::kNone, "adam_step_moments_: grads[", i,
-                "] must be float32, float16 or bfloat16, got ", grads[i].scalar_type());
+    a.g_dtype = checks::grad_dtype("adam_step_moments_", grads[i], i);
     if (amsgrad) {
-      check_tensor(max_exp_avg_sqs[i], "max_exp_avg_sqs", i, numel);
-      check_f32(max_exp_avg_sqs[i], "max_exp_avg_sqs", i);
+      check_f32_tensor(max_exp_avg_sqs[i], "max_exp_avg_sqs", i, numel);
       a.vmax = max_exp_avg_sqs[i].data_ptr<float>();
     }
     if (has_master) {
-      check_tensor(*master, "masters", i, numel);
-      check_f32(*master, "masters", i);
-      a.p_dtype = storage_of(p.scalar_type());
-      TORCH_CHECK(a.p_dtype != DType::kNone, "adam_step_moments_: params[", i,
-                  "] (with an fp32 master) must be float32, float16 or bfloat16, got ",
-                  p.scalar_type());
+      check_f32_tensor(*master, "masters", i, numel);
+      a.p_dtype = checks::param_dtype_with_master("adam_step_moments_", p, i);
       a.w = master->data_ptr<float>();
       a.p_out = p.data_ptr();
     } else {
-      TORCH_CHECK(p.scalar_type() == at::kFloat, "adam_step_moments_: params[", i, "] is ",
-                  p.scalar_type(), " without an fp32 master; pass masters[", i, "]");
+      checks::check_param_without_master("adam_step_moments_", p, i);
       a.p_dtype = DType::kNone;
       a.w = p.data_ptr<float>();
     }

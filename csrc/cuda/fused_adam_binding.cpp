@@ -11,6 +11,7 @@
 #include <cstring>
 #include <vector>
 
+#include "adam/adam_checks.h"
 #include "cuda/fused_adam.h"
 #include "cuda/fused_adam_moments.h"
 
@@ -18,29 +19,40 @@ namespace statestore {
 namespace cuda {
 namespace {
 
-DType storage_of(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return DType::kF32;
-    case at::kHalf: return DType::kF16;
-    case at::kBFloat16: return DType::kBF16;
-    default: return DType::kNone;
-  }
-}
+using checks::check_f32;
+using checks::storage_of;
 
+// checks::check_tensor on the device of params[0]
 void check_tensor(const at::Tensor& t, const char* name, size_t i, int64_t numel,
                   const at::Device& dev) {
-  TORCH_CHECK(t.defined(), "adam_step_: ", name, "[", i, "] is undefined");
-  TORCH_CHECK(t.device() == dev, "adam_step_: ", name, "[", i, "] is on ", t.device(),
-              ", params[0] is on ", dev);
-  TORCH_CHECK(t.is_contiguous(), "adam_step_: ", name, "[", i,
-              "] is not contiguous; call .contiguous() or use the reference path");
-  TORCH_CHECK(t.numel() == numel, "adam_step_: ", name, "[", i, "] has ", t.numel(),
-              " elements, params[", i, "] has ", numel);
+  checks::check_tensor(t, name, i, numel, &dev);
 }
 
-void check_f32(const at::Tensor& t, const char* name, size_t i) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat, "adam_step_: ", name, "[", i,
-              "] must be float32, got ", t.scalar_type());
+// Copies meta and prefix into one pinned buffer (prefix at *prefix_off, 16-byte aligned), then
+// asynchronously to `dev` on the current stream; the caching host allocator keeps the buffer
+// alive until that copy has completed. Returns the device buffer.
+template <typename Meta>
+at::Tensor upload_meta(const std::vector<Meta>& meta, const std::vector<int64_t>& prefix,
+                       const at::Device& dev, size_t* prefix_off) {
+  const size_t meta_bytes = meta.size() * sizeof(Meta);
+  *prefix_off = (meta_bytes + 15) / 16 * 16;
+  const size_t total = *prefix_off + prefix.size() * sizeof(int64_t);
+  at::Tensor host = at::empty({static_cast<int64_t>(total)},
+                              at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  std::memcpy(host.data_ptr(), meta.data(), meta_bytes);
+  std::memcpy(static_cast<char*>(host.data_ptr()) + *prefix_off, prefix.data(),
+              prefix.size() * sizeof(int64_t));
+  return host.to(dev, /*non_blocking=*/true);
+}
+
+// The multiprocessor count of `dev`, or 32 where CUDA cannot tell (it only sizes the grid).
+int sm_count(const at::Device& dev) {
+  int num_sms = 0;
+  if (cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, dev.index()) != cudaSuccess) {
+    (void)cudaGetLastError();
+    num_sms = 32;
+  }
+  return num_sms;
 }
 
 void adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
@@ -60,8 +72,7 @@ void adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
               "adam_step_: masters must be empty or have one entry per param");
   TORCH_CHECK(step_sizes.size() == n && bc2_sqrts.size() == n,
               "adam_step_: step_sizes and bc2_sqrts need one value per param");
-  TORCH_CHECK(std::isfinite(grad_scale) && grad_scale > 0,
-              "adam_step_: grad_scale must be a positive finite number, got ", grad_scale);
+  checks::check_grad_scale("adam_step_", grad_scale);
   const at::Device dev = params[0].device();
   TORCH_CHECK(dev.is_cuda(), "adam_step_: params[0] is on ", dev, ", expected a CUDA device");
   const bool amsgrad = !max_exp_avg_sqs.empty();
@@ -80,30 +91,20 @@ void adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
     check_f32(exp_avgs[i], "exp_avgs", i);
     check_f32(exp_avg_sqs[i], "exp_avg_sqs", i);
     CudaAdamTensor t{};
-    const DType gd = storage_of(grads[i].scalar_type());
-    TORCH_CHECK(gd != DType::kNone, "adam_step_: grads[", i,
-                "] must be float32, float16 or bfloat16, got ", grads[i].scalar_type());
-    t.g_dtype = static_cast<int32_t>(gd);
+    t.g_dtype = static_cast<int32_t>(checks::grad_dtype("adam_step_", grads[i], i));
     if (amsgrad) {
-      check_tensor(max_exp_avg_sqs[i], "max_exp_avg_sqs", i, numel, dev);
-      check_f32(max_exp_avg_sqs[i], "max_exp_avg_sqs", i);
+      checks::check_f32_tensor(max_exp_avg_sqs[i], "max_exp_avg_sqs", i, numel, &dev);
       t.vmax = max_exp_avg_sqs[i].data_ptr<float>();
     }
     std::optional<at::Tensor> master;
     if (!masters.empty()) master = masters.get(i);
     if (master.has_value() && master->defined()) {
-      check_tensor(*master, "masters", i, numel, dev);
-      check_f32(*master, "masters", i);
-      const DType pd = storage_of(p.scalar_type());
-      TORCH_CHECK(pd != DType::kNone, "adam_step_: params[", i,
-                  "] (with an fp32 master) must be float32, float16 or bfloat16, got ",
-                  p.scalar_type());
-      t.p_dtype = static_cast<int32_t>(pd);
+      checks::check_f32_tensor(*master, "masters", i, numel, &dev);
+      t.p_dtype = static_cast<int32_t>(checks::param_dtype_with_master("adam_step_", p, i));
       t.w = master->data_ptr<float>();
       t.p_out = p.data_ptr();
     } else {
-      TORCH_CHECK(p.scalar_type() == at::kFloat, "adam_step_: params[", i, "] is ",
-                  p.scalar_type(), " without an fp32 master; pass masters[", i, "]");
+      checks::check_param_without_master("adam_step_", p, i);
       t.p_dtype = static_cast<int32_t>(DType::kNone);
       t.w = p.data_ptr<float>();
       t.p_out = nullptr;
@@ -120,23 +121,10 @@ void adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
   }
   if (meta.empty()) return;
 
-  // Metadata travels in one pinned buffer, copied asynchronously on the current stream; the
-  // caching host allocator keeps the buffer alive until that copy has completed.
-  const size_t meta_bytes = meta.size() * sizeof(CudaAdamTensor);
-  const size_t prefix_off = (meta_bytes + 15) / 16 * 16;
-  const size_t total = prefix_off + prefix.size() * sizeof(int64_t);
-  at::Tensor host = at::empty({static_cast<int64_t>(total)},
-                              at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-  std::memcpy(host.data_ptr(), meta.data(), meta_bytes);
-  std::memcpy(static_cast<char*>(host.data_ptr()) + prefix_off, prefix.data(),
-              prefix.size() * sizeof(int64_t));
-  at::Tensor dmeta = host.to(dev, /*non_blocking=*/true);
+  size_t prefix_off = 0;
+  at::Tensor dmeta = upload_meta(meta, prefix, dev, &prefix_off);
   const char* base = static_cast<const char*>(dmeta.data_ptr());
-  int num_sms = 0;
-  if (cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, dev.index()) != cudaSuccess) {
-    (void)cudaGetLastError();
-    num_sms = 32;  // only sizes the grid
-  }
+  const int num_sms = sm_count(dev);
   const int err = launch_fused_adam(reinterpret_cast<const CudaAdamTensor*>(base),
                                     reinterpret_cast<const int64_t*>(base + prefix_off),
                                     static_cast<int>(meta.size()), prefix.back(), amsgrad,
@@ -158,22 +146,12 @@ void adam_step_moments_cuda(at::TensorList params, at::TensorList grads, at::Ten
                             double grad_scale) {
   const size_t n = params.size();
   if (n == 0) return;
-  TORCH_CHECK(kind == 1 || kind == 2, "adam_step_moments_: kind must be 1 (bf16) or 2 (int8), got ",
-              kind);
-  const bool int8 = kind == 2;
+  const bool int8 = checks::moment_kind(kind) == MomentKind::kInt8;
   TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n,
               "adam_step_moments_: grads, exp_avgs and exp_avg_sqs need one tensor per param");
-  TORCH_CHECK(!int8 || (exp_avg_scales.size() == n && exp_avg_sq_scales.size() == n),
-              "adam_step_moments_: int8 needs exp_avg_scales and exp_avg_sq_scales, one per param");
-  TORCH_CHECK(max_exp_avg_sqs.empty() || max_exp_avg_sqs.size() == n,
-              "adam_step_moments_: max_exp_avg_sqs must be empty or have one tensor per param");
-  TORCH_CHECK(masters.empty() || masters.size() == n,
-              "adam_step_moments_: masters must be empty or have one entry per param");
-  TORCH_CHECK(step_sizes.size() == n && bc2_sqrts.size() == n && seeds_m.size() == n &&
-                  seeds_v.size() == n && offsets.size() == n,
-              "adam_step_moments_: step_sizes, bc2_sqrts, seeds and offsets need one value per param");
-  TORCH_CHECK(std::isfinite(grad_scale) && grad_scale > 0,
-              "adam_step_moments_: grad_scale must be a positive finite number, got ", grad_scale);
+  checks::check_moment_lists(n, int8, exp_avg_scales, exp_avg_sq_scales, max_exp_avg_sqs,
+                             masters, step_sizes, bc2_sqrts, seeds_m, seeds_v, offsets,
+                             grad_scale);
   const at::Device dev = params[0].device();
   TORCH_CHECK(dev.is_cuda(), "adam_step_moments_: params[0] is on ", dev, ", expected CUDA");
   const bool amsgrad = !max_exp_avg_sqs.empty();
@@ -195,36 +173,28 @@ void adam_step_moments_cuda(at::TensorList params, at::TensorList grads, at::Ten
     MomentTensorArgs t{};
     if (int8) {
       const int64_t nb = (numel + kQBlock - 1) / kQBlock;
-      check_tensor(exp_avg_scales[i], "exp_avg_scales", i, nb, dev);
-      check_tensor(exp_avg_sq_scales[i], "exp_avg_sq_scales", i, nb, dev);
-      check_f32(exp_avg_scales[i], "exp_avg_scales", i);
-      check_f32(exp_avg_sq_scales[i], "exp_avg_sq_scales", i);
+      checks::check_scales(exp_avg_scales[i], exp_avg_sq_scales[i], i, nb, &dev);
       TORCH_CHECK(offsets[i] % kQBlock == 0, "adam_step_moments_: offsets[", i,
                   "] is not a multiple of ", kQBlock);
       t.m_scale = exp_avg_scales[i].data_ptr<float>();
       t.v_scale = exp_avg_sq_scales[i].data_ptr<float>();
     }
-    t.g_dtype = storage_of(grads[i].scalar_type());
-    TORCH_CHECK(t.g_dtype != DType::kNone, "adam_step_moments_: grads[", i,
-                "] must be float32, float16 or bfloat16, got ", grads[i].scalar_type());
+    t.g_dtype = checks::grad_dtype("adam_step_moments_", grads[i], i);
     if (amsgrad) {
-      check_tensor(max_exp_avg_sqs[i], "max_exp_avg_sqs", i, numel, dev);
-      check_f32(max_exp_avg_sqs[i], "max_exp_avg_sqs", i);
+      checks::check_f32_tensor(max_exp_avg_sqs[i], "max_exp_avg_sqs", i, numel, &dev);
       t.vmax = max_exp_avg_sqs[i].data_ptr<float>();
     }
     std::optional<at::Tensor> master;
     if (!masters.empty()) master = masters.get(i);
     if (master.has_value() && master->defined()) {
-      check_tensor(*master, "masters", i, numel, dev);
-      check_f32(*master, "masters", i);
+      checks::check_f32_tensor(*master, "masters", i, numel, &dev);
       t.p_dtype = storage_of(p.scalar_type());
       TORCH_CHECK(t.p_dtype != DType::kNone, "adam_step_moments_: params[", i,
                   "] (with an fp32 master) must be float32, float16 or bfloat16");
       t.w = master->data_ptr<float>();
       t.p_out = p.data_ptr();
     } else {
-      TORCH_CHECK(p.scalar_type() == at::kFloat, "adam_step_moments_: params[", i, "] is ",
-                  p.scalar_type(), " without an fp32 master; pass masters[", i, "]");
+      checks::check_param_without_master("adam_step_moments_", p, i);
       t.p_dtype = DType::kNone;
       t.w = p.data_ptr<float>();
     }
@@ -244,21 +214,10 @@ void adam_step_moments_cuda(at::TensorList params, at::TensorList grads, at::Ten
     prefix.push_back(prefix.back() + (numel + kQBlock - 1) / kQBlock);
   }
   if (meta.empty()) return;
-  const size_t meta_bytes = meta.size() * sizeof(MomentTensorArgs);
-  const size_t prefix_off = (meta_bytes + 15) / 16 * 16;
-  const size_t total = prefix_off + prefix.size() * sizeof(int64_t);
-  at::Tensor host = at::empty({static_cast<int64_t>(total)},
-                              at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-  std::memcpy(host.data_ptr(), meta.data(), meta_bytes);
-  std::memcpy(static_cast<char*>(host.data_ptr()) + prefix_off, prefix.data(),
-              prefix.size() * sizeof(int64_t));
-  at::Tensor dmeta = host.to(dev, /*non_blocking=*/true);
+  size_t prefix_off = 0;
+  at::Tensor dmeta = upload_meta(meta, prefix, dev, &prefix_off);
   const char* base = static_cast<const char*>(dmeta.data_ptr());
-  int num_sms = 0;
-  if (cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, dev.index()) != cudaSuccess) {
-    (void)cudaGetLastError();
-    num_sms = 32;
-  }
+  const int num_sms = sm_count(dev);
   const int err = launch_fused_adam_moments(
       reinterpret_cast<const MomentTensorArgs*>(base),
       reinterpret_cast<const int64_t*>(base + prefix_off), static_cast<int>(meta.size()),

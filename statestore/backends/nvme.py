@@ -40,6 +40,7 @@ from ..errors import StateStoreIOError, StateStoreValueError
 from ..io import IOEngine, IOFile, alloc_buffer, make_engine
 from ..store import LinkableFile, StateStore
 from ._dirs import StoreLock, create_laid_out, prepare_dir
+from ._futures import completed, when_all
 from ._space import check_space, no_space, reclaimable_bytes
 
 __all__ = ["NVMeStore"]
@@ -96,35 +97,20 @@ def _unlink_all(paths: set) -> None:
     paths.clear()
 
 
-def _done(value: int) -> Future:
-    f: Future = Future()
-    f.set_result(value)
-    return f
-
-
 def _after(write: Future, other: Optional[Future]) -> Future:
     """A future with ``write``'s outcome that completes once ``other`` has completed too (the
     ring buffer of a write is reused only after its checksum job has read it)."""
     if other is None:
         return write
-    out: Future = Future()
-    left = [2]
-    lock = threading.Lock()
 
-    def one_done(_):
-        with lock:
-            left[0] -= 1
-            if left[0]:
-                return
+    def finish(out: Future) -> None:
         err = write.exception()
         if err is not None:
             out.set_exception(err)
         else:
             out.set_result(write.result())
 
-    write.add_done_callback(one_done)
-    other.add_done_callback(one_done)
-    return out
+    return when_all([write, other], finish)
 
 
 class _Digest:
@@ -407,7 +393,7 @@ class NVMeStore(StateStore):
     def _submit_read(self, s: Slice, out: torch.Tensor):
         sf, off, nbytes, _ = self._locate(s)
         if nbytes == 0:
-            return _done(0)
+            return completed(0)
         n = _round_up(nbytes)
         return self._engine.read(sf.file, self._bytes_view(out, n), off, n)
 
@@ -415,7 +401,7 @@ class NVMeStore(StateStore):
         spec = self._specs[s.key]
         nbytes = s.numel * spec.itemsize
         if nbytes == 0:
-            return _done(0)
+            return completed(0)
         if optimizer_pass:
             # An optimizer pass: its threads compute between writes, and on few cores any
             # work added here comes out of the training step (hashing 1 GB a step of the
@@ -460,7 +446,7 @@ class NVMeStore(StateStore):
             # the ring holds stale bytes there. The pipeline gave this slice the whole block.
             self._bytes_view(src, n)[nbytes:].zero_()
         if n == 0:
-            return _done(nbytes)
+            return completed(nbytes)
         return self._engine.write(sf.file, self._bytes_view(src, n), off, n)
 
     def _hash_written(self, s: Slice, spec: StateSpec, src: torch.Tensor,

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import errno
 import os
-import threading
 import uuid
 from concurrent.futures import Future
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -43,6 +42,7 @@ from ..io import alloc_buffer
 from ..io._tensornvme import TensorNVMeEngine
 from ..store import StateStore
 from ._dirs import StoreLock, prepare_dir
+from ._futures import completed, when_all
 
 __all__ = ["TensorNVMeStore"]
 
@@ -54,35 +54,20 @@ def _round_up(n: int, a: int = _ALIGN) -> int:
     return (n + a - 1) // a * a
 
 
-def _done(value: int) -> Future:
-    f: Future = Future()
-    f.set_result(value)
-    return f
-
-
 def _all(futs: List[Future], value: int) -> Future:
     """A future that completes with ``value`` once every one of ``futs`` has, or with the
     first exception among them."""
     if not futs:
-        return _done(value)
-    out: Future = Future()
-    left = [len(futs)]
-    lock = threading.Lock()
+        return completed(value)
 
-    def one_done(_):
-        with lock:
-            left[0] -= 1
-            if left[0]:
-                return
+    def finish(out: Future) -> None:
         for f in futs:
             if f.exception() is not None:
                 out.set_exception(f.exception())
                 return
         out.set_result(value)
 
-    for f in futs:
-        f.add_done_callback(one_done)
-    return out
+    return when_all(futs, finish)
 
 
 class TensorNVMeStore(StateStore):
@@ -218,7 +203,7 @@ class TensorNVMeStore(StateStore):
         a = s.start * spec.itemsize
         nbytes = s.numel * spec.itemsize
         if nbytes == 0:
-            return _done(0)
+            return completed(0)
         dst = self._bytes_view(out, nbytes)
         stored = self._stored[s.key]
         futs = []
@@ -239,7 +224,7 @@ class TensorNVMeStore(StateStore):
         a = s.start * spec.itemsize
         nbytes = s.numel * spec.itemsize
         if nbytes == 0:
-            return _done(0)
+            return completed(0)
         self._check_present()
         data = self._bytes_view(src, nbytes)
         stored = self._stored[s.key]
