@@ -120,6 +120,32 @@ void run_chunked(const std::vector<Job>& jobs, Kernel kernel) {
 }
 
 // Runs k.adam over every tensor, in parallel over fixed chunks.
+// The fields both ops fill alike (AdamTensorArgs and MomentTensorArgs): the gradient and
+// its dtype, amsgrad's running max (vmax: null without amsgrad), and where the update goes:
+// the fp32 master, then converted into the low-precision parameter, or the fp32 parameter.
+template <class Args>
+void fill_param_args(Args& a, const char* op, const at::Tensor& p, const at::Tensor& grad,
+                     const std::optional<at::Tensor>& master, bool has_master,
+                     const at::Tensor* vmax, size_t i, int64_t numel) {
+  a.g_dtype = checks::grad_dtype(op, grad, i);
+  if (vmax != nullptr) {
+    check_f32_tensor(*vmax, "max_exp_avg_sqs", i, numel);
+    a.vmax = vmax->data_ptr<float>();
+  }
+  if (has_master) {
+    check_f32_tensor(*master, "masters", i, numel);
+    a.p_dtype = checks::param_dtype_with_master(op, p, i);
+    a.w = master->data_ptr<float>();
+    a.p_out = p.data_ptr();
+  } else {
+    checks::check_param_without_master(op, p, i);
+    a.p_dtype = DType::kNone;
+    a.w = p.data_ptr<float>();
+    a.p_out = nullptr;
+  }
+  a.g = grad.data_ptr();
+}
+
 void run_adam(const SimdKernels& k, const std::vector<AdamTensorArgs>& jobs) {
   run_chunked(jobs, k.adam);
 }
@@ -163,23 +189,8 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList e
     check_f32(exp_avgs[i], "exp_avgs", i);
     check_f32(exp_avg_sqs[i], "exp_avg_sqs", i);
     AdamTensorArgs a{};
-    a.g_dtype = checks::grad_dtype("adam_step_", grads[i], i);
-    if (amsgrad) {
-      check_f32_tensor(max_exp_avg_sqs[i], "max_exp_avg_sqs", i, numel);
-      a.vmax = max_exp_avg_sqs[i].data_ptr<float>();
-    }
-    if (has_master) {
-      check_f32_tensor(*master, "masters", i, numel);
-      a.p_dtype = checks::param_dtype_with_master("adam_step_", p, i);
-      a.w = master->data_ptr<float>();
-      a.p_out = p.data_ptr();
-    } else {
-      checks::check_param_without_master("adam_step_", p, i);
-      a.p_dtype = DType::kNone;
-      a.w = p.data_ptr<float>();
-      a.p_out = nullptr;
-    }
-    a.g = grads[i].data_ptr();
+    fill_param_args(a, "adam_step_", p, grads[i], master, has_master,
+                    amsgrad ? &max_exp_avg_sqs[i] : nullptr, i, numel);
     a.m = exp_avgs[i].data_ptr<float>();
     a.v = exp_avg_sqs[i].data_ptr<float>();
     a.n = numel;
@@ -247,22 +258,8 @@ void adam_step_moments_cpu(at::TensorList params, at::TensorList grads, at::Tens
       a.m_scale = exp_avg_scales[i].data_ptr<float>();
       a.v_scale = exp_avg_sq_scales[i].data_ptr<float>();
     }
-    a.g_dtype = checks::grad_dtype("adam_step_moments_", grads[i], i);
-    if (amsgrad) {
-      check_f32_tensor(max_exp_avg_sqs[i], "max_exp_avg_sqs", i, numel);
-      a.vmax = max_exp_avg_sqs[i].data_ptr<float>();
-    }
-    if (has_master) {
-      check_f32_tensor(*master, "masters", i, numel);
-      a.p_dtype = checks::param_dtype_with_master("adam_step_moments_", p, i);
-      a.w = master->data_ptr<float>();
-      a.p_out = p.data_ptr();
-    } else {
-      checks::check_param_without_master("adam_step_moments_", p, i);
-      a.p_dtype = DType::kNone;
-      a.w = p.data_ptr<float>();
-    }
-    a.g = grads[i].data_ptr();
+    fill_param_args(a, "adam_step_moments_", p, grads[i], master, has_master,
+                    amsgrad ? &max_exp_avg_sqs[i] : nullptr, i, numel);
     a.m = exp_avgs[i].data_ptr();
     a.v = exp_avg_sqs[i].data_ptr();
     a.kind = mk;
