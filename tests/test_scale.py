@@ -132,6 +132,18 @@ def _saved(tmp_path, dtype=torch.bfloat16):
     return weights, states, final
 
 
+def _resume_steps(store, weights):
+    """A bf16 model with ``weights`` trained for steps 3 and 4 over ``store``'s loaded states."""
+    model = _Stack(torch.bfloat16)
+    model.load_state_dict(weights)
+    opt = HybridAdam(model.named_parameters(), lr=1e-2, state_store=store)
+    for step in range(3, 5):
+        model(_batch(step, torch.bfloat16)).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
 def _inodes(d):
     return {os.stat(os.path.join(d, f)).st_ino for f in os.listdir(d) if f.endswith(".safetensors")}
 
@@ -146,13 +158,7 @@ def test_load_links_the_shards_and_resumes_bit_exact(tmp_path):
     assert store.stats()["bytes_written"] == 0
     for k, v in states.items():
         assert torch.equal(store.get(k), v), k
-    model = _Stack(torch.bfloat16)
-    model.load_state_dict(weights)
-    opt = HybridAdam(model.named_parameters(), lr=1e-2, state_store=store)
-    for step in range(3, 5):
-        model(_batch(step, torch.bfloat16)).float().pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
+    model = _resume_steps(store, weights)
     for k, v in final.items():
         assert torch.equal(model.state_dict()[k], v), k
     # copy-on-write: training after the load never wrote into the checkpoint's files
@@ -305,13 +311,7 @@ def test_a_linked_load_whose_checkpoint_is_removed_trains_in_place(tmp_path):
     before = _inodes(str(tmp_path / "b"))
     import shutil
     shutil.rmtree(ckpt)
-    model = _Stack(torch.bfloat16)
-    model.load_state_dict(weights)
-    opt = HybridAdam(model.named_parameters(), lr=1e-2, state_store=store)
-    for step in range(3, 5):
-        model(_batch(step, torch.bfloat16)).float().pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
+    model = _resume_steps(store, weights)
     store.sync()
     for k, v in final.items():
         assert torch.equal(model.state_dict()[k], v), k
