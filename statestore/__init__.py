@@ -6,12 +6,13 @@ Public API::
     ss.DeviceStore, ss.PinnedCPUStore, ss.FileStore, ss.NVMeStore   # stores
     ss.TensorNVMeStore (= NVMeStore(dir, engine="tensornvme")), ss.TieredStore
     ss.StateStore, ss.StateKey, ss.Slice                             # the interface
+    ss.ResidentStore, ss.StreamingStore                              # the bases of backends
     ss.StateStoreError (and subclasses in statestore.errors)
     from statestore.optim import CPUAdam, HybridAdam
     ss.offload_parameters(model, store, prefetch=2)                  # parameters in a store too
 """
 from ._types import Slice, StateKey, StateSpec
-from .backends import DeviceStore, FileStore, PinnedCPUStore
+from .backends import DeviceStore, FileStore, PinnedCPUStore, ResidentStore, StreamingStore
 from .errors import *  # noqa: F401,F403
 from .errors import __all__ as _errors_all
 from .kernels import kernels_info
@@ -20,7 +21,7 @@ from .store import DEFAULT_BUDGET_BYTES, StateStore
 
 __version__ = "0.1.0"
 
-__all__ = ["StateStore", "StateKey", "StateSpec", "Slice", "DEFAULT_BUDGET_BYTES",
+__all__ = ["StateStore", "ResidentStore", "StreamingStore", "StateKey", "StateSpec", "Slice", "DEFAULT_BUDGET_BYTES",
            "DeviceStore", "PinnedCPUStore", "FileStore", "kernels_info",
            "offload_parameters", "OffloadHandle",
            "__version__"] + list(_errors_all)

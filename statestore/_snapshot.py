@@ -3,7 +3,7 @@
 
 Resident stores hand out views of their live states (as torch's optimizers return their own
 state tensors). For a disk store, the states' files are snapshotted the way a linked checkpoint
-takes them (:meth:`StateStore._linkable`): each file is frozen (the store never writes it
+takes them (:meth:`StateStore.linkable_files`): each file is frozen (the store never writes it
 again: later writes of its states go to a new file, copy-on-write) and memory-mapped
 privately, so the returned tensors are the values at the time of the call, cost no RAM until
 read (their pages are the kernel's page cache, evictable) and no disk beyond the files the
@@ -25,7 +25,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from ._types import Slice, StateKey
+from ._types import StateKey
 
 __all__ = ["export_states", "unlinked_buffer"]
 
@@ -56,7 +56,7 @@ def _linked(store, keys: Sequence[StateKey], out: Dict[StateKey, torch.Tensor]) 
         return
     tmp = tempfile.mkdtemp(prefix=".state_dict-", dir=root)
     try:
-        for i, lf in enumerate(store._linkable(list(keys), tmp, _NO_SHARD_LIMIT)):
+        for i, lf in enumerate(store.linkable_files(list(keys), tmp, _NO_SHARD_LIMIT)):
             dst = os.path.join(tmp, f"{i:05d}.safetensors")
             try:
                 lf.link(dst, mapped=True)   # frozen for good: the mapping reads its pages
@@ -96,15 +96,17 @@ def _copied(store, keys: List[StateKey]) -> Dict[StateKey, torch.Tensor]:
         pos += (-pos) % 64
     directory = _disk_dir(store) or tempfile.gettempdir()
     flat = unlinked_buffer(pos, directory, ".state_dict-")
+    dst = {}
     for k in keys:
         spec = store.spec(k)
-        dst = flat[offsets[k]:offsets[k] + spec.nbytes].view(spec.dtype).view(-1)
-        chunks = store._chunks(spec)
-        with store.pipeline([[Slice(k, a, b)] for a, b in chunks], mode="r") as pipe:
-            for (a, b), (t,) in zip(chunks, pipe):
-                dst[a:b].copy_(t)
-                _drop_pages(dst[a:b])   # RSS stays at a chunk, not the states
-        out[k] = dst.view(spec.shape)
+        dst[k] = flat[offsets[k]:offsets[k] + spec.nbytes].view(spec.dtype).view(-1)
+    with store.stream(keys, "r") as chunks:     # reads ahead across states
+        for s, t in chunks:
+            piece = dst[s.key][s.start:s.stop]
+            piece.copy_(t)
+            _drop_pages(piece)      # RSS stays at a chunk, not the states
+    for k in keys:
+        out[k] = dst[k].view(store.spec(k).shape)
     return out
 
 

@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Tuple
+from typing import Callable, Dict, List, NamedTuple, Tuple
 
 import torch
 
-__all__ = ["StateKey", "StateSpec", "Slice", "DTYPE_NAMES", "dtype_from_name", "dtype_name"]
+from .errors import StateStoreValueError
+
+__all__ = ["StateKey", "StateSpec", "Slice", "LinkableFile", "as_key", "DTYPE_NAMES",
+           "dtype_from_name", "dtype_name"]
 
 
 class StateKey(NamedTuple):
@@ -30,6 +33,26 @@ class StateKey(NamedTuple):
         if not sep or not param or not state:
             raise ValueError(f"not a state key (expected 'param/state'): {text!r}")
         return cls(param, state)
+
+
+def as_key(key) -> StateKey:
+    """``key`` as a :class:`StateKey`: a StateKey, a ``(param, state)`` tuple of str or a
+    ``"param/state"`` string.
+
+    Raises:
+        StateStoreValueError: ``key`` is none of these.
+    """
+    if isinstance(key, StateKey):
+        return key
+    if isinstance(key, tuple) and len(key) == 2 and all(isinstance(k, str) for k in key):
+        return StateKey(*key)
+    if isinstance(key, str):
+        try:
+            return StateKey.parse(key)
+        except ValueError as e:
+            raise StateStoreValueError(str(e)) from None
+    raise StateStoreValueError(f"a state key must be a StateKey, a (param, state) tuple of str "
+                               f"or a 'param/state' string, got {key!r}")
 
 
 @dataclass(frozen=True)
@@ -79,6 +102,21 @@ class Slice:
     @property
     def numel(self) -> int:
         return self.stop - self.start
+
+
+class LinkableFile(NamedTuple):
+    """A state file a checkpoint can take as a shard (``StateStore._linkable``).
+
+    ``rows``: ``(key, absolute byte offset)`` of the states in it; ``hashes``: checksums of
+    its states' bytes already known (the checkpoint adds the ones it computes); ``link(dst)``
+    freezes the file (the store never writes it again: later writes of its states go to a new
+    file) and hard-links it as ``dst``, raising ``OSError`` where it cannot; ``link(dst,
+    mapped=True)``: ``dst`` will be mapped and removed, and the file must stay frozen even
+    once nothing else links it (a ``state_dict()`` snapshot)."""
+
+    rows: List[Tuple[StateKey, int]]
+    hashes: Dict[StateKey, str]
+    link: Callable[..., None]
 
 
 # safetensors' dtype names, which the checkpoint manifest also uses.

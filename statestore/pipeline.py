@@ -10,9 +10,11 @@ order, as flat 1-D tensors the caller may read and modify in place.
 * **Non-resident stores** (NVMe) read units ahead into a ring of aligned host buffers of
   ``budget_bytes`` (the RAM bound), and, when the caller moves to the next unit, write the
   finished one back in the background. A read of a state waits for any pending write of that
-  same state, so nothing is lost or reordered. Writes still pending when the pipeline ends are
-  owned by the store: :meth:`StateStore.sync` (called by ``save_checkpoint``, ``state_dict``,
-  ``get`` and ``close``) waits for them.
+  same state, so nothing is lost or reordered. The writes in flight, the ring and the states
+  whose last write failed live in the store's :class:`~statestore._inflight.InFlightWrites`
+  (``store.in_flight``), shared by its pipelines: writes still pending when a pipeline ends
+  are waited for by :meth:`StateStore.sync` (called by ``save_checkpoint``, ``state_dict``,
+  ``get`` and ``close``).
 
 Errors raised by background I/O surface at the caller's next call into the pipeline or store,
 as :class:`~statestore.errors.StateStoreIOError` naming the state and the file.
@@ -32,21 +34,26 @@ whether the next unit has arrived, ``pipe.take()`` hands it out only then (else 
 """
 from __future__ import annotations
 
-from collections import deque
-from typing import Deque, Iterator, List, Optional, Sequence, Tuple
+from abc import ABC, abstractmethod
+from typing import Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from ._inflight import InFlightWrites, SliceIO
+from ._ring import RingArena, RingRegion, round_up as _round_up
 from ._types import Slice, StateKey
 from .errors import BudgetError, StateStoreValueError
 
-__all__ = ["Pipeline", "RingArena", "plan_units", "unit_lists"]
+__all__ = ["StatePipeline", "Pipeline", "Prefetch", "RingArena", "check_mode", "check_slice",
+           "plan_units", "unit_lists"]
 
 _MODES = ("r", "rw", "w")
 
 
-def _round_up(n: int, align: int) -> int:
-    return (n + align - 1) // align * align
+def check_mode(mode: str) -> None:
+    """Raise :class:`StateStoreValueError` unless ``mode`` is ``"r"``, ``"rw"`` or ``"w"``."""
+    if mode not in _MODES:
+        raise StateStoreValueError(f"pipeline mode must be one of {_MODES}, got {mode!r}")
 
 
 def unit_lists(units) -> List[List[Slice]]:
@@ -70,74 +77,22 @@ def unit_lists(units) -> List[List[Slice]]:
     return out
 
 
-class RingArena:
-    """A ring of bytes carved from one aligned host buffer, allocated and freed in FIFO order.
-
-    Regions are released out of order (writes complete in any order) but the space is reused
-    only once every older region is released, which keeps allocation O(1) and the footprint
-    exactly ``capacity`` bytes.
-    """
-
-    def __init__(self, buffer: torch.Tensor, align: int, budget: Optional[int] = None):
-        if buffer.dtype != torch.uint8 or buffer.dim() != 1:
-            raise StateStoreValueError("arena buffer must be a 1-D uint8 tensor")
-        self.buffer = buffer
-        self.capacity = buffer.numel()
-        self.align = align
-        #: the store's ``budget_bytes`` (the ring may be smaller while the states are)
-        self.budget = budget if budget is not None else self.capacity
-        self._head = 0                          # where the next region starts
-        self._regions: Deque[list] = deque()    # [start, end, released], allocation order
-
-    @property
-    def used(self) -> int:
-        """Bytes held by live regions."""
-        return sum(e - s for s, e, _ in self._regions)
-
-    def try_alloc(self, nbytes: int) -> Optional[Tuple[int, list]]:
-        """Returns ``(offset, handle)``, or None when the ring has no room now."""
-        nbytes = _round_up(max(nbytes, 1), self.align)
-        if nbytes > self.budget:
-            raise BudgetError(f"a pipeline unit of {nbytes} bytes exceeds the RAM budget of "
-                              f"{self.budget} bytes; raise budget_bytes or use smaller units")
-        if nbytes > self.capacity:
-            raise BudgetError(f"a pipeline unit of {nbytes} bytes exceeds the {self.capacity}-byte "
-                              f"ring of host buffers, sized for the states that existed when it "
-                              f"was allocated (budget_bytes is {self.budget}); it could not grow "
-                              f"because another pipeline still holds buffers in it: finish or "
-                              f"close that pipeline first")
-        self._reclaim()
-        if not self._regions:
-            start = 0
-        else:
-            tail, head = self._regions[0][0], self._head
-            if head > tail:                 # live bytes in [tail, head)
-                if head + nbytes <= self.capacity:
-                    start = head
-                elif nbytes <= tail:        # wrap; [head, capacity) stays unused this lap
-                    start = 0
-                else:
-                    return None
-            elif head + nbytes <= tail:     # wrapped: live in [tail, cap) and [0, head)
-                start = head
-            else:
-                return None
-        handle = [start, start + nbytes, False]
-        self._regions.append(handle)
-        self._head = start + nbytes
-        return start, handle
-
-    def release(self, handle: list) -> None:
-        """Marks a region free; its space is reused once all older regions are free too."""
-        handle[2] = True
-        self._reclaim()
-
-    def _reclaim(self) -> None:
-        while self._regions and self._regions[0][2]:
-            self._regions.popleft()
-
-    def view(self, offset: int, nbytes: int) -> torch.Tensor:
-        return self.buffer[offset:offset + nbytes]
+def check_slice(store, s: Slice) -> None:
+    """Raise :class:`StateStoreValueError` (or :class:`StateKeyError`) unless ``s`` is a
+    :class:`Slice` of a state of ``store``, inside it, starting at a multiple of the store's
+    ``alignment`` bytes where the store streams."""
+    if not isinstance(s, Slice):
+        raise StateStoreValueError(f"pipeline units hold Slice objects, got {s!r}")
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in (s.start, s.stop)):
+        raise StateStoreValueError(f"slice of {s.key}: start and stop must be ints, got "
+                                   f"{s.start!r}, {s.stop!r}")
+    spec = store.spec(s.key)
+    if not (0 <= s.start <= s.stop <= spec.numel):
+        raise StateStoreValueError(f"slice [{s.start}, {s.stop}) out of range for state "
+                                   f"{s.key} of {spec.numel} elements")
+    if not store.resident and (s.start * spec.itemsize) % store.alignment:
+        raise StateStoreValueError(f"slice of {s.key} starts at element {s.start}, not a "
+                                   f"multiple of {store.alignment} bytes")
 
 
 def plan_units(groups: Sequence[Sequence[StateKey]], numels: Sequence[int], itemsize: int,
@@ -177,42 +132,104 @@ def plan_units(groups: Sequence[Sequence[StateKey]], numels: Sequence[int], item
     return units
 
 
+class StatePipeline(ABC):
+    """What every store's ``pipeline()`` returns (:class:`Pipeline`, and the tiered store's
+    pipeline over its tiers' pipelines): an iterator over units, a context manager, and a
+    non-blocking polling interface; see the module docstring.
+
+    Leaving the ``with`` block normally is :meth:`close`; leaving it by an exception is
+    :meth:`cancel` (the unit in hand is not written back).
+    """
+
+    def __iter__(self) -> Iterator[List[torch.Tensor]]:
+        return self
+
+    @abstractmethod
+    def __next__(self) -> List[torch.Tensor]:
+        """The next unit's tensors (waiting for its reads); StopIteration after the last.
+        The previous unit is handed back first (modes "rw" and "w": written back)."""
+
+    @abstractmethod
+    def ready(self) -> bool:
+        """Never blocks: whether the next unit can be handed out without waiting for I/O
+        (starting the reads that need no waiting). True at the end."""
+
+    @abstractmethod
+    def take(self) -> Optional[List[torch.Tensor]]:
+        """The next unit when :meth:`ready`, else None (also at the end); never waits."""
+
+    @abstractmethod
+    def wait_next(self) -> Optional[List[torch.Tensor]]:
+        """The next unit, waiting for its reads only (further reads start without waiting
+        for buffers); None at the end."""
+
+    @abstractmethod
+    def commit(self) -> None:
+        """Hand the current unit back now (modes "rw" and "w": its write-back starts); its
+        tensors must not be used afterwards."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Hand back the current unit, release unread buffers and (``wait=True``) wait for
+        every write; raises the first background error."""
+
+    @abstractmethod
+    def cancel(self) -> None:
+        """Give up: the unit in hand is not written back (the store keeps its previous
+        values), reads in flight are drained, every buffer goes back; never raises."""
+
+    def __enter__(self) -> "StatePipeline":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.cancel()
+
+
 class _Unit:
     __slots__ = ("slices", "region", "tensors", "reads")
 
     def __init__(self, slices):
-        self.slices = slices
-        self.region = None
+        self.slices: List[Slice] = slices
+        self.region: Optional[RingRegion] = None
         self.tensors: List[torch.Tensor] = []
-        self.reads: list = []
+        self.reads: List[SliceIO] = []     # its reads in flight
 
 
-class Pipeline:
+class Pipeline(StatePipeline):
     """Iterates units of state slices with read-ahead and write-behind; see the module doc.
 
-    Built by :meth:`StateStore.pipeline`; not constructed directly.
+    Built by :meth:`StateStore.pipeline` (and :meth:`StateStore.prefetch`); not constructed
+    directly. Its in-flight writes live in the store's :class:`~statestore._inflight.InFlightWrites`
+    (``store.in_flight``), shared with the store's other pipelines.
+
+    Attributes:
+        wait: whether :meth:`close` waits for the writes (else they stay in flight; a later
+            read of their states, ``sync()``, checkpoints and ``close()`` wait for them).
     """
 
     def __init__(self, store, units: Sequence[Sequence[Slice]], mode: str = "rw",
                  wait: bool = True, prefetch: bool = False):
-        if mode not in _MODES:
-            raise StateStoreValueError(f"pipeline mode must be one of {_MODES}, got {mode!r}")
+        check_mode(mode)
         self._store = store
         self._mode = mode
-        self._wait = wait
+        self.wait = wait
         self._units: List[_Unit] = []
         for sl in unit_lists(units):
             for s in sl:
-                store._check_slice(s)
+                check_slice(store, s)
             self._units.append(_Unit(sl))
         self._resident = store.resident
         self._next_submit = 0
         self._next_yield = 0
         self._current: Optional[_Unit] = None
         self._closed = False
+        self._writes: InFlightWrites = store.in_flight
         if not self._resident:
             need = max((sum(self._unit_bytes(u)) for u in self._units), default=0)
-            self._arena: RingArena = store._arena(need)
+            self._arena: RingArena = self._writes.arena(need)
             try:
                 self._fill(block=not prefetch)
             except BaseException:
@@ -221,9 +238,6 @@ class Pipeline:
                 raise
 
     # -- iteration ---------------------------------------------------------------------------
-    def __iter__(self) -> Iterator[List[torch.Tensor]]:
-        return self
-
     def __next__(self) -> List[torch.Tensor]:
         return self._next(block=True)
 
@@ -234,7 +248,7 @@ class Pipeline:
         stores."""
         if self._closed or self._resident or self._next_yield >= len(self._units):
             return True
-        self._store._poll_pending()
+        self._writes.poll()
         self._fill(block=False)
         if self._next_submit <= self._next_yield:
             return False
@@ -263,10 +277,18 @@ class Pipeline:
         if not self._closed:
             self._finish_current()
 
+    def pump(self) -> None:
+        """Never blocks: retire finished background writes and start the reads of further
+        units that fit the ring now (a prefetch between an optimizer's steps)."""
+        if self._closed or self._resident:
+            return
+        self._writes.poll()
+        self._fill(block=False)
+
     def _next(self, block: bool) -> List[torch.Tensor]:
         if self._closed:
             raise StopIteration
-        self._store._raise_pending_error()
+        self._writes.raise_error()
         self._finish_current()
         if self._next_yield >= len(self._units):
             self.close()
@@ -281,23 +303,14 @@ class Pipeline:
                 self._submit_blocking()
             try:
                 for s, fut in unit.reads:
-                    self._store._result(fut, s.key, "read")
+                    self._writes.outcome(fut, s.key, "read")
             except BaseException:
                 self._release_unit(unit)
                 raise
             unit.reads = []
-            self._current = unit    # before _fill: if it raises, _abort releases this unit
+            self._current = unit    # before _fill: if it raises, cancel releases this unit
             self._fill(block=block)
         return unit.tensors
-
-    def __enter__(self) -> "Pipeline":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self._abort()
 
     def close(self) -> None:
         """Write back the current unit, release unread buffers, and (``wait=True``) wait for
@@ -308,14 +321,15 @@ class Pipeline:
         self._closed = True
         if not self._resident:
             self._drop_unconsumed()
-            if self._wait:
+            if self.wait:
                 self._store.sync()
             else:
-                self._store._raise_pending_error()
+                self._writes.raise_error()
 
-    def _abort(self) -> None:
-        # The caller failed mid-unit: its unit is not written back (its data may be half
-        # updated, and the store keeps the previous values); reads in flight are drained.
+    def cancel(self) -> None:
+        """The caller failed mid-unit (or a prefetch is dropped): its unit is not written
+        back (its data may be half updated, and the store keeps the previous values); reads
+        in flight are drained and every buffer goes back to the ring."""
         unit, self._current = self._current, None
         self._closed = True
         if not self._resident:
@@ -329,19 +343,20 @@ class Pipeline:
         if unit is None or self._resident:
             return
         if self._mode in ("rw", "w"):
-            futs = []
+            futs: List[SliceIO] = []
             try:
                 optimizer_pass = self._mode == "rw"
+                submit = self._store._submit_write
                 for s, t in zip(unit.slices, unit.tensors):
-                    futs.append((s, self._store._submit_write(s, t, optimizer_pass=optimizer_pass)))
+                    futs.append(SliceIO(s, submit(s, t, optimizer_pass=optimizer_pass)))
             except BaseException as e:
                 # The unit's new values are not (all) written: they are lost, so its states
-                # are stale until rewritten; reading them raises (StateStore._check_damaged).
-                self._store._mark_damaged([s.key for s in unit.slices], e)
+                # are stale until rewritten; reading them raises (InFlightWrites.check_damaged).
+                self._writes.mark_damaged([s.key for s in unit.slices], e)
                 unit.reads = futs          # drained by _release_unit before the buffer is reused
                 self._release_unit(unit)
                 raise
-            self._store._add_pending(unit.region, futs)
+            self._writes.add(unit.region, futs)
         else:
             self._arena.release(unit.region)
         unit.tensors = []
@@ -382,7 +397,8 @@ class Pipeline:
 
     def _try_submit(self, block: bool = True) -> bool:
         unit = self._units[self._next_submit]
-        if not block and any(self._store._key_pending(s.key, s.start, s.stop) for s in unit.slices):
+        writes = self._writes
+        if not block and any(writes.busy(s.key, s.start, s.stop) for s in unit.slices):
             return False        # its last write is still in flight: try again later
         sizes = self._unit_bytes(unit)
         got = self._arena.try_alloc(sum(sizes))
@@ -398,10 +414,10 @@ class Pipeline:
             try:
                 # A read waits for the pending writes of its state; so does a write (mode "w"):
                 # two writes of one slice in flight at once may land in either order.
-                self._store._wait_pending_key(s.key, s.start, s.stop)
+                writes.wait_for(s.key, s.start, s.stop)
                 if self._mode in ("r", "rw"):
-                    self._store._check_damaged(s.key)
-                    unit.reads.append((s, self._store._submit_read(s, t)))
+                    writes.check_damaged(s.key)
+                    unit.reads.append(SliceIO(s, self._store._submit_read(s, t)))
             except BaseException:
                 self._release_unit(unit)
                 raise
@@ -417,6 +433,18 @@ class Pipeline:
 
     def _submit_blocking(self) -> None:
         while not self._try_submit():
-            if not self._store._wait_oldest_pending():
+            if not self._writes.wait_oldest():
                 raise BudgetError("pipeline deadlock: no pending write to wait for and no "
                                   "room in the RAM budget (internal error)")
+
+
+class Prefetch(NamedTuple):
+    """A pipeline started early by :meth:`StateStore.prefetch`, handed out by the next
+    :meth:`StateStore.pipeline` asking for the same ``mode`` and ``units``."""
+
+    mode: str
+    units: List[List[Slice]]
+    pipeline: Pipeline
+
+    def matches(self, mode: str, units: List[List[Slice]]) -> bool:
+        return self.mode == mode and self.units == units

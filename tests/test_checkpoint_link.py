@@ -329,13 +329,14 @@ def test_background_checksums_follow_the_last_write(tmp_path, monkeypatch):
     that a state's first block is rewritten while the checksum of its previous, in-order
     write is still being finished: the checkpoint must not carry that stale checksum (the
     state is read back to hash it), and states written in order keep theirs."""
-    slow_chunk = ss.NVMeStore._hash_chunk
+    from statestore.backends._nvme_digests import WriteDigests
+    slow_chunk = WriteDigests._hash_chunk
 
     def slow(self, *args):
         time.sleep(0.05)
         return slow_chunk(self, *args)
 
-    monkeypatch.setattr(ss.NVMeStore, "_hash_chunk", slow)
+    monkeypatch.setattr(WriteDigests, "_hash_chunk", slow)
     # a ring large enough that no write waits for ring space (nor for an earlier hashing)
     store = ss.NVMeStore(str(tmp_path / "store"), budget_bytes=4 << 20)
     n = 5000

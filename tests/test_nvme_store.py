@@ -375,7 +375,7 @@ def test_error_while_filling_gives_every_buffer_back(d, fail_at):
     with ss.NVMeStore(d, engine=ENGINES[0], budget_bytes=SMALL_BUDGET) as store:
         store.create("a/m", (100_000,), torch.float32, torch.zeros(100_000))
         store.sync()
-        real = store._wait_pending_key
+        real = store.in_flight.wait_for
         calls = [0]
 
         def failing(key, *span):
@@ -384,15 +384,15 @@ def test_error_while_filling_gives_every_buffer_back(d, fail_at):
                 raise StateStoreIOError(errno.EIO, "injected background error")
             return real(key, *span)
 
-        store._wait_pending_key = failing
+        store.in_flight.wait_for = failing
         units = [[ss.Slice(ss.StateKey("a", "m"), a, a + 8192)] for a in range(0, 98304, 8192)]
         with pytest.raises(StateStoreIOError, match="injected"):
             with store.pipeline(units, mode="rw") as pipe:
                 for (t,) in pipe:
                     t.add_(1.0)
-        store._wait_pending_key = real
+        store.in_flight.wait_for = real
         store.sync()
-        assert store._ring.used == 0
+        assert store.in_flight.ring.used == 0
         store.put("a/m", torch.full((100_000,), 2.0))
         assert torch.equal(store.get("a/m"), torch.full((100_000,), 2.0))
 
@@ -402,24 +402,28 @@ def test_read_waits_only_for_pending_writes_of_its_own_blocks(d):
     earlier slice (that serialized reads behind writes for every state larger than a unit);
     it must wait when the two share a disk block (a write ending mid-block merges it)."""
     from concurrent.futures import Future
+
+    from statestore._inflight import SliceIO
     with ss.NVMeStore(d, engine=ENGINES[0], budget_bytes=SMALL_BUDGET) as store:
         store.create("a/m", (10_000,), torch.float32, torch.zeros(10_000))
         store.create("b/m", (10,), torch.float32, torch.zeros(10))
         store.sync()
         k = ss.StateKey("a", "m")
         never = Future()                 # a write still in flight
-        store._pending.append([None, [(ss.Slice(k, 0, 1024), never)]])
+        writes = store.in_flight
+        writes.add(None, [SliceIO(ss.Slice(k, 0, 1024), never)])
         try:
-            assert not store._key_pending(k, 1024, 2048)       # next block on
-            assert store._key_pending(k, 1000, 1100)           # overlaps the write
-            assert store._key_pending(k)                        # the whole state
-            assert not store._key_pending(ss.StateKey("b", "m"))
-            store._pending[0][1] = [(ss.Slice(k, 0, 1000), never)]   # ends inside block 0
-            assert store._key_pending(k, 1000, 2000)
-            assert not store._key_pending(k, 1024, 2048)
-            store._wait_pending_key(k, 2048, 4096)             # returns without waiting
+            assert not writes.busy(k, 1024, 2048)       # next block on
+            assert writes.busy(k, 1000, 1100)           # overlaps the write
+            assert writes.busy(k)                        # the whole state
+            assert not writes.busy(ss.StateKey("b", "m"))
+            writes.forget()
+            writes.add(None, [SliceIO(ss.Slice(k, 0, 1000), never)])   # ends inside block 0
+            assert writes.busy(k, 1000, 2000)
+            assert not writes.busy(k, 1024, 2048)
+            writes.wait_for(k, 2048, 4096)             # returns without waiting
         finally:
-            store._pending.clear()
+            writes.forget()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

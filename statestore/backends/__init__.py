@@ -1,6 +1,7 @@
 """Store backends, one module each."""
+from .base import ResidentStore, StreamingStore
 from .device import DeviceStore
 from .file import FileStore
 from .pinned import PinnedCPUStore
 
-__all__ = ["DeviceStore", "PinnedCPUStore", "FileStore"]
+__all__ = ["ResidentStore", "StreamingStore", "DeviceStore", "PinnedCPUStore", "FileStore"]

@@ -11,7 +11,7 @@ from typing import Any, Dict, Sequence, Tuple
 import torch
 
 from .._types import StateKey, StateSpec
-from ..store import StateStore
+from .base import ResidentStore
 
 __all__ = ["SlabStore"]
 
@@ -26,10 +26,8 @@ class _Slab:
         self.live = 0
 
 
-class SlabStore(StateStore):
+class SlabStore(ResidentStore):
     """A resident store whose states are views into slabs."""
-
-    resident = True
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)

@@ -4,7 +4,7 @@ through a bounded RAM budget.
 Layout (``docs/nvme.md``): each batch of states created together (one ``create_many`` call)
 is one file ``<dir>/states-<store id>-<n>.safetensors``, a valid safetensors file at all times:
 its header is written at creation, every tensor's data starts at a multiple of 4096 bytes
-(larger tensors: of up to 1 MiB, ``_data_alignment``), ``__pad__/<n>`` U8 tensors fill the
+(larger tensors: of up to 1 MiB, ``data_alignment``), ``__pad__/<n>`` U8 tensors fill the
 gaps (and one before the zero-length ``__pad__/end`` makes the file size a multiple of
 4096), and the data region is reserved with ``posix_fallocate``
 (so ENOSPC shows at creation, not mid-step) and reads as zeros until written. After
@@ -24,132 +24,30 @@ import atexit
 import errno
 import inspect
 import os
-import struct
-import threading
 import uuid
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
-import xxhash
 
 from .._safetensors_layout import PAD_PREFIX, layout
-from .._types import Slice, StateKey, StateSpec
+from .._types import Slice, StateKey, StateSpec, as_key
 from ..errors import StateStoreIOError, StateStoreValueError
 from ..io import IOEngine, IOFile, alloc_buffer, make_engine
-from ..store import LinkableFile, StateStore
 from ._dirs import StoreLock, create_laid_out, prepare_dir
-from ._futures import completed, when_all
-from ._space import check_space, no_space, reclaimable_bytes
+from ._futures import completed
+from ._nvme_digests import WriteDigests
+from ._nvme_files import (ALIGN, COPY_CHUNK, MAX_DATA_ALIGN, MAX_FILE_DATA, StateFile, add_range,
+                          after_both, covered, data_alignment, round_up, still_named, unlink_all)
+from ._nvme_links import CheckpointLinks
+from ._space import check_space, no_space
+from .base import StreamingStore
 
 __all__ = ["NVMeStore"]
 
-_ALIGN = 4096
-# Most bytes of states in one file (a larger state gets a file of its own): the default bound
-# of a checkpoint shard (checkpoint.DEFAULT_SHARD_BYTES), so a checkpoint can link the files.
-_MAX_FILE_DATA = 2 << 30
-_COPY_CHUNK = 1 << 20       # bounce buffer of copy-on-write copies
-# Where a state's data starts in its file: a multiple of 4096 (direct I/O), and for larger
-# states of up to _MAX_DATA_ALIGN, the largest power of two at most 1/32 of its size (<= 3%
-# of padding). Disks are faster with data that was written in requests aligned to their
-# internal granularity: on this machine's virtual disk (64 KiB units), 1 GiB written from a
-# file offset of 4 KiB read back at 4.56 GB/s, from 64 KiB..2 MiB at 5.05-5.14 GB/s (and
-# wrote ~10% slower); see docs/nvme.md, "Alignment of the data".
-_MAX_DATA_ALIGN = 1 << 20
 
-
-def _data_alignment(nbytes: int) -> int:
-    a = _ALIGN
-    while a < _MAX_DATA_ALIGN and a * 2 * 32 <= nbytes:
-        a *= 2
-    return a
-
-
-def _add_range(ranges: List[List[int]], a: int, b: int) -> None:
-    """Merge ``[a, b)`` into the sorted, disjoint ``ranges``."""
-    out: List[List[int]] = []
-    for r in ranges:
-        if r[1] < a or r[0] > b:
-            out.append(r)
-        else:
-            a, b = min(a, r[0]), max(b, r[1])
-    out.append([a, b])
-    out.sort()
-    ranges[:] = out
-
-
-def _covered(ranges: List[List[int]], a: int, b: int) -> int:
-    """Elements of ``[a, b)`` inside ``ranges``."""
-    return sum(max(0, min(b, r[1]) - max(a, r[0])) for r in ranges)
-
-
-def _round_up(n: int, a: int = _ALIGN) -> int:
-    return (n + a - 1) // a * a
-
-
-def _unlink_all(paths: set) -> None:
-    for p in list(paths):
-        try:
-            os.unlink(p)
-        except OSError:
-            pass
-    paths.clear()
-
-
-def _after(write: Future, other: Optional[Future]) -> Future:
-    """A future with ``write``'s outcome that completes once ``other`` has completed too (the
-    ring buffer of a write is reused only after its checksum job has read it)."""
-    if other is None:
-        return write
-
-    def finish(out: Future) -> None:
-        err = write.exception()
-        if err is not None:
-            out.set_exception(err)
-        else:
-            out.set_result(write.result())
-
-    return when_all([write, other], finish)
-
-
-class _Digest:
-    """An xxh3-64 in progress over one state written in order; ``ok`` turns False if a
-    chunk could not be hashed, and the digest is then never recorded."""
-    __slots__ = ("h", "ok")
-
-    def __init__(self):
-        self.h = xxhash.xxh3_64()
-        self.ok = True
-
-
-class _StateFile:
-    __slots__ = ("path", "file", "size", "header", "keys", "removed_reported", "dirty",
-                 "frozen", "successor", "hashes", "mapped", "readonly", "old_file")
-
-    def __init__(self, path: str, file: IOFile, size: int, header: bytes):
-        self.path, self.file, self.size, self.header = path, file, size, header
-        self.keys: set = set()          # live states whose current value is in this file
-        self.removed_reported = False
-        self.dirty = False              # written since the last fsync
-        # Frozen: a checkpoint links this file, so the store never writes it again; writes of
-        # its states go to ``successor`` (same layout), and a state moves there once every
-        # element of it was written (``NVMeStore._cow``). ``hashes``: checksums of its states'
-        # data, valid for as long as they stay here (frozen bytes never change).
-        self.frozen = False
-        self.successor: Optional["_StateFile"] = None
-        self.hashes: Dict[StateKey, str] = {}
-        # Mapped by a ``state_dict()`` snapshot (statestore/_snapshot.py): never thawed, even
-        # once no checkpoint links it, since the snapshot's tensors read its pages.
-        self.mapped = False
-        # Opened read-only (a checkpoint's shard taken by a linked load); ``old_file``: that
-        # descriptor, kept open for reads in flight, once the file was reopened for writing
-        # (thawed after the checkpoint was removed).
-        self.readonly = False
-        self.old_file: Optional[IOFile] = None
-
-
-class NVMeStore(StateStore):
+class NVMeStore(CheckpointLinks, StreamingStore):
     """States in files under ``dir``, read and written with asynchronous direct I/O.
 
     Args:
@@ -176,9 +74,8 @@ class NVMeStore(StateStore):
         keep_files: leave the state files in ``dir`` at close (ignored for ``dir=None``).
     """
 
-    resident = False
-    alignment = _ALIGN
-    transfer_alignment = _MAX_DATA_ALIGN
+    alignment = ALIGN
+    transfer_alignment = MAX_DATA_ALIGN
 
     def __new__(cls, dir: Optional[str] = None, engine: Any = "auto", **kwargs):
         # engine="tensornvme": TensorNVMe cannot write these files in place (it keeps keyed
@@ -193,8 +90,8 @@ class NVMeStore(StateStore):
                  block_size: int = 8 << 20, io_threads: int = 8, pinned: bool = True,
                  direct: Optional[bool] = None, keep_files: bool = False):
         super().__init__(budget_bytes=budget_bytes)
-        if self.budget_bytes < 4 * _ALIGN:
-            raise StateStoreValueError(f"NVMeStore: budget_bytes must be at least {4 * _ALIGN}, "
+        if self.budget_bytes < 4 * ALIGN:
+            raise StateStoreValueError(f"NVMeStore: budget_bytes must be at least {4 * ALIGN}, "
                                        f"got {self.budget_bytes}")
         if direct not in (None, True, False):
             raise StateStoreValueError(f"NVMeStore: direct must be None, True or False, got {direct!r}")
@@ -218,21 +115,16 @@ class NVMeStore(StateStore):
         self.keep_files = bool(keep_files) and self._tmp is None
         self._paths: set = set()     # files to remove at close or interpreter exit
         if self._tmp is None and not self.keep_files:
-            self._finalizer = weakref.finalize(self, _unlink_all, self._paths)
+            self._finalizer = weakref.finalize(self, unlink_all, self._paths)
             atexit.register(self._finalizer)
         self._direct = direct
         self._pinned = bool(pinned)
         self._id = uuid.uuid4().hex[:8]
         self._nfiles = 0
-        self._files: Dict[str, _StateFile] = {}
-        self._where: Dict[StateKey, Tuple[_StateFile, int]] = {}   # key -> (file, data offset)
-        # xxh3-64 of states put or loaded in order since their last other write (_hash_written);
-        # the hashing itself runs on one worker thread, in submission order.
-        self._digests: Dict[StateKey, str] = {}
-        self._hashing: Dict[StateKey, Tuple[_Digest, int]] = {}
-        self._finishing: Dict[StateKey, _Digest] = {}      # last chunk submitted, digest due
-        self._hash_lock = threading.Lock()
-        self._hash_pool: Optional[ThreadPoolExecutor] = None
+        self._files: Dict[str, StateFile] = {}
+        self._where: Dict[StateKey, Tuple[StateFile, int]] = {}   # key -> (file, data offset)
+        # xxh3-64 of states put or loaded in order since their last other write
+        self._digests = WriteDigests()
         # States of a frozen file written in part since: key -> element ranges whose current
         # value is in the file's successor (the rest is still in the frozen file).
         self._cow: Dict[StateKey, List[List[int]]] = {}
@@ -256,12 +148,12 @@ class NVMeStore(StateStore):
 
     # ------------------------------------------------------------------ layout
     def _allocate(self, entries: Sequence[Tuple[StateKey, StateSpec]]) -> None:
-        # Files of at most _MAX_FILE_DATA bytes of states (a larger state gets a file of its
+        # Files of at most MAX_FILE_DATA bytes of states (a larger state gets a file of its
         # own): the bound of a checkpoint shard, so a checkpoint can link them (docs/nvme.md).
         batches: List[List[Tuple[StateKey, StateSpec]]] = []
         size = 0
         for k, spec in entries:
-            if not batches or (batches[-1] and size + spec.nbytes > _MAX_FILE_DATA):
+            if not batches or (batches[-1] and size + spec.nbytes > MAX_FILE_DATA):
                 batches.append([])
                 size = 0
             batches[-1].append((k, spec))
@@ -272,11 +164,11 @@ class NVMeStore(StateStore):
         first = os.path.join(self.dir, f"states-{self._id}-{self._nfiles:05d}.safetensors")
         more = f" and {len(lays) - 1} more state file(s)" if len(lays) > 1 else ""
         check_space(f"NVMeStore: creating {first}{more} for {len(entries)} state(s)", self.dir,
-                    sum(_round_up(lay.file_size) for lay in lays))
-        created: List[_StateFile] = []
+                    sum(round_up(lay.file_size) for lay in lays))
+        created: List[StateFile] = []
         try:
             for lay in lays:
-                created.append(self._new_file(lay.header, _round_up(lay.file_size)))
+                created.append(self._new_file(lay.header, round_up(lay.file_size)))
         except BaseException:
             for sf in created:          # all or nothing: no file of this batch stays
                 self._drop_file(sf, unlink=True)
@@ -290,10 +182,10 @@ class NVMeStore(StateStore):
     def _layout_file(entries: Sequence[Tuple[StateKey, StateSpec]]):
         names = [(str(k), spec.dtype, spec.shape) for k, spec in entries]
         names.append((f"{PAD_PREFIX}end", torch.uint8, (0,)))
-        return layout(names, align=_ALIGN, pad_tensors=True, align_for=_data_alignment,
+        return layout(names, align=ALIGN, pad_tensors=True, align_for=data_alignment,
                       metadata={"format": "statestore-nvmestore"})
 
-    def _new_file(self, header: bytes, size: int) -> _StateFile:
+    def _new_file(self, header: bytes, size: int) -> StateFile:
         """Create, reserve and open a state file holding ``header``."""
         path = os.path.join(self.dir, f"states-{self._id}-{self._nfiles:05d}.safetensors")
         self._nfiles += 1
@@ -322,7 +214,7 @@ class NVMeStore(StateStore):
         except StateStoreIOError:
             os.unlink(path)
             raise
-        sf = _StateFile(path, f, size, header)
+        sf = StateFile(path, f, size, header)
         self._files[path] = sf
         if not self.keep_files:
             self._paths.add(path)
@@ -332,10 +224,10 @@ class NVMeStore(StateStore):
         for k in keys:
             sf, _ = self._where.pop(k)
             self._cow.pop(k, None)
-            self._forget_digest(k)
+            self._digests.forget(k)
             self._leave(sf, k)
 
-    def _leave(self, sf: _StateFile, k: StateKey) -> None:
+    def _leave(self, sf: StateFile, k: StateKey) -> None:
         """``k``'s current value is no longer in ``sf``: remove the file once none is (and
         its successor, when that never received a whole state)."""
         sf.keys.discard(k)
@@ -349,7 +241,7 @@ class NVMeStore(StateStore):
         if succ is not None and not succ.keys and succ.path in self._files:
             self._drop_file(succ, unlink=True)
 
-    def _drop_file(self, sf: _StateFile, unlink: bool) -> None:
+    def _drop_file(self, sf: StateFile, unlink: bool) -> None:
         self._files.pop(sf.path, None)
         try:
             sf.file.close()
@@ -364,14 +256,14 @@ class NVMeStore(StateStore):
                     pass
 
     # ------------------------------------------------------------------ I/O primitives
-    def _locate(self, s: Slice) -> Tuple[_StateFile, int, int, int]:
+    def _locate(self, s: Slice) -> Tuple[StateFile, int, int, int]:
         """(file, byte offset of the slice, exact bytes, item size) of the slice's current
         value (its offsets are the same in a frozen file and its successor)."""
         sf, base = self._where[s.key]
         item = self._specs[s.key].itemsize
         ranges = self._cow.get(s.key)
         if ranges is not None and s.stop > s.start:
-            done = _covered(ranges, s.start, s.stop)
+            done = covered(ranges, s.start, s.stop)
             if done == s.stop - s.start:
                 sf = sf.successor
             elif done:
@@ -394,7 +286,7 @@ class NVMeStore(StateStore):
         sf, off, nbytes, _ = self._locate(s)
         if nbytes == 0:
             return completed(0)
-        n = _round_up(nbytes)
+        n = round_up(nbytes)
         return self._engine.read(sf.file, self._bytes_view(out, n), off, n)
 
     def _submit_write(self, s: Slice, src: torch.Tensor, *, optimizer_pass: bool = False):
@@ -407,14 +299,18 @@ class NVMeStore(StateStore):
             # work added here comes out of the training step (hashing 1 GB a step of the
             # GPT-2 example took 0.05 s of backward's hooks). No checksum: a save that links
             # the file reads the state back from disk to hash it (docs/nvme.md).
-            self._forget_digest(s.key)
+            self._digests.forget(s.key)
             return self._write_slice(s, spec, src, nbytes)
-        hashed = self._hash_written(s, spec, src, nbytes)
+        # The hashing runs on a worker thread while this thread goes on (it held the caller
+        # for as long as the copy into the ring did); ``hashed`` completes once it has read
+        # ``src``. Digests are complete once sync() returns, as every write is.
+        hashed = self._digests.written(s, spec.numel,
+                                       memoryview(self._bytes_view(src, nbytes).numpy()))
         try:
-            return _after(self._write_slice(s, spec, src, nbytes), hashed)
+            return after_both(self._write_slice(s, spec, src, nbytes), hashed)
         except BaseException:
             if hashed is not None:
-                self._forget_digest(s.key)
+                self._digests.forget(s.key)
                 hashed.result()     # the checksum job reads src: let it finish first
             raise
 
@@ -422,7 +318,7 @@ class NVMeStore(StateStore):
         sf, base = self._where[s.key]
         off = base + s.start * spec.itemsize
         end = off + nbytes
-        tail = s.stop < spec.numel and end % _ALIGN
+        tail = s.stop < spec.numel and end % ALIGN
         if sf.frozen:
             if tail:
                 # The merge below reads the block's other elements: take the whole state
@@ -433,12 +329,12 @@ class NVMeStore(StateStore):
                 sf = self._write_into_successor(s)
         self._check_present(sf)
         sf.dirty = True
-        n = _round_up(nbytes)
+        n = round_up(nbytes)
         if tail:
             # The slice ends inside a block that holds later elements of the same state:
             # merge that block (read-modify-write), then write the aligned prefix.
-            self._wait_pending_key(s.key)
-            n -= _ALIGN
+            self.in_flight.wait_for(s.key)
+            n -= ALIGN
             self._merge_tail_block(sf, off + n, self._bytes_view(src, nbytes)[n:])
         elif n > nbytes:
             # The last block of the state: its bytes past the state's end are the file's pad,
@@ -448,57 +344,6 @@ class NVMeStore(StateStore):
         if n == 0:
             return completed(nbytes)
         return self._engine.write(sf.file, self._bytes_view(src, n), off, n)
-
-    def _hash_written(self, s: Slice, spec: StateSpec, src: torch.Tensor,
-                      nbytes: int) -> Optional[Future]:
-        """Checksum (the checkpoint's xxh3-64) of a state's bytes as they are written by puts
-        and loads: a state written from its first to its last element in order (as every put
-        and checkpoint load does) gets its digest without the disk being read again; any
-        other write order, and any optimizer pass, forgets it (a save then reads the state to
-        hash it). The hashing runs on a worker thread while this thread goes on (it held the
-        caller for as long as the copy into the ring did); the returned future completes once
-        it has read ``src``. Digests are complete once :meth:`sync` returns, as every write
-        is."""
-        k = s.key
-        with self._hash_lock:
-            self._digests.pop(k, None)
-            self._finishing.pop(k, None)
-            if s.start == 0:
-                self._hashing.pop(k, None)
-                d = _Digest()
-            else:
-                prev = self._hashing.pop(k, None)
-                if prev is None or prev[1] != s.start:
-                    return None
-                d = prev[0]
-            final = s.stop == spec.numel
-            if final:
-                self._finishing[k] = d
-            else:
-                self._hashing[k] = (d, s.stop)
-        view = memoryview(self._bytes_view(src, nbytes).numpy())
-        if self._hash_pool is None:
-            self._hash_pool = ThreadPoolExecutor(1, thread_name_prefix="ss-hash")
-        return self._hash_pool.submit(self._hash_chunk, k, d, view, final)
-
-    def _hash_chunk(self, k: StateKey, d: _Digest, view: memoryview, final: bool) -> None:
-        try:
-            if d.ok:
-                d.h.update(view)
-        except BaseException:
-            d.ok = False
-        if final:
-            with self._hash_lock:
-                if self._finishing.get(k) is d:
-                    del self._finishing[k]
-                    if d.ok:
-                        self._digests[k] = d.h.hexdigest()
-
-    def _forget_digest(self, k: StateKey) -> None:
-        with self._hash_lock:
-            self._digests.pop(k, None)
-            self._hashing.pop(k, None)
-            self._finishing.pop(k, None)
 
     # ------------------------------------------------------------------ copy-on-write
     def pipeline(self, units, mode: str = "rw", wait: bool = True):
@@ -520,7 +365,7 @@ class NVMeStore(StateStore):
             if not sf.frozen or sf.successor is not None or not sf.keys:
                 continue
             try:
-                alone = os.fstat(sf.file.fd).st_nlink == 1 and self._named(sf)
+                alone = os.fstat(sf.file.fd).st_nlink == 1 and still_named(sf)
             except OSError:
                 alone = False
             if alone and not sf.mapped and self._writable(sf):
@@ -534,7 +379,7 @@ class NVMeStore(StateStore):
                     f"{f' and {len(need) - 1} more file(s)' if len(need) > 1 else ''}, linked "
                     f"by a checkpoint (new files for the states' next writes)", self.dir,
                     sum(sf.size for sf in need))
-        made: List[_StateFile] = []
+        made: List[StateFile] = []
         try:
             for sf in need:
                 sf.successor = self._new_file(sf.header, sf.size)
@@ -545,7 +390,7 @@ class NVMeStore(StateStore):
                 self._drop_file(succ, unlink=True)
             raise
 
-    def _writable(self, sf: _StateFile) -> bool:
+    def _writable(self, sf: StateFile) -> bool:
         """Reopen a read-only file for writing (a linked load's shard whose checkpoint is
         gone); False where that fails (the file then stays frozen: copy-on-write)."""
         if not sf.readonly:
@@ -557,7 +402,7 @@ class NVMeStore(StateStore):
         sf.old_file, sf.file, sf.readonly = sf.file, f, False
         return True
 
-    def _successor(self, sf: _StateFile) -> _StateFile:
+    def _successor(self, sf: StateFile) -> StateFile:
         if sf.successor is None:
             sf.successor = self._new_file(sf.header, sf.size)
         return sf.successor
@@ -571,12 +416,12 @@ class NVMeStore(StateStore):
         new.keys.add(k)
         self._leave(old, k)
 
-    def _write_into_successor(self, s: Slice) -> _StateFile:
+    def _write_into_successor(self, s: Slice) -> StateFile:
         """The file a write of ``s`` goes to while its state's file is frozen."""
         old, _ = self._where[s.key]
         new = self._successor(old)
         ranges = self._cow.setdefault(s.key, [])
-        _add_range(ranges, s.start, s.stop)
+        add_range(ranges, s.start, s.stop)
         if ranges == [[0, self._specs[s.key].numel]]:
             self._move(s.key)
         return new
@@ -589,7 +434,7 @@ class NVMeStore(StateStore):
             return
         new = self._successor(old)
         spec = self._specs[k]
-        self._wait_pending_key(k)
+        self.in_flight.wait_for(k)
         ranges = self._cow.get(k, [])
         gaps, pos = [], 0
         for a, b in ranges + [[spec.numel, spec.numel]]:
@@ -600,35 +445,35 @@ class NVMeStore(StateStore):
             self._check_present(new)
             new.dirty = True
             if self._copy_buf is None:
-                self._copy_buf = alloc_buffer(_COPY_CHUNK, pinned=False)
+                self._copy_buf = alloc_buffer(COPY_CHUNK, pinned=False)
             buf = self._copy_buf.tensor
         for a, b in gaps:
             lo = base + a * spec.itemsize            # aligned: gaps start at unit starts
-            hi = _round_up(base + b * spec.itemsize)  # in this state's blocks (layout aligns)
+            hi = round_up(base + b * spec.itemsize)  # in this state's blocks (layout aligns)
             while lo < hi:
-                n = min(_COPY_CHUNK, hi - lo)
+                n = min(COPY_CHUNK, hi - lo)
                 self._engine.read(old.file, buf[:n], lo, n).result()
                 self._engine.write(new.file, buf[:n], lo, n).result()
                 lo += n
         self._move(k)
 
-    def _materialize_file(self, sf: _StateFile) -> None:
+    def _materialize_file(self, sf: StateFile) -> None:
         for k in sorted(sf.keys, key=lambda k: self._where[k][1]):
             self._materialize(k)
 
-    def _merge_tail_block(self, sf: _StateFile, block_off: int, head: torch.Tensor) -> None:
+    def _merge_tail_block(self, sf: StateFile, block_off: int, head: torch.Tensor) -> None:
         if self._bounce is None:
-            self._bounce = alloc_buffer(_ALIGN, pinned=False)
+            self._bounce = alloc_buffer(ALIGN, pinned=False)
         b = self._bounce.tensor
-        self._engine.read(sf.file, b, block_off, _ALIGN).result()
+        self._engine.read(sf.file, b, block_off, ALIGN).result()
         b[:head.numel()].copy_(head)
-        self._engine.write(sf.file, b, block_off, _ALIGN).result()
+        self._engine.write(sf.file, b, block_off, ALIGN).result()
 
     def _alloc_host_buffer(self, nbytes: int) -> torch.Tensor:
-        self._buffer = alloc_buffer(_round_up(nbytes), pinned=self._pinned)
+        self._buffer = alloc_buffer(round_up(nbytes), pinned=self._pinned)
         return self._buffer.tensor[:nbytes]
 
-    def _check_present(self, sf: _StateFile) -> None:
+    def _check_present(self, sf: StateFile) -> None:
         if sf.removed_reported:
             return
         try:
@@ -685,13 +530,7 @@ class NVMeStore(StateStore):
                 self._drop_file(sf, unlink=not self.keep_files)
             self._where.clear()
             self._cow.clear()
-            if self._hash_pool is not None:
-                self._hash_pool.shutdown(wait=True)
-                self._hash_pool = None
-            with self._hash_lock:
-                self._digests.clear()
-                self._hashing.clear()
-                self._finishing.clear()
+            self._digests.close()
             self._buffer = None
             self._bounce = None
             self._copy_buf = None
@@ -701,124 +540,6 @@ class NVMeStore(StateStore):
             if self._finalizer is not None:
                 self._finalizer()
 
-    # ------------------------------------------------------------------ checkpoint links
-    def _linkable(self, keys: Sequence[StateKey], root: str, shard_bytes: int) -> List[LinkableFile]:
-        try:
-            if os.stat(root).st_dev != os.stat(self.dir).st_dev:
-                return []           # another filesystem: no hard links
-        except OSError:
-            return []
-        # A file truncated (or removed, reported once) under the store raises here, as reading
-        # its states for a copy would: a link must never make a damaged file a shard.
-        self._check_files()
-        # A successor reserved but never written (no state of its frozen file was written
-        # since): let it go, the frozen file is still current and can be linked again.
-        for sf in [f for f in self._files.values() if f.frozen and f.successor is not None]:
-            succ = sf.successor
-            if not succ.keys and not any(k in self._cow for k in sf.keys) \
-                    and succ.path in self._files:
-                sf.successor = None
-                self._drop_file(succ, unlink=True)
-        # A frozen file whose states were partly rewritten: move the rest to its successor,
-        # so every file linked holds the current value of every state it has.
-        for sf in [f for f in self._files.values() if f.frozen and f.successor is not None]:
-            self._materialize_file(sf)
-        self._flush()
-        wanted = set(keys)
-        out = []
-        linked = []
-        for sf in self._files.values():
-            if not sf.keys or not sf.keys <= wanted or not self._named(sf):
-                continue
-            if len(sf.keys) > 1 and sum(self._specs[k].nbytes for k in sf.keys) > shard_bytes:
-                continue
-            linked.append(sf)
-        # After this save, the next write of each linked file's states goes to a new file of
-        # the same size (copy-on-write): refuse the save now, before anything is linked,
-        # when the filesystem will not have that room once the save removed what it replaces.
-        cow = sum(sf.size for sf in self._files.values()
-                  if sf.keys and sf.successor is None and (sf.frozen or sf in linked))
-        if linked:
-            check_space(f"NVMeStore: a checkpoint in {root} linking {linked[0].path}"
-                        f"{f' and {len(linked) - 1} more file(s)' if len(linked) > 1 else ''} "
-                        f"(the store's next writes then copy them)", self.dir, cow,
-                        extra_free=reclaimable_bytes(root))
-        for sf in linked:
-            rows = sorted(((k, self._where[k][1]) for k in sf.keys), key=lambda r: r[1])
-            hashes = dict(sf.hashes)
-            with self._hash_lock:
-                hashes.update((k, self._digests[k]) for k in sf.keys
-                              if k in self._digests and k not in self._damaged)
-            out.append(LinkableFile(rows, hashes, self._link_file(sf, hashes)))
-        return out
-
-    @staticmethod
-    def _named(sf: _StateFile) -> bool:
-        """``sf.path`` still names the open file (it was not removed or replaced)."""
-        try:
-            a, b = os.stat(sf.path), os.fstat(sf.file.fd)
-        except OSError:
-            return False
-        return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
-
-    def _link_file(self, sf: _StateFile, hashes: Dict[StateKey, str]):
-        def link(dst: str, mapped: bool = False) -> None:
-            sf.frozen = True        # first: from here on the store never writes this file
-            if mapped:
-                sf.mapped = True
-            os.link(sf.path, dst)
-            sf.hashes = hashes      # frozen bytes: these (and those the save adds) stay valid
-        return link
-
-    def _adopt(self, path: str, rows: Sequence[Tuple[StateKey, StateSpec, int, str]],
-               names: Sequence[str]) -> bool:
-        """Take the checkpoint shard ``path`` as a state file by hard link instead of copying
-        it, frozen from the start (the store never writes it: its states' writes go to a new
-        file, copy-on-write, as after a linked save) and opened read-only. Possible where the
-        shard is on this store's filesystem, its size and every tensor's data offset are
-        multiples of 4096 (direct I/O; shards a linked save took from an NVMeStore are) and
-        it holds exactly ``rows`` (``names``: its tensors, pads excluded). ``rows``:
-        ``(key, spec, data offset, checksum)``; the caller verifies the checksums."""
-        try:
-            st = os.stat(path)
-            if st.st_dev != os.stat(self.dir).st_dev:
-                return False            # another filesystem: copied
-        except OSError:
-            return False
-        if st.st_size % _ALIGN or any(off % _ALIGN for _, _, off, _ in rows) \
-                or sorted(names) != sorted(str(k) for k, _, _, _ in rows):
-            return False
-        try:
-            with open(path, "rb") as f:
-                (n,) = struct.unpack("<Q", f.read(8))
-                header = f.read(n)
-        except (OSError, struct.error):
-            return False
-        header = struct.pack("<Q", n) + header
-        if len(header) != 8 + n or any(off < len(header) for _, _, off, _ in rows):
-            return False
-        dst = os.path.join(self.dir, f"states-{self._id}-{self._nfiles:05d}.safetensors")
-        self._nfiles += 1
-        try:
-            os.link(path, dst)
-        except OSError:
-            return False
-        try:
-            f = IOFile(dst, readonly=True, direct=self._direct)
-        except StateStoreIOError:
-            os.unlink(dst)
-            return False
-        sf = _StateFile(dst, f, st.st_size, header)
-        sf.frozen = sf.readonly = True
-        self._files[dst] = sf
-        if not self.keep_files:
-            self._paths.add(dst)
-        for k, _, off, checksum in rows:
-            self._where[k] = (sf, off)
-            sf.keys.add(k)
-            sf.hashes[k] = checksum     # verified by the caller, else the load clears us
-        return True
-
     # ------------------------------------------------------------------ introspection
     def files(self) -> List[str]:
         """Paths of the store's safetensors files."""
@@ -827,9 +548,7 @@ class NVMeStore(StateStore):
     def location(self, key) -> Tuple[str, int, int]:
         """``(path, byte offset, nbytes)`` of a state's data in its file (valid after
         :meth:`sync`)."""
-        from ..store import _as_key
-
-        k = _as_key(key)
+        k = as_key(key)
         spec = self.spec(k)
         if k in self._cow:
             self._materialize(k)

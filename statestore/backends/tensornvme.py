@@ -40,7 +40,7 @@ from .._types import Slice, StateKey, StateSpec
 from ..errors import StateStoreIOError, StateStoreValueError
 from ..io import alloc_buffer
 from ..io._tensornvme import TensorNVMeEngine
-from ..store import StateStore
+from .base import StreamingStore
 from ._dirs import StoreLock, prepare_dir
 from ._futures import completed, when_all
 
@@ -70,7 +70,7 @@ def _all(futs: List[Future], value: int) -> Future:
     return when_all(futs, finish)
 
 
-class TensorNVMeStore(StateStore):
+class TensorNVMeStore(StreamingStore):
     """States kept by TensorNVMe in one file under ``dir``, through a bounded RAM budget.
 
     Args:
@@ -89,7 +89,6 @@ class TensorNVMeStore(StateStore):
     ``block_size``/``io_threads`` do not apply.
     """
 
-    resident = False
     alignment = _ALIGN
 
     def __init__(self, dir: Optional[str] = None, *, budget_bytes: Optional[int] = None,
@@ -235,7 +234,7 @@ class TensorNVMeStore(StateStore):
             if lo == start and hi == start + size:
                 futs.append(self._engine.write(key, part))
             else:           # merge into the block (read-modify-write through the bounce)
-                self._wait_pending_key(s.key)
+                self.in_flight.wait_for(s.key)
                 b = self._bounce_view(size)
                 if i in stored:
                     self._engine.read(key, b).result()

@@ -24,16 +24,20 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .._types import Slice, StateKey, StateSpec
+from .._types import Slice, StateKey, StateSpec, as_key
 from ..errors import StateStoreClosedError, StateStoreError, StateStoreValueError
-from ..pipeline import unit_lists
-from ..store import StateStore, _as_key
+from ..pipeline import StatePipeline, check_mode, check_slice, unit_lists
+from ..store import StateStore
 
 __all__ = ["TieredStore"]
 
 
 class TieredStore(StateStore):
     """States spread over ``tiers``, a sequence of ``(store, fraction)`` pairs.
+
+    A composite: neither resident nor streaming itself, it places each state in one child
+    store and delegates to it (``get``/``put``, and a pipeline over its children's pipelines
+    in lockstep). :attr:`resident` is True when every tier is resident on :attr:`device`.
 
     Args:
         tiers: ``(store, fraction)`` pairs; fractions are non-negative and sum to 1 (within
@@ -81,7 +85,7 @@ class TieredStore(StateStore):
             except (RuntimeError, TypeError) as e:
                 raise StateStoreValueError(f"TieredStore: invalid device {device!r}: "
                                            f"{str(e).splitlines()[0]}") from None
-        self.resident = all(s.resident and s.device == self._device for s in self.tiers)
+        self._resident = all(s.resident and s.device == self._device for s in self.tiers)
         self.alignment = max(s.alignment for s in self.tiers)
         self.transfer_alignment = max(s.transfer_alignment for s in self.tiers)
         self._tier_of_param: Dict[str, int] = {}
@@ -114,6 +118,12 @@ class TieredStore(StateStore):
             nvme_kwargs.setdefault("budget_bytes", 64 << 20)
             tiers.append((NVMeStore(directory, **nvme_kwargs), float(fraction)))
         return cls(tiers, device=torch.device("cpu"))
+
+    @property
+    def resident(self) -> bool:
+        """True when every tier is resident on :attr:`device`: the pipeline then hands out
+        live views and ``get`` the live tensor."""
+        return self._resident
 
     # ------------------------------------------------------------------ placement
     def _choose_tier(self, nbytes: int, placed: List[int]) -> int:
@@ -174,7 +184,7 @@ class TieredStore(StateStore):
 
     def tier_of(self, key) -> StateStore:
         """The child store holding ``key``."""
-        k = _as_key(key)
+        k = as_key(key)
         self.spec(k)
         return self.tiers[self._tier_index(k)]
 
@@ -183,7 +193,7 @@ class TieredStore(StateStore):
         """The state's value, from its tier (a live view for resident tiers on
         :attr:`device`, else a copy)."""
         self._check_open()
-        k = _as_key(key)
+        k = as_key(key)
         self.spec(k)
         t = self.tiers[self._tier_index(k)].get(k)
         if t.device != self._device:
@@ -200,6 +210,8 @@ class TieredStore(StateStore):
 
     def pipeline(self, units: Sequence[Sequence[Slice]], mode: str = "rw",
                  wait: bool = True) -> "_TieredPipeline":
+        """One pipeline per tier holding states of ``units``, in lockstep; see
+        :meth:`StateStore.pipeline`."""
         self._check_open()
         return _TieredPipeline(self, units, mode, wait)
 
@@ -254,7 +266,7 @@ class TieredStore(StateStore):
         for t in self.tiers:
             mine = [k for k in keys if k in t]
             if mine:
-                out += t._linkable(mine, root, shard_bytes)
+                out += t.linkable_files(mine, root, shard_bytes)
         return out
 
     def _close(self) -> None:
@@ -292,7 +304,7 @@ def _split_units(store: "TieredStore", units) -> Tuple[List[List[Tuple[int, int]
         buckets: List[List[Slice]] = [[] for _ in range(ntiers)]
         place = []
         for s in u:
-            store._check_slice(s)
+            check_slice(store, s)
             t = store._tier_index(s.key)
             place.append((t, len(buckets[t])))
             buckets[t].append(s)
@@ -302,34 +314,30 @@ def _split_units(store: "TieredStore", units) -> Tuple[List[List[Tuple[int, int]
     return layout, per_tier
 
 
-class _TieredPipeline:
+class _TieredPipeline(StatePipeline):
     """Child pipelines in lockstep; see the module docstring."""
 
     def __init__(self, store: TieredStore, units: Sequence[Sequence[Slice]], mode: str,
                  wait: bool):
-        if mode not in ("r", "rw", "w"):
-            raise StateStoreValueError(f"pipeline mode must be one of ('r', 'rw', 'w'), got {mode!r}")
+        check_mode(mode)
         self._store = store
         self._mode = mode
         self._dev = store.device
         self._copy_views = mode == "r" and not store.resident
         ntiers = len(store.tiers)
         self._layout, per_tier = _split_units(store, units)
-        self._pipes: Dict[int, Any] = {}
+        self._pipes: Dict[int, StatePipeline] = {}
         try:
             for t in range(ntiers):
                 if any(per_tier[t]):
                     self._pipes[t] = store.tiers[t].pipeline(per_tier[t], mode=mode, wait=wait)
         except BaseException:
             for p in self._pipes.values():
-                p.__exit__(StateStoreError, None, None)
+                p.cancel()
             raise
         self._next = 0
         self._staged: List[Tuple[torch.Tensor, torch.Tensor]] = []   # (child tensor, staged)
         self._closed = False
-
-    def __iter__(self):
-        return self
 
     def _unstage(self) -> None:
         staged, self._staged = self._staged, []
@@ -349,6 +357,13 @@ class _TieredPipeline:
         if self._closed or self._next >= len(self._layout) or not self.ready():
             return None
         return self._advance(lambda p: p.take())
+
+    def wait_next(self) -> Optional[List[torch.Tensor]]:
+        """The next unit, waiting for each tier's reads only (see :meth:`Pipeline.wait_next`);
+        None at the end."""
+        if self._closed or self._next >= len(self._layout):
+            return None
+        return self._advance(lambda p: p.wait_next())
 
     def commit(self) -> None:
         """Hand the current unit back to every tier now (see :meth:`Pipeline.commit`)."""
@@ -393,14 +408,9 @@ class _TieredPipeline:
         if err is not None:
             raise err
 
-    def __enter__(self) -> "_TieredPipeline":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-            return
+    def cancel(self) -> None:
+        """Give up: no tier writes back the unit in hand (see :meth:`Pipeline.cancel`)."""
         self._closed = True
         self._staged = []
         for p in self._pipes.values():
-            p.__exit__(exc_type, exc, tb)
+            p.cancel()

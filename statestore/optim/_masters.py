@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from .._safetensors_layout import layout
-from .._types import Slice, StateKey
+from .._types import StateKey
 
 __all__ = ["master_weights", "save_master_weights"]
 
@@ -60,9 +60,8 @@ def _chunks(opt, key: str, p: Tensor, store):
     if store.resident:
         yield store.get(sk).detach().reshape(-1).cpu()
         return
-    spans = store._chunks(store.spec(sk))
-    with store.pipeline([[Slice(sk, a, b)] for a, b in spans], mode="r") as pipe:
-        for (t,) in pipe:
+    with store.stream([sk], "r") as chunks:
+        for _, t in chunks:
             yield t
 
 

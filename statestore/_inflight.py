@@ -1,0 +1,264 @@
+"""The write-behind of a streaming store: the ring its pipelines carve buffers from, the
+writes still in flight (each holding a ring region until it completes), the first background
+error not yet raised, and the states whose last write failed.
+
+One :class:`InFlightWrites` belongs to each store (``store.in_flight``); every pipeline of
+that store, and the store itself (``sync``, ``put``, ``delete``), go through it, so the order
+"a read or write of a state waits for the pending writes of its blocks" holds across
+pipelines, and an error of a write started by one call surfaces at the next call that depends
+on it. Not thread-safe, as stores are not.
+"""
+from __future__ import annotations
+
+import errno
+from collections import deque
+from typing import Callable, Deque, Dict, Iterable, List, NamedTuple, Optional
+
+import torch
+
+from ._ring import RingArena, RingRegion
+from ._types import Slice, StateKey, StateSpec
+from .errors import StateStoreError, StateStoreIOError
+
+__all__ = ["InFlightWrites", "SliceIO"]
+
+
+class SliceIO(NamedTuple):
+    """One read or write in flight: the slice it moves and the backend's Future-like handle."""
+
+    slice: Slice
+    future: object
+
+
+class _Batch:
+    """The writes of one pipeline unit and the ring region holding their bytes."""
+
+    __slots__ = ("region", "writes")
+
+    def __init__(self, region: Optional[RingRegion], writes: List[SliceIO]):
+        self.region, self.writes = region, writes
+
+    def done(self) -> bool:
+        return all(w.future.done() for w in self.writes)
+
+
+class InFlightWrites:
+    """A store's ring of host buffers, its writes in flight and their outcomes.
+
+    Args:
+        spec: the store's ``spec(key)`` (item sizes, for the disk blocks a write touches).
+        alignment: the store's ``alignment`` (ring offsets and disk blocks).
+        budget_bytes: the most bytes the ring may take.
+        alloc_buffer: ``alloc_buffer(nbytes)`` returns a 1-D uint8 host buffer aligned to
+            ``alignment`` (the store's page-locked allocator).
+        state_bytes: ``state_bytes()`` returns the bytes of the store's states, each rounded
+            up to ``alignment`` (the ring stays smaller than the budget while they are).
+    """
+
+    def __init__(self, *, spec: Callable[[StateKey], StateSpec], alignment: int,
+                 budget_bytes: int, alloc_buffer: Callable[[int], torch.Tensor],
+                 state_bytes: Callable[[], int]):
+        self._spec = spec
+        self.alignment = alignment
+        self.budget_bytes = budget_bytes
+        self._alloc_buffer = alloc_buffer
+        self._state_bytes = state_bytes
+        self._ring: Optional[RingArena] = None
+        self._pending: Deque[_Batch] = deque()
+        self._error: Optional[BaseException] = None
+        #: states whose last write failed, with its error: their stored bytes are stale, so
+        #: reading them raises until put(), delete() or load_checkpoint() replaces them.
+        self._damaged: Dict[StateKey, BaseException] = {}
+        #: bytes moved so far by completed reads and writes (``stats()``)
+        self.bytes_read = 0
+        self.bytes_written = 0
+
+    # ------------------------------------------------------------------ the ring
+    @property
+    def ring(self) -> Optional[RingArena]:
+        """The ring, once a pipeline has needed one (None before, and after :meth:`close`)."""
+        return self._ring
+
+    def arena(self, need: int = 0) -> RingArena:
+        """The pipelines' ring: ``budget_bytes``, or less while the states are smaller. It
+        grows, up to the budget, when more states exist or a pipeline needs a unit of
+        ``need`` bytes that it cannot hold: pending background writes (which hold ring
+        buffers) are waited for first, so that a ring sized when few states existed (a
+        ``load_state_dict`` creating states one parameter at a time) never refuses a unit
+        that fits the budget.
+
+        Args:
+            need: bytes of the largest unit of the pipeline asking.
+
+        Returns:
+            The ring (the same object until it grows).
+        """
+        want = min(self.budget_bytes, max(self._state_bytes() + (1 << 20) + 4 * self.alignment,
+                                          need))
+        ring = self._ring
+        if ring is not None and ring.capacity < want and ring.used:
+            self.poll()
+            if ring.capacity < max(need, 1) <= self.budget_bytes:
+                # This pipeline cannot run in the ring as it is: wait for the writes that
+                # hold its buffers (their errors surface at the next call, as usual).
+                while self.wait_oldest():
+                    pass
+        if ring is None or (ring.capacity < want and not self._pending and ring.used == 0):
+            self._ring = None           # release the old buffer before allocating the new
+            self._ring = RingArena(self._alloc_buffer(want), self.alignment,
+                                   budget=self.budget_bytes)
+        return self._ring
+
+    def close(self) -> None:
+        """Let the ring's buffer go (the store is closed; every write was waited for)."""
+        self._ring = None
+
+    # ------------------------------------------------------------------ I/O outcomes
+    def outcome(self, fut, key: StateKey, op: str) -> int:
+        """Wait for one read or write and count its bytes.
+
+        Args:
+            fut: the Future-like handle a backend returned.
+            key: the state it moves (named in the error).
+            op: ``"read"`` or ``"write"``.
+
+        Returns:
+            What the future returned (the bytes moved, where the backend says).
+
+        Raises:
+            StateStoreIOError: the I/O failed (a ``StateStoreError`` is raised as it is).
+        """
+        try:
+            n = fut.result()
+        except StateStoreError:
+            raise
+        except OSError as e:
+            raise StateStoreIOError(e.errno, f"{op} of state {key} failed: {e}") from e
+        except Exception as e:
+            raise StateStoreIOError(f"{op} of state {key} failed: {e}") from e
+        if isinstance(n, int):
+            if op == "read":
+                self.bytes_read += n
+            else:
+                self.bytes_written += n
+        return n
+
+    # ------------------------------------------------------------------ pending writes
+    def add(self, region: Optional[RingRegion], writes: List[SliceIO]) -> None:
+        """Record the writes of one unit; ``region`` (its ring bytes) is released once every
+        one of them has completed."""
+        self._pending.append(_Batch(region, writes))
+        self.poll()
+
+    def __bool__(self) -> bool:
+        """Whether any write is still recorded as in flight."""
+        return bool(self._pending)
+
+    def poll(self) -> None:
+        """Never blocks: retire the oldest units whose writes have all completed."""
+        while self._pending and self._pending[0].done():
+            self._complete(self._pending.popleft())
+
+    def wait_oldest(self) -> bool:
+        """Wait for the oldest unit's writes (False when none is in flight). A failure is
+        recorded (the state is damaged, the error raised by :meth:`raise_error`)."""
+        if not self._pending:
+            return False
+        self._complete(self._pending.popleft())
+        return True
+
+    def drain(self) -> None:
+        """Wait for every write in flight, then raise the first error not yet raised."""
+        while self.wait_oldest():
+            pass
+        self.raise_error()
+
+    def _complete(self, batch: _Batch) -> None:
+        try:
+            for s, fut in batch.writes:
+                try:
+                    self.outcome(fut, s.key, "write")
+                except StateStoreError as e:
+                    self._damaged.setdefault(s.key, e)
+                    if self._error is None:
+                        self._error = e
+        finally:
+            if batch.region is not None and self._ring is not None:
+                self._ring.release(batch.region)
+
+    def _overlaps(self, s: Slice, key: StateKey, start: int, stop: Optional[int]) -> bool:
+        """Whether pending-write slice ``s`` touches a disk block of ``key``'s elements
+        ``[start, stop)`` (``stop=None``: the whole state). Blocks, not elements: a write that
+        ends inside a block merges that block, so two slices sharing one are ordered."""
+        if s.key != key:
+            return False
+        if stop is None:
+            return True
+        size, align = self._spec(key).itemsize, self.alignment
+        return s.start * size // align < -(-stop * size // align) \
+            and start * size // align < -(-s.stop * size // align)
+
+    def busy(self, key: StateKey, start: int = 0, stop: Optional[int] = None) -> bool:
+        """True when a write of ``key`` (of a block holding one of its elements
+        ``[start, stop)``, when given) is still in flight; never blocks."""
+        self.poll()
+        return any(self._overlaps(w.slice, key, start, stop)
+                   for b in self._pending for w in b.writes)
+
+    def wait_for(self, key: StateKey, start: int = 0, stop: Optional[int] = None) -> None:
+        """Wait for the writes of ``key`` (only those of blocks holding its elements
+        ``[start, stop)``, when given): later slices of a large state are read while earlier
+        ones are still being written.
+
+        Raises:
+            StateStoreIOError: a background write failed (the first error not yet raised).
+        """
+        last = -1
+        for i, b in enumerate(self._pending):
+            if any(self._overlaps(w.slice, key, start, stop) for w in b.writes):
+                last = i
+        for _ in range(last + 1):
+            self.wait_oldest()
+        self.raise_error()
+
+    def raise_error(self) -> None:
+        """Raise the first background write error not yet raised (retiring finished writes
+        first)."""
+        self.poll()
+        err, self._error = self._error, None
+        if err is not None:
+            raise err
+
+    def forget(self) -> None:
+        """Drop every record of writes in flight without waiting (their futures must never
+        complete into the ring again: tests of ordering only)."""
+        self._pending.clear()
+
+    # ------------------------------------------------------------------ damaged states
+    def mark_damaged(self, keys: Iterable[StateKey], err: BaseException) -> None:
+        """Record that the last write of ``keys`` failed with ``err``."""
+        for k in keys:
+            self._damaged.setdefault(k, err)
+
+    def repaired(self, key: StateKey) -> None:
+        """``key`` gets a whole new value (put, delete, a load): no longer stale."""
+        self._damaged.pop(key, None)
+
+    def is_damaged(self, key: StateKey) -> bool:
+        """Whether ``key``'s last write failed."""
+        return key in self._damaged
+
+    def check_damaged(self, key: StateKey) -> None:
+        """Refuse a state whose last write failed: its stored value is stale, and handing it
+        out would let training or a checkpoint go on silently with lost updates.
+
+        Raises:
+            StateStoreIOError: ``key``'s last write failed (naming that write's error).
+        """
+        err = self._damaged.get(key)
+        if err is not None:
+            raise StateStoreIOError(
+                getattr(err, "errno", None) or errno.EIO,
+                f"state {key} lost an update: its last write failed ({err}); its stored value "
+                "is stale until put(), delete() or load_checkpoint() replaces it",
+                getattr(err, "filename", None))

@@ -1,0 +1,123 @@
+"""The ring of host buffers a streaming store's pipelines carve their units from: one aligned
+buffer of at most ``budget_bytes``, allocated and freed in FIFO order (the RAM bound)."""
+from __future__ import annotations
+
+from collections import deque
+from typing import Deque, NamedTuple, Optional
+
+import torch
+
+from .errors import BudgetError, StateStoreValueError
+
+__all__ = ["RingArena", "RingRegion", "Allocation", "round_up"]
+
+
+def round_up(n: int, align: int) -> int:
+    """``n`` rounded up to a multiple of ``align``."""
+    return (n + align - 1) // align * align
+
+
+class RingRegion:
+    """Bytes ``[start, end)`` of a ring, live until :meth:`RingArena.release` marks them free."""
+
+    __slots__ = ("start", "end", "released")
+
+    def __init__(self, start: int, end: int):
+        self.start, self.end, self.released = start, end, False
+
+    def __repr__(self) -> str:
+        return f"RingRegion({self.start}, {self.end}{', released' if self.released else ''})"
+
+
+class Allocation(NamedTuple):
+    """What :meth:`RingArena.try_alloc` hands out: where the bytes start, and the region to
+    release once they are no longer used."""
+
+    offset: int
+    region: RingRegion
+
+
+class RingArena:
+    """A ring of bytes carved from one aligned host buffer, allocated and freed in FIFO order.
+
+    Regions are released out of order (writes complete in any order) but the space is reused
+    only once every older region is released, which keeps allocation O(1) and the footprint
+    exactly ``capacity`` bytes.
+
+    Args:
+        buffer: a 1-D uint8 tensor, the ring's bytes.
+        align: every region starts at a multiple of it (and is a multiple of it long).
+        budget: the store's ``budget_bytes`` (the ring may be smaller while the states are);
+            default ``capacity``.
+
+    Raises:
+        StateStoreValueError: ``buffer`` is not a 1-D uint8 tensor.
+    """
+
+    def __init__(self, buffer: torch.Tensor, align: int, budget: Optional[int] = None):
+        if buffer.dtype != torch.uint8 or buffer.dim() != 1:
+            raise StateStoreValueError("arena buffer must be a 1-D uint8 tensor")
+        self.buffer = buffer
+        self.capacity = buffer.numel()
+        self.align = align
+        self.budget = budget if budget is not None else self.capacity
+        self._head = 0                                  # where the next region starts
+        self._regions: Deque[RingRegion] = deque()      # allocation order
+
+    @property
+    def used(self) -> int:
+        """Bytes held by live regions."""
+        return sum(r.end - r.start for r in self._regions)
+
+    def try_alloc(self, nbytes: int) -> Optional[Allocation]:
+        """``nbytes`` (rounded up to ``align``, at least one block) of the ring.
+
+        Returns:
+            An :class:`Allocation` ``(offset, region)``, or None when the ring has no room now.
+
+        Raises:
+            BudgetError: ``nbytes`` exceeds the budget, or the ring (which could not grow).
+        """
+        nbytes = round_up(max(nbytes, 1), self.align)
+        if nbytes > self.budget:
+            raise BudgetError(f"a pipeline unit of {nbytes} bytes exceeds the RAM budget of "
+                              f"{self.budget} bytes; raise budget_bytes or use smaller units")
+        if nbytes > self.capacity:
+            raise BudgetError(f"a pipeline unit of {nbytes} bytes exceeds the {self.capacity}-byte "
+                              f"ring of host buffers, sized for the states that existed when it "
+                              f"was allocated (budget_bytes is {self.budget}); it could not grow "
+                              f"because another pipeline still holds buffers in it: finish or "
+                              f"close that pipeline first")
+        self._reclaim()
+        if not self._regions:
+            start = 0
+        else:
+            tail, head = self._regions[0].start, self._head
+            if head > tail:                 # live bytes in [tail, head)
+                if head + nbytes <= self.capacity:
+                    start = head
+                elif nbytes <= tail:        # wrap; [head, capacity) stays unused this lap
+                    start = 0
+                else:
+                    return None
+            elif head + nbytes <= tail:     # wrapped: live in [tail, cap) and [0, head)
+                start = head
+            else:
+                return None
+        region = RingRegion(start, start + nbytes)
+        self._regions.append(region)
+        self._head = start + nbytes
+        return Allocation(start, region)
+
+    def release(self, region: RingRegion) -> None:
+        """Marks a region free; its space is reused once all older regions are free too."""
+        region.released = True
+        self._reclaim()
+
+    def _reclaim(self) -> None:
+        while self._regions and self._regions[0].released:
+            self._regions.popleft()
+
+    def view(self, offset: int, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of the ring's buffer from ``offset``."""
+        return self.buffer[offset:offset + nbytes]
