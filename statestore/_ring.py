@@ -9,12 +9,19 @@ import torch
 
 from .errors import BudgetError, StateStoreValueError
 
-__all__ = ["RingArena", "RingRegion", "Allocation", "round_up"]
+__all__ = ["RingArena", "RingRegion", "Allocation", "aligned_buffer", "round_up"]
 
 
 def round_up(n: int, align: int) -> int:
     """``n`` rounded up to a multiple of ``align``."""
     return (n + align - 1) // align * align
+
+
+def aligned_buffer(nbytes: int, align: int) -> torch.Tensor:
+    """``nbytes`` of pageable host memory (1-D uint8) starting at a multiple of ``align``."""
+    raw = torch.empty(nbytes + align, dtype=torch.uint8)
+    off = (-raw.data_ptr()) % align
+    return raw[off:off + nbytes]
 
 
 class RingRegion:

@@ -3,14 +3,15 @@ returns, and the one way ``get``/``put``, checkpoints, ``state_dict()`` and fp32
 export read or write whole states without holding them in RAM."""
 from __future__ import annotations
 
-from typing import Iterator, List, NamedTuple, Tuple
+from typing import Callable, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 
-from ._types import Slice, StateSpec
+from ._types import Slice, StateKey, StateSpec, as_key
+from .errors import StateStoreValueError
 from .pipeline import StatePipeline
 
-__all__ = ["Chunk", "StateStream", "chunk_ranges"]
+__all__ = ["Chunk", "StateStream", "chunk_ranges", "plan_slices"]
 
 
 def chunk_ranges(spec: StateSpec, limit: int, cut_bytes: int) -> List[Tuple[int, int]]:
@@ -22,6 +23,28 @@ def chunk_ranges(spec: StateSpec, limit: int, cut_bytes: int) -> List[Tuple[int,
     align = max(1, cut_bytes // max(spec.itemsize, 1))
     step = max(align, (limit // max(spec.itemsize, 1)) // align * align)
     return [(a, min(a + step, spec.numel)) for a in range(0, spec.numel, step)]
+
+
+def plan_slices(keys, chunk_bytes: Optional[int],
+                ranges: Callable[[StateKey, Optional[int]], List[Tuple[int, int]]]) -> List[Slice]:
+    """The slices :meth:`StateStore.stream` moves ``keys`` (a key or an iterable of them)
+    in: each state whole, in the element ranges ``ranges(key, chunk_bytes)`` (the store's
+    chunking; ``chunk_bytes`` None: its default).
+
+    Raises:
+        StateStoreValueError: a bad key or ``chunk_bytes``. StateKeyError: no such state.
+    """
+    if chunk_bytes is not None and (isinstance(chunk_bytes, bool)
+                                    or not isinstance(chunk_bytes, int) or chunk_bytes <= 0):
+        raise StateStoreValueError(f"stream: chunk_bytes must be a positive int or None, "
+                                   f"got {chunk_bytes!r}")
+    if isinstance(keys, (str, StateKey)):
+        keys = [keys]
+    slices: List[Slice] = []
+    for key in keys:
+        k = as_key(key)
+        slices += [Slice(k, a, b) for a, b in ranges(k, chunk_bytes)]
+    return slices
 
 
 class Chunk(NamedTuple):

@@ -2,17 +2,14 @@
 top of the backend primitives: the catalogue, ``get``/``put``, the pipeline and ``stream``,
 prefetch, ``sync``, metadata, checkpoints, stats and lifetime.
 
-A store holds named state tensors (keys are :class:`~statestore.StateKey`) plus the optimizer
-metadata attached to it. Backends subclass one of two kinds (``statestore/backends/base.py``):
-:class:`~statestore.ResidentStore` (states in addressable memory: ``_allocate``, ``_free``,
-``_view``; the pipeline hands out live views) or :class:`~statestore.StreamingStore` (states
-moved with I/O: ``_allocate``, ``_free``, ``_submit_read``, ``_submit_write``, usually
-``_alloc_host_buffer`` and ``_flush``; the pipeline moves them through a ring of host buffers
-of ``budget_bytes``, whose write-behind is ``store.in_flight``). The primitives keep their
-leading underscore: users never call them; this module, the pipeline and the backends do.
-
-Order of calls a backend sees: ``__init__`` → (``_allocate`` | ``_free`` | ``_view`` |
-``_submit_read`` | ``_submit_write``)* → ``_flush`` (from :meth:`sync`) → ``_close``.
+Backends subclass one of two kinds (``statestore/backends/base.py``): ``ResidentStore``
+(``_allocate``, ``_free``, ``_view``: the pipeline hands out live views) or
+``StreamingStore`` (``_allocate``, ``_free``, ``_submit_read``, ``_submit_write``, usually
+``_alloc_host_buffer`` and ``_flush``: states move through a ring of host buffers of
+``budget_bytes``, whose write-behind is ``store.in_flight``). The primitives keep their
+leading underscore: users never call them; the store, the pipeline and the backends do.
+A backend sees ``__init__`` → (``_allocate`` | ``_free`` | ``_view`` | ``_submit_read`` |
+``_submit_write``)* → ``_flush`` (from :meth:`sync`) → ``_close``.
 
 Stores are not thread-safe: one thread drives a store (its own background I/O aside).
 """
@@ -26,8 +23,9 @@ import torch
 
 from ._entries import check_entries, check_value
 from ._inflight import InFlightWrites
+from ._ring import aligned_buffer
 from ._links import LinkSeam
-from ._stream import StateStream, chunk_ranges
+from ._stream import StateStream, chunk_ranges, plan_slices
 from ._types import LinkableFile, Slice, StateKey, StateSpec, as_key
 from .errors import StateKeyError, StateStoreClosedError, StateStoreError, StateStoreValueError
 from .kernels import stream_copy_
@@ -44,14 +42,20 @@ CHUNK_BYTES = 16 << 20
 
 
 class StateStore(LinkSeam, ABC):
-    """Abstract base of every state store. See the module docstring for the backend contract.
+    """The base every store is an instance of; backends subclass
+    :class:`~statestore.ResidentStore` or :class:`~statestore.StreamingStore` (module
+    docstring).
 
     Args:
-        budget_bytes: RAM budget of the pipeline's host buffers (non-resident stores only;
+        budget_bytes: RAM budget of the pipeline's host buffers (streaming stores only;
             default :data:`DEFAULT_BUDGET_BYTES`). Resident stores ignore it.
+
+    Raises:
+        StateStoreValueError: ``budget_bytes`` is not a positive int.
     """
 
-    #: True when states live in addressable memory and the pipeline hands out views.
+    #: True when states live in addressable memory and the pipeline hands out views (set by
+    #: the kind: True for ResidentStore, False for StreamingStore; TieredStore derives it).
     resident: bool = True
     #: Byte alignment of buffer offsets and file offsets for non-resident stores.
     alignment: int = 1
@@ -103,10 +107,7 @@ class StateStore(LinkSeam, ABC):
 
     def _alloc_host_buffer(self, nbytes: int) -> torch.Tensor:
         """A 1-D uint8 host buffer for the pipeline's ring; aligned to :attr:`alignment`."""
-        extra = self.alignment
-        raw = torch.empty(nbytes + extra, dtype=torch.uint8)
-        off = (-raw.data_ptr()) % extra
-        return raw[off:off + nbytes]
+        return aligned_buffer(nbytes, self.alignment)
 
     def _flush(self) -> None:
         """Make every completed write durable (e.g. fsync)."""
@@ -139,7 +140,11 @@ class StateStore(LinkSeam, ABC):
         return len(self._specs)
 
     def spec(self, key) -> StateSpec:
-        """Shape and dtype of a state; :class:`StateKeyError` when unknown."""
+        """Shape and dtype of a state.
+
+        Raises:
+            StateKeyError: no such state. StateStoreValueError: not a state key.
+        """
         k = as_key(key)
         try:
             return self._specs[k]
@@ -148,15 +153,21 @@ class StateStore(LinkSeam, ABC):
 
     def create(self, key, shape: Sequence[int], dtype: torch.dtype = torch.float32,
                init: Optional[torch.Tensor] = None) -> None:
-        """Create one state, zero-filled or copied from ``init``."""
+        """Create one state, zero-filled or copied from ``init``; as :meth:`create_many`."""
         self.create_many([(key, shape, dtype, init)])
 
     def create_many(self, entries: Iterable[Tuple[Any, Sequence[int], torch.dtype,
                                                     Optional[torch.Tensor]]]) -> None:
         """Create several states at once (backends may lay them out together).
 
-        Each entry is ``(key, shape, dtype, init)``; ``init`` (or None for zeros) must have
-        the given shape.
+        Args:
+            entries: ``(key, shape, dtype, init)`` tuples; ``init`` (None for zeros) is a
+                dense tensor of the given shape; dtypes are those of the checkpoint format.
+
+        Raises:
+            StateKeyError: a key exists already (or twice in ``entries``); nothing created.
+            StateStoreValueError: a malformed entry (names the state and what is wrong).
+            StateStoreIOError: the backend cannot hold them (e.g. ENOSPC, naming bytes).
         """
         self._check_open()
         self.cancel_prefetch()
@@ -170,7 +181,15 @@ class StateStore(LinkSeam, ABC):
             self.put(k, init)
 
     def delete(self, keys) -> None:
-        """Remove states and release their storage."""
+        """Remove states and release their storage (after waiting for pending writes).
+
+        Args:
+            keys: a state key or an iterable of them.
+
+        Raises:
+            StateKeyError: a key names no state (nothing removed).
+            StateStoreIOError: a background write failed (raised by the wait).
+        """
         self._check_open()
         self.cancel_prefetch()
         if isinstance(keys, (str, StateKey)):
@@ -264,11 +283,10 @@ class StateStore(LinkSeam, ABC):
 
     def _chunks(self, spec: StateSpec, limit: Optional[int] = None) -> List[Tuple[int, int]]:
         """Element ranges of at most ``limit`` bytes, cut at :meth:`cut_alignment`, that
-        ``get``/``put``, checkpoint loads (default ``limit``) and saves move ``spec``'s state
-        in. The default is half the budget, and for non-resident stores at most
-        ``CHUNK_BYTES``, so that copying one chunk overlaps the disk transfer of the previous
-        (256 MiB of puts into an NVMeStore: 3.7 GB/s with whole 64 MiB states as chunks,
-        5.0 GB/s with 16 MiB chunks, same run)."""
+        :meth:`stream` moves ``spec``'s state in. Default: half the budget, and at most
+        ``CHUNK_BYTES`` on streaming stores, so that copying one chunk overlaps the transfer
+        of the previous (256 MiB of puts into an NVMeStore: 3.7 GB/s with whole 64 MiB states
+        as chunks, 5.0 GB/s with 16 MiB chunks, same run)."""
         if limit is None:
             limit = (self.budget_bytes // 2 if self.resident
                      else min(self.budget_bytes // 2, CHUNK_BYTES))
@@ -343,16 +361,7 @@ class StateStore(LinkSeam, ABC):
         """
         self._check_open()
         check_mode(mode)
-        if chunk_bytes is not None and (isinstance(chunk_bytes, bool)
-                                        or not isinstance(chunk_bytes, int) or chunk_bytes <= 0):
-            raise StateStoreValueError(f"stream: chunk_bytes must be a positive int or None, "
-                                       f"got {chunk_bytes!r}")
-        if isinstance(keys, (str, StateKey)):
-            keys = [keys]
-        slices = []
-        for key in keys:
-            k = as_key(key)
-            slices += [Slice(k, a, b) for a, b in self._chunks(self.spec(k), chunk_bytes)]
+        slices = plan_slices(keys, chunk_bytes, lambda k, lim: self._chunks(self.spec(k), lim))
         return StateStream(self.pipeline([[s] for s in slices], mode=mode, wait=wait), slices)
 
     def prefetch(self, units: Sequence[Sequence[Slice]], mode: str = "rw") -> None:
@@ -414,7 +423,12 @@ class StateStore(LinkSeam, ABC):
         self._in_flight.check_damaged(key)
 
     def sync(self) -> None:
-        """Wait for every background write, make it durable, and raise the first error."""
+        """Wait for every background write, make it durable (e.g. fsync), and raise the first
+        error. A no-op on a closed store.
+
+        Raises:
+            StateStoreIOError: a background write or the flush failed.
+        """
         if self._closed:
             return
         self._in_flight.drain()
@@ -517,7 +531,14 @@ class StateStore(LinkSeam, ABC):
 
     # ------------------------------------------------------------------ stats and lifetime
     def stats(self) -> Dict[str, Any]:
-        """``nbytes`` and ``ntensors`` of the states held, plus backend figures."""
+        """What the store holds and has moved.
+
+        Returns:
+            A dict with ``backend``, ``nbytes`` (bytes of states held), ``ntensors``,
+            ``device`` and ``resident``; streaming stores add ``budget_bytes``,
+            ``buffer_bytes`` (the ring now), ``bytes_read`` and ``bytes_written``; then the
+            backend's own figures (pinned bytes, bytes on disk, ...).
+        """
         out: Dict[str, Any] = {
             "backend": type(self).__name__,
             "nbytes": sum(s.nbytes for s in self._specs.values()),
@@ -544,7 +565,11 @@ class StateStore(LinkSeam, ABC):
 
     def close(self) -> None:
         """Wait for pending writes, then release memory, descriptors and temporary files.
-        Idempotent. A background write error is raised after everything is released."""
+        Idempotent.
+
+        Raises:
+            StateStoreError: a background write failed (raised after everything is released).
+        """
         if self._closed:
             return
         err = None
