@@ -29,7 +29,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import torch
 
-from ._parquet_guard import MAX_NDIM
+from .checkpoint.parquet_guard import MAX_NDIM
 from ._types import Slice, StateKey, StateSpec
 from .errors import (StateKeyError, StateStoreClosedError, StateStoreError, StateStoreIOError,
                      StateStoreValueError)
@@ -635,6 +635,53 @@ class StateStore(ABC):
             self._on_load = (lambda f: lambda: f)(on_load)
         if not (isinstance(process_group, str) and process_group == "keep"):
             self._process_group = process_group
+
+    # ------------------------------------------------------------------ checkpoint state
+    # What statestore.checkpoint reads and records on a store: its only way to the attached
+    # optimizer's metadata, the group the states are sharded over and a sharded load's
+    # states left on disk.
+    @property
+    def process_group(self) -> Any:
+        """The ``torch.distributed`` group this store's states are sharded over (the
+        attached optimizer's ``process_group``, or the group a sharded
+        :meth:`load_checkpoint` used), else None. ``save_checkpoint`` is a collective over
+        it."""
+        return self._process_group
+
+    @property
+    def deferred(self) -> Any:
+        """The :class:`statestore.checkpoint.Deferred` states a sharded
+        :meth:`load_checkpoint` left on disk (other ranks' shards), else None."""
+        return self._deferred
+
+    def detach_metadata(self) -> None:
+        """Forget the attached optimizer's metadata provider (its ``on_load`` stays):
+        :meth:`load_checkpoint` replaces the states that metadata described."""
+        self._metadata_provider = None
+
+    def record_load(self, metadata: Optional[dict], deferred: Any = None,
+                    process_group: Any = None) -> None:
+        """Record a completed :meth:`load_checkpoint`, then tell the attached optimizer.
+
+        Args:
+            metadata: the checkpoint's optimizer metadata (:attr:`loaded_metadata`).
+            deferred: the states left on disk for other ranks (:attr:`deferred`), or None.
+            process_group: the group the load sharded over (None when nothing was
+                deferred).
+
+        Raises:
+            CheckpointMismatchError: the attached optimizer does not fit the checkpoint.
+        """
+        self._loaded_metadata = metadata
+        self._deferred = deferred
+        self._process_group = process_group
+        self._loaded()
+
+    def record_deferred_loaded(self) -> None:
+        """Every state a sharded load deferred is now here: the store holds the whole
+        checkpoint and is sharded over no group."""
+        self._deferred = None
+        self._process_group = None
 
     def _loaded(self) -> None:
         """:meth:`load_checkpoint` replaced the states: tell the attached optimizer, if it is

@@ -226,7 +226,8 @@ def test_resave_same_path_interrupted_keeps_old(kind, tmp_path, monkeypatch):
         s.save_checkpoint(path, shard_bytes=4096, progress=False, metadata={"round": 1})
         before = H.file_hashes(path)
         s.put("w1/exp_avg", torch.zeros(1037))
-        real = ckpt_mod._commit
+        from statestore.checkpoint import writer
+        real = writer.commit
         calls = []
 
         def dying_commit(fs, f, tmp, final):
@@ -235,10 +236,10 @@ def test_resave_same_path_interrupted_keeps_old(kind, tmp_path, monkeypatch):
                 raise KeyboardInterrupt("killed midway")
             real(fs, f, tmp, final)
 
-        monkeypatch.setattr(ckpt_mod, "_commit", dying_commit)
+        monkeypatch.setattr(writer, "commit", dying_commit)
         with pytest.raises(KeyboardInterrupt):
             s.save_checkpoint(path, shard_bytes=4096, progress=False, metadata={"round": 2})
-        monkeypatch.setattr(ckpt_mod, "_commit", real)
+        monkeypatch.setattr(writer, "commit", real)
         assert H.file_hashes(path) == before
         with ss.DeviceStore("cpu") as d:
             d.load_checkpoint(path, progress=False)

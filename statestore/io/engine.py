@@ -42,6 +42,7 @@ import torch
 from statestore.errors import StateStoreClosedError, StateStoreIOError, StateStoreValueError
 
 from ._native import native, native_error
+from .buffers import buffer_address, byte_view
 from .files import DIRECT_ALIGNMENT, IOFile
 
 __all__ = [
@@ -68,22 +69,6 @@ class IOFuture(Future):
 
     def cancel(self) -> bool:  # noqa: D401 - Future API
         return False
-
-
-def _buffer_ptr_nbytes(buffer: Any) -> tuple[int, int, Any]:
-    """(address, byte size, object to keep alive) of a contiguous CPU tensor or AlignedBuffer."""
-    from .buffers import AlignedBuffer
-
-    if isinstance(buffer, AlignedBuffer):
-        buffer = buffer.tensor
-    if not isinstance(buffer, torch.Tensor):
-        raise StateStoreValueError(f"buffer must be a CPU torch.Tensor or AlignedBuffer, got "
-                                   f"{type(buffer).__name__}")
-    if buffer.device.type != "cpu":
-        raise StateStoreValueError(f"buffer must be in CPU memory, got device {buffer.device}")
-    if not buffer.is_contiguous():
-        raise StateStoreValueError("buffer must be contiguous; call .contiguous() first")
-    return buffer.data_ptr(), buffer.numel() * buffer.element_size(), buffer
 
 
 class IOEngine(abc.ABC):
@@ -128,7 +113,7 @@ class IOEngine(abc.ABC):
             raise StateStoreValueError(f"file must be an IOFile, got {type(file).__name__}")
         if file.closed:
             raise StateStoreIOError(_errno.EBADF, f"'{file.path}' is closed", file.path)
-        ptr, size, keep = _buffer_ptr_nbytes(buffer)
+        ptr, size, keep = buffer_address(buffer)
         if nbytes is None:
             nbytes = size
         if not isinstance(nbytes, int) or nbytes < 0 or nbytes > size:
@@ -318,7 +303,7 @@ class PyThreadsEngine(IOEngine):
 
         def run():
             try:
-                mv = _as_bytes(keep, ptr, nbytes)
+                mv = byte_view(keep, ptr, nbytes)
                 done = 0
                 while done < nbytes:
                     n = min(self.block_size, nbytes - done)
@@ -358,13 +343,6 @@ class PyThreadsEngine(IOEngine):
     def stats(self) -> dict:
         return dict(self._stats, engine=self.name, queue_depth=self.queue_depth,
                     block_size=self.block_size)
-
-
-def _as_bytes(keep: torch.Tensor, ptr: int, nbytes: int):
-    """A writable byte view of ``nbytes`` at ``ptr`` inside tensor ``keep``."""
-    flat = keep.reshape(-1).view(torch.uint8)
-    start = ptr - flat.data_ptr()
-    return flat[start:start + nbytes].numpy()
 
 
 # --- registry and probing ---------------------------------------------------------------------
