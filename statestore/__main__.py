@@ -216,7 +216,19 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point; returns the exit status."""
+    """Run one command of the ``statestore`` CLI (``inspect``, ``verify``, ``convert``).
+
+    Args:
+        argv: the command line without the program name (None: ``sys.argv[1:]``).
+
+    Returns:
+        The exit status: 0 success, 1 a damaged or missing checkpoint or any other
+        :class:`~statestore.StateStoreError` (printed on stderr as ``statestore CMD: error:
+        ...``).
+
+    Raises:
+        SystemExit: with status 2 on a usage error (argparse), or 0 for ``--help``.
+    """
     args = _parser().parse_args(argv)
     from .errors import StateStoreError
     cmd = {"inspect": _cmd_inspect, "verify": _cmd_verify, "convert": _cmd_convert}[args.cmd]

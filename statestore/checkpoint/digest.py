@@ -20,7 +20,7 @@ format's order, metadata sorted by key, the checksum key itself left out.
 from __future__ import annotations
 
 import json
-from typing import Dict, Iterable, List, Mapping
+from typing import Iterable, List, Mapping
 
 import xxhash
 

@@ -1,19 +1,19 @@
 """Loading a checkpoint by linking its shards instead of copying them.
 
-Where a store can take a shard file as its own (:meth:`StateStore._adopt`: an
+Where a store can take a shard file as its own (:meth:`StateStore._adopt_file`: an
 :class:`~statestore.NVMeStore` on the checkpoint's filesystem, for shards whose tensors are
 laid out for direct I/O, as those of a linked save are), :func:`link_shards` hard-links it
 into the store, frozen: the store never writes it (writes of its states go to a new file,
 copy-on-write, as after a linked save), so the checkpoint stays immutable and a resume of
 tens of GB costs no disk and no copy. Once the checkpoint is removed, the store's link is the
-file's only name and the store writes into it in place (it is reopened for writing). The checksums are still verified: every linked state is
-read once through the store's pipeline (direct I/O, the store's RAM budget) and hashed
-(:func:`verify_linked`). Other shards, and other stores or filesystems, are copied as before.
+file's only name and the store writes into it in place (it is reopened for writing). The
+checksums are still verified: every linked state is read once through the store's pipeline
+(direct I/O, the store's RAM budget) and hashed (:func:`verify_linked`). Other shards, and
+other stores or filesystems, are copied as before.
 """
 from __future__ import annotations
 
 import json
-import os
 import struct
 from typing import Dict, List
 

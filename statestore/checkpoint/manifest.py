@@ -111,10 +111,24 @@ def _check_digest(mpath: str, columns: Dict[str, list], smeta: Dict[str, str]) -
 def read_manifest(path: str) -> Manifest:
     """Read and validate the manifest of the checkpoint at ``path``.
 
-    Raises :class:`CheckpointNotFoundError` when there is no complete checkpoint, and
-    :class:`CheckpointCorruptError` naming the problem when the manifest is unreadable, of
-    another format or version, or inconsistent. Decoding is bounded: see
-    :mod:`statestore.checkpoint.parquet_guard`.
+    Decoding is bounded by the manifest's size (:mod:`statestore.checkpoint.parquet_guard`);
+    shard files are not opened (:func:`statestore.checkpoint.shard_check.check_shard_header`
+    checks them).
+
+    Args:
+        path: the checkpoint directory: a local path or any fsspec URL.
+
+    Returns:
+        The :class:`~statestore.checkpoint.format.Manifest`: rows, optimizer metadata and
+        format fields.
+
+    Raises:
+        StateStoreValueError: ``path`` is not a path, or its protocol is unknown.
+        CheckpointNotFoundError: there is no complete checkpoint at ``path`` (the message
+            says what is there instead).
+        CheckpointCorruptError: the manifest is unreadable, too large, not of this format,
+            inconsistent, or fails its checksum (the message names the problem).
+        CheckpointError: the manifest is of another format version.
     """
     fs, root = resolve(path)
     mpath = join(root, MANIFEST)

@@ -1,4 +1,5 @@
-"""Checks of whole checkpoint files beyond their listed tensors (``docs/errors.md``,
+"""Checks of a checkpoint's shard files against its manifest (:func:`check_shard_header`),
+and of whole files beyond their listed tensors (``docs/errors.md``,
 "Untrusted checkpoint bytes"; ``docs/checkpoint-format.md``, "What verify checks").
 
 Tensor checksums cover the bytes a load copies. The rest of a shard decides whether stock
@@ -143,11 +144,24 @@ def check_zeros(f, fpath: str, ranges: List[Tuple[int, int]]) -> None:
 
 
 def check_shard_header(m: Manifest, name: str, rows: Sequence[ManifestRow]) -> int:
-    """Check a shard's safetensors header against the manifest; returns the file size.
+    """Check a shard's safetensors header, and the whole file, against the manifest.
 
     After it, every listed tensor lies in the shard's data section, inside the file, and no
     two overlap: loading allocates at most the shard's size for them, and reads nothing
-    outside it."""
+    outside it.
+
+    Args:
+        m: the checkpoint's manifest.
+        name: the shard's file name in the checkpoint directory.
+        rows: the manifest rows that name the shard.
+
+    Returns:
+        The shard's size in bytes.
+
+    Raises:
+        CheckpointCorruptError: the shard is missing, not a regular file, unreadable, or
+            disagrees with the manifest or with itself (the message names the problem).
+    """
     fpath = join(m.root, name)
     keys = [r["key"] for r in rows]
     try:

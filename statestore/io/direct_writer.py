@@ -115,6 +115,11 @@ class DirectWriter:
         self._cur, self._fill = None, 0
 
     def write(self, data) -> int:
+        """Accept ``data`` (any buffer) at the end of the file; returns its length.
+
+        Raises:
+            StateStoreIOError: an earlier buffer's write failed (names the file).
+        """
         self._check()
         mv = memoryview(data).cast("B")
         done = 0
@@ -132,9 +137,11 @@ class DirectWriter:
         return done
 
     def tell(self) -> int:
+        """Bytes accepted so far (the file's size once flushed)."""
         return self._pos
 
     def fileno(self) -> int:
+        """The file descriptor (for ``os.fsync`` after :meth:`flush`)."""
         return self._fd
 
     def flush(self) -> None:
@@ -156,6 +163,8 @@ class DirectWriter:
         self._thread.join()
 
     def close(self) -> None:
+        """Stop the writer thread and release the descriptor and buffers (idempotent);
+        bytes not flushed are lost."""
         if self._closed:
             return
         self._closed = True
