@@ -711,8 +711,18 @@ class StateStore(ABC):
         """Write every state and the attached optimizer metadata to ``path`` (a local path or
         an fsspec URL), atomically. When the store holds one rank's shard (an optimizer with a
         ``process_group`` is attached, or the store was loaded over a group), this is a
-        collective: every rank calls it and one checkpoint results. See
-        :func:`statestore.checkpoint.save_checkpoint`."""
+        collective: every rank calls it and one checkpoint results.
+
+        Args:
+            path: a local directory or any fsspec URL.
+            **kwargs: ``shard_bytes``, ``progress``, ``metadata``, ``process_group``,
+                ``link``: see :func:`statestore.checkpoint.save_checkpoint`.
+
+        Raises:
+            StateStoreValueError, StateStoreClosedError, CheckpointError, StateStoreIOError:
+                as :func:`statestore.checkpoint.save_checkpoint`; the previous checkpoint at
+                ``path`` stays intact.
+        """
         from .checkpoint import save_checkpoint
         save_checkpoint(self, path, **kwargs)
 
@@ -721,8 +731,18 @@ class StateStore(ABC):
         any store, at any world size). Under an initialized ``torch.distributed`` group of
         several ranks, each rank loads only the shard it owns at that size. An optimizer
         already attached to the store takes the checkpoint's step counts and hyperparameters
-        (or forgets its step counts when the load fails and leaves the store empty). See
-        :func:`statestore.checkpoint.load_checkpoint`."""
+        (or forgets its step counts when the load fails and leaves the store empty).
+
+        Args:
+            path: the checkpoint directory: a local path or any fsspec URL.
+            **kwargs: ``progress``, ``process_group``, ``link``: see
+                :func:`statestore.checkpoint.load_checkpoint`.
+
+        Raises:
+            CheckpointNotFoundError, CheckpointCorruptError, CheckpointMismatchError,
+            StateStoreValueError, StateStoreClosedError, StateStoreIOError: as
+                :func:`statestore.checkpoint.load_checkpoint`; the store is then empty.
+        """
         from .checkpoint import load_checkpoint
         try:
             load_checkpoint(self, path, **kwargs)
@@ -741,7 +761,17 @@ class StateStore(ABC):
         """Load the states of parameters ``params`` (names) that a sharded
         :meth:`load_checkpoint` left on disk because another rank owned them; a no-op for
         those already here. Optimizers call it when their partition differs from the
-        load's (or they are not sharded)."""
+        load's (or they are not sharded).
+
+        Args:
+            params: parameter names.
+
+        Raises:
+            StateStoreClosedError: the store is closed.
+            CheckpointError: the checkpoint was replaced since the load.
+            CheckpointCorruptError: a file or tensor is damaged (the states this call
+                created are removed again).
+        """
         self._check_open()
         from .checkpoint import load_deferred
         load_deferred(self, params)
