@@ -25,6 +25,7 @@ from .engine import (
     probe_engine,
 )
 from .files import DIRECT_ALIGNMENT, IOFile, drop_page_cache
+from .requests import Op
 from ._tensornvme import TensorNVMeEngine
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "ENGINE_NAMES",
     "IOEngine",
     "IOFuture",
+    "Op",
     "TensorNVMeEngine",
     "NativeEngine",
     "PyThreadsEngine",

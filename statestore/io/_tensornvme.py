@@ -56,7 +56,7 @@ import xxhash
 from statestore.errors import StateStoreClosedError, StateStoreIOError, StateStoreValueError
 
 from .buffers import buffer_address, byte_view
-from .engine import IOFuture
+from .requests import IOFuture
 
 __all__ = ["TensorNVMeEngine", "unavailable_reason"]
 
