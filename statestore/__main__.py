@@ -92,15 +92,15 @@ def _open_tensor(m, r, verify: bool):
     import numpy as np
     import torch
     import xxhash
-    from .checkpoint import _is_local, _join
+    from .checkpoint.filesystem import is_local, join
     from .errors import CheckpointCorruptError
-    fpath = _join(m.root, r["file"])
+    fpath = join(m.root, r["file"])
     spec = r["spec"]
     if spec.nbytes == 0:
         if verify and xxhash.xxh3_64(b"").hexdigest() != r["checksum"]:
             raise CheckpointCorruptError(f"{fpath}: checksum mismatch in tensor {r['key']!r}")
         return torch.empty(spec.shape, dtype=spec.dtype)
-    if _is_local(m.fs):
+    if is_local(m.fs):
         raw = np.memmap(fpath, dtype=np.uint8, mode="c", offset=r["offset"], shape=(spec.nbytes,))
     else:
         raw = np.frombuffer(bytearray(m.fs.cat_file(fpath, start=r["offset"],
@@ -119,15 +119,16 @@ def to_torch_state_dict(path: str, verify: bool = True) -> Dict[str, Any]:
     (metadata ``moment_dtype`` "bf16"/"int8") are decoded to fp32 tensors (in RAM).
     """
     import torch
-    from .checkpoint import _by_file, _check_shard_header, read_manifest
+    from .checkpoint import read_manifest
+    from .checkpoint.shard_check import by_file, check_shard_header
     from .errors import CheckpointError
     m = read_manifest(path)
     groups = m.metadata.get("param_groups")
     if not groups:
         raise CheckpointError(f"{path}: the checkpoint carries no optimizer metadata "
                               f"(param_groups); it cannot be numbered for torch")
-    for name, rows in _by_file(m.rows).items():
-        _check_shard_header(m, name, rows)
+    for name, rows in by_file(m.rows).items():
+        check_shard_header(m, name, rows)
     index: Dict[str, int] = {}
     out_groups = []
     for g in groups:
@@ -215,7 +216,19 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point; returns the exit status."""
+    """Run one command of the ``statestore`` CLI (``inspect``, ``verify``, ``convert``).
+
+    Args:
+        argv: the command line without the program name (None: ``sys.argv[1:]``).
+
+    Returns:
+        The exit status: 0 success, 1 a damaged or missing checkpoint or any other
+        :class:`~statestore.StateStoreError` (printed on stderr as ``statestore CMD: error:
+        ...``).
+
+    Raises:
+        SystemExit: with status 2 on a usage error (argparse), or 0 for ``--help``.
+    """
     args = _parser().parse_args(argv)
     from .errors import StateStoreError
     cmd = {"inspect": _cmd_inspect, "verify": _cmd_verify, "convert": _cmd_convert}[args.cmd]

@@ -6,7 +6,7 @@ from typing import Any, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from ._parquet_guard import MAX_NDIM
+from .checkpoint.parquet_guard import MAX_NDIM
 from ._types import StateKey, StateSpec, as_key
 from .errors import StateKeyError, StateStoreValueError
 

@@ -466,6 +466,53 @@ class StateStore(LinkSeam, ABC):
         if not (isinstance(process_group, str) and process_group == "keep"):
             self._process_group = process_group
 
+    # ------------------------------------------------------------------ checkpoint state
+    # What statestore.checkpoint reads and records on a store: its only way to the attached
+    # optimizer's metadata, the group the states are sharded over and a sharded load's
+    # states left on disk.
+    @property
+    def process_group(self) -> Any:
+        """The ``torch.distributed`` group this store's states are sharded over (the
+        attached optimizer's ``process_group``, or the group a sharded
+        :meth:`load_checkpoint` used), else None. ``save_checkpoint`` is a collective over
+        it."""
+        return self._process_group
+
+    @property
+    def deferred(self) -> Any:
+        """The :class:`statestore.checkpoint.Deferred` states a sharded
+        :meth:`load_checkpoint` left on disk (other ranks' shards), else None."""
+        return self._deferred
+
+    def detach_metadata(self) -> None:
+        """Forget the attached optimizer's metadata provider (its ``on_load`` stays):
+        :meth:`load_checkpoint` replaces the states that metadata described."""
+        self._metadata_provider = None
+
+    def record_load(self, metadata: Optional[dict], deferred: Any = None,
+                    process_group: Any = None) -> None:
+        """Record a completed :meth:`load_checkpoint`, then tell the attached optimizer.
+
+        Args:
+            metadata: the checkpoint's optimizer metadata (:attr:`loaded_metadata`).
+            deferred: the states left on disk for other ranks (:attr:`deferred`), or None.
+            process_group: the group the load sharded over (None when nothing was
+                deferred).
+
+        Raises:
+            CheckpointMismatchError: the attached optimizer does not fit the checkpoint.
+        """
+        self._loaded_metadata = metadata
+        self._deferred = deferred
+        self._process_group = process_group
+        self._loaded()
+
+    def record_deferred_loaded(self) -> None:
+        """Every state a sharded load deferred is now here: the store holds the whole
+        checkpoint and is sharded over no group."""
+        self._deferred = None
+        self._process_group = None
+
     def _loaded(self) -> None:
         """:meth:`load_checkpoint` replaced the states: tell the attached optimizer, if it is
         still alive (its ``on_load``), which may raise when the checkpoint does not fit it."""
@@ -494,8 +541,18 @@ class StateStore(LinkSeam, ABC):
         """Write every state and the attached optimizer metadata to ``path`` (a local path or
         an fsspec URL), atomically. When the store holds one rank's shard (an optimizer with a
         ``process_group`` is attached, or the store was loaded over a group), this is a
-        collective: every rank calls it and one checkpoint results. See
-        :func:`statestore.checkpoint.save_checkpoint`."""
+        collective: every rank calls it and one checkpoint results.
+
+        Args:
+            path: a local directory or any fsspec URL.
+            **kwargs: ``shard_bytes``, ``progress``, ``metadata``, ``process_group``,
+                ``link``: see :func:`statestore.checkpoint.save_checkpoint`.
+
+        Raises:
+            StateStoreValueError, StateStoreClosedError, CheckpointError, StateStoreIOError:
+                as :func:`statestore.checkpoint.save_checkpoint`; the previous checkpoint at
+                ``path`` stays intact.
+        """
         from .checkpoint import save_checkpoint
         save_checkpoint(self, path, **kwargs)
 
@@ -504,8 +561,18 @@ class StateStore(LinkSeam, ABC):
         any store, at any world size). Under an initialized ``torch.distributed`` group of
         several ranks, each rank loads only the shard it owns at that size. An optimizer
         already attached to the store takes the checkpoint's step counts and hyperparameters
-        (or forgets its step counts when the load fails and leaves the store empty). See
-        :func:`statestore.checkpoint.load_checkpoint`."""
+        (or forgets its step counts when the load fails and leaves the store empty).
+
+        Args:
+            path: the checkpoint directory: a local path or any fsspec URL.
+            **kwargs: ``progress``, ``process_group``, ``link``: see
+                :func:`statestore.checkpoint.load_checkpoint`.
+
+        Raises:
+            CheckpointNotFoundError, CheckpointCorruptError, CheckpointMismatchError,
+            StateStoreValueError, StateStoreClosedError, StateStoreIOError: as
+                :func:`statestore.checkpoint.load_checkpoint`; the store is then empty.
+        """
         from .checkpoint import load_checkpoint
         try:
             load_checkpoint(self, path, **kwargs)
@@ -524,7 +591,17 @@ class StateStore(LinkSeam, ABC):
         """Load the states of parameters ``params`` (names) that a sharded
         :meth:`load_checkpoint` left on disk because another rank owned them; a no-op for
         those already here. Optimizers call it when their partition differs from the
-        load's (or they are not sharded)."""
+        load's (or they are not sharded).
+
+        Args:
+            params: parameter names.
+
+        Raises:
+            StateStoreClosedError: the store is closed.
+            CheckpointError: the checkpoint was replaced since the load.
+            CheckpointCorruptError: a file or tensor is damaged (the states this call
+                created are removed again).
+        """
         self._check_open()
         from .checkpoint import load_deferred
         load_deferred(self, params)

@@ -180,7 +180,7 @@ def killed_mid_save(rank: int, world: int, port: int, out: str, kind: str) -> No
     """Save a good checkpoint, step once more, then start a second save into the same path
     during which rank 1 is SIGKILLed after writing its first shard."""
     import signal
-    from statestore import checkpoint as ckpt
+    from statestore.checkpoint import writer as ckpt_writer
     _init(rank, world, port)
     try:
         model = make_model()
@@ -203,12 +203,12 @@ def killed_mid_save(rank: int, world: int, port: int, out: str, kind: str) -> No
             f.write(early)
         train(model, opt, 2, 3, rank, world)
         if rank == 1:
-            real_commit = ckpt._commit
+            real_commit = ckpt_writer.commit
 
             def commit_then_die(fs, f, tmp, final):
                 real_commit(fs, f, tmp, final)
                 os.kill(os.getpid(), signal.SIGKILL)
-            ckpt._commit = commit_then_die
+            ckpt_writer.commit = commit_then_die
         store.save_checkpoint(os.path.join(out, "ckpt"), shard_bytes=512)
         with open(os.path.join(out, f"second-save-returned{rank}"), "w") as f:
             f.write("unexpected")

@@ -156,16 +156,17 @@ class _CountingStore(ss.DeviceStore):
 
 @contextlib.contextmanager
 def _guarded_fs(log: List[str]):
-    orig = ckpt._fs
+    from statestore.checkpoint import manifest as ckpt_manifest
+    orig = ckpt_manifest.resolve
 
     def guarded(path):
         fs, root = orig(path)
         return _GuardFS(fs, log), root
-    ckpt._fs = guarded
+    ckpt_manifest.resolve = guarded
     try:
         yield
     finally:
-        ckpt._fs = orig
+        ckpt_manifest.resolve = orig
 
 
 _POOLS: List[Any] = []      # proxy pools must outlive every buffer they allocated
@@ -317,7 +318,7 @@ def _manifest_rows(path: str) -> pa.Table:
 
 def _write_manifest(path: str, table: pa.Table) -> None:
     # Resealed (the manifest's own checksum recomputed): the checks behind it stay fuzzed.
-    from statestore._manifest_digest import sealed
+    from statestore.checkpoint.digest import sealed
     pq.write_table(sealed(table), os.path.join(path, ckpt.MANIFEST))
 
 

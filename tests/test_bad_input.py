@@ -183,7 +183,7 @@ def _rewrite_manifest(path: str, rows_fn=None, meta_fn=None) -> None:
         meta_fn(meta)
     # Resealed: the manifest's own checksum is recomputed, so each row reaches the check it
     # is about (an altered manifest that is not resealed is refused by its checksum).
-    from statestore._manifest_digest import sealed
+    from statestore.checkpoint.digest import sealed
     pq.write_table(sealed(table.replace_schema_metadata(meta)), mpath)
 
 

@@ -226,7 +226,8 @@ def test_resave_same_path_interrupted_keeps_old(kind, tmp_path, monkeypatch):
         s.save_checkpoint(path, shard_bytes=4096, progress=False, metadata={"round": 1})
         before = H.file_hashes(path)
         s.put("w1/exp_avg", torch.zeros(1037))
-        real = ckpt_mod._commit
+        from statestore.checkpoint import writer
+        real = writer.commit
         calls = []
 
         def dying_commit(fs, f, tmp, final):
@@ -235,10 +236,10 @@ def test_resave_same_path_interrupted_keeps_old(kind, tmp_path, monkeypatch):
                 raise KeyboardInterrupt("killed midway")
             real(fs, f, tmp, final)
 
-        monkeypatch.setattr(ckpt_mod, "_commit", dying_commit)
+        monkeypatch.setattr(writer, "commit", dying_commit)
         with pytest.raises(KeyboardInterrupt):
             s.save_checkpoint(path, shard_bytes=4096, progress=False, metadata={"round": 2})
-        monkeypatch.setattr(ckpt_mod, "_commit", real)
+        monkeypatch.setattr(writer, "commit", real)
         assert H.file_hashes(path) == before
         with ss.DeviceStore("cpu") as d:
             d.load_checkpoint(path, progress=False)
@@ -568,3 +569,43 @@ def test_load_into_tiered_store_with_a_small_disk_budget(tmp_path):
     assert isinstance(dst.tier_of("w/exp_avg"), ss.NVMeStore)
     assert torch.equal(dst.get("w/exp_avg"), big)
     dst.close()
+
+
+def test_manifest_rows_are_frozen_records(tmp_path):
+    """read_manifest's rows are ManifestRow records: the nine columns as attributes (also
+    read as a mapping, as the rows were before), the parsed spec and key, and no way to
+    change one after validation."""
+    import dataclasses
+    path = str(tmp_path / "ckpt")
+    with ss.DeviceStore("cpu") as s:
+        s.create("w/exp_avg", (2, 3), torch.float32)
+        s.create("b/master", (4,), torch.bfloat16)
+        s.put("w/exp_avg", torch.arange(6, dtype=torch.float32).view(2, 3))
+        s.save_checkpoint(path, progress=False)
+    m = ckpt_mod.read_manifest(path)
+    by_key = {r.key: r for r in m.rows}
+    r = by_key["w/exp_avg"]
+    assert isinstance(r, ckpt_mod.ManifestRow) and isinstance(m, ckpt_mod.Manifest)
+    assert (r.param, r.state, r.shape, r.dtype, r.nbytes) == ("w", "exp_avg", (2, 3), "F32", 24)
+    assert r.spec == ss.StateSpec((2, 3), torch.float32) and r.state_key == ss.StateKey("w",
+                                                                                         "exp_avg")
+    assert r["file"] == r.file and dict(r)["checksum"] == r.checksum
+    assert set(r) == set(ckpt_mod.SCHEMA.names) | {"spec", "state_key"}
+    assert by_key["b/master"].dtype == "BF16" and by_key["b/master"].spec.dtype == torch.bfloat16
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.offset = 0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        m.rows = []
+
+
+def test_import_statestore_does_not_load_the_checkpoint_package():
+    """The checkpoint package's names load on first use: importing statestore (whose stores
+    check tensor ranks against the manifest's limit) does not import pyarrow."""
+    import subprocess
+    code = ("import sys, statestore\n"
+            "assert 'pyarrow' not in sys.modules, 'pyarrow imported'\n"
+            "from statestore.checkpoint import save_checkpoint, read_manifest, FORMAT_VERSION\n"
+            "assert 'pyarrow' in sys.modules and FORMAT_VERSION == 1\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=300, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert r.returncode == 0, r.stderr[-2000:]

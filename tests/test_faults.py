@@ -519,7 +519,7 @@ def test_rollback_into_the_same_store_takes_the_checkpoints_step_counts(tmp_path
 def test_save_failing_after_its_manifest_is_committed_keeps_its_shards(tmp_path, monkeypatch):
     """A failure after the new manifest is in place (the directory fsync) is reported, but
     never removes the shards that manifest names: the new checkpoint stays valid."""
-    import statestore.checkpoint as ckpt_mod
+    from statestore.checkpoint import writer
     ck = str(tmp_path / "ck")
     with ss.DeviceStore("cpu") as store:
         named = F.make_params()
@@ -530,7 +530,7 @@ def test_save_failing_after_its_manifest_is_committed_keeps_its_shards(tmp_path,
 
         def fsync_fails(fs, root):
             raise OSError(errno.EIO, "Input/output error")
-        monkeypatch.setattr(ckpt_mod, "_fsync_dir", fsync_fails)
+        monkeypatch.setattr(writer, "fsync_dir", fsync_fails)
         with pytest.raises(ss.StateStoreIOError, match="Input/output error"):
             store.save_checkpoint(ck, progress=False)
     monkeypatch.undo()

@@ -183,7 +183,7 @@ def test_convert_verifies_checksums_of_empty_tensors(tmp_path):
     rows = table.to_pylist()
     empty = next(r for r in rows if r["nbytes"] == 0)
     empty["checksum"] = "0123456789abcdef"
-    from statestore._manifest_digest import sealed
+    from statestore.checkpoint.digest import sealed
     pq.write_table(sealed(pa.Table.from_pylist(rows, schema=table.schema)
                           .replace_schema_metadata(table.schema.metadata)), mpath)
     from statestore.__main__ import to_torch_state_dict

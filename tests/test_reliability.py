@@ -57,7 +57,7 @@ def _train(opt, named, start, n):
 def test_failed_linked_save_leaves_the_store_as_it_was(tmp_path, monkeypatch):
     """A linked save that fails after linking (here: ENOSPC writing its manifest) leaves no
     file frozen: the next step writes the store's files in place, as without the save."""
-    import statestore.checkpoint as C
+    from statestore.checkpoint import writer
     store = ss.NVMeStore(str(tmp_path / "s"), budget_bytes=F.NVME_BUDGET)
     named = F.make_params()
     opt = F.make_opt(named, store)
@@ -66,7 +66,7 @@ def test_failed_linked_save_leaves_the_store_as_it_was(tmp_path, monkeypatch):
 
     def full(*a, **k):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    monkeypatch.setattr(C.pq, "write_table", full)
+    monkeypatch.setattr(writer.pq, "write_table", full)
     with pytest.raises(ss.StateStoreIOError) as ei:
         store.save_checkpoint(str(tmp_path / "ck"), progress=False)
     assert ei.value.errno == errno.ENOSPC and ".manifest.parquet." in str(ei.value)
@@ -380,7 +380,7 @@ def test_manifest_symlinked_to_dev_zero_is_refused(tmp_path):
 
 
 def test_huge_manifest_is_refused_before_reading(tmp_path):
-    from statestore._shard_check import MAX_MANIFEST_BYTES
+    from statestore.checkpoint.shard_check import MAX_MANIFEST_BYTES
     from statestore.checkpoint import read_manifest
     ck = _small_checkpoint(tmp_path)
     mpath = os.path.join(ck, "manifest.parquet")
@@ -488,8 +488,8 @@ def test_linked_shards_keep_zero_pads_whatever_the_ring_held(tmp_path):
 
 _KILLED_HOLDING_BAR_LOCK = r"""
 import os, signal, sys, threading, torch, statestore as ss
-import statestore.checkpoint as C
-bar_type = type(C._progress(1, "x", False))
+from statestore.checkpoint.filesystem import progress
+bar_type = type(progress(1, "x", False))
 bar_type.get_lock()                      # made before the fork, as in a forkserver
 pid = os.fork()
 if pid == 0:                             # a sibling killed while it creates a bar

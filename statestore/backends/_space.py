@@ -66,7 +66,7 @@ def check_space(what: str, path: str, needed: int, extra_free: int = 0) -> None:
 
 def reclaimable_bytes(root: str, keep_prefix: str = "") -> int:
     """Bytes a checkpoint save into ``root`` frees once committed: the shards and temporaries
-    of earlier saves there (``checkpoint._remove_stale`` removes them) that no other name
+    of earlier saves there (``checkpoint.writer.remove_stale`` removes them) that no other name
     links (a shard still linked by a store or another checkpoint frees nothing)."""
     total = 0
     try:

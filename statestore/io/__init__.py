@@ -6,11 +6,14 @@
   its defects (the engine of ``TensorNVMeStore``);
 * :class:`IOFile`: O_DIRECT where the filesystem supports it, buffered with one warning and the
   page cache dropped otherwise;
-* :func:`alloc_buffer`: 4096-aligned, optionally page-locked host buffers.
+* :func:`alloc_buffer`: 4096-aligned, optionally page-locked host buffers;
+* :class:`DirectWriter`: a sequential ``O_DIRECT`` writer overlapped with its caller (the
+  shards of a local checkpoint).
 
 See ``docs/nvme.md``.
 """
 from .buffers import ALIGNMENT, AlignedBuffer, alloc_buffer
+from .direct_writer import DirectWriter
 from .engine import (
     ENGINE_NAMES,
     IOEngine,
@@ -22,15 +25,18 @@ from .engine import (
     probe_engine,
 )
 from .files import DIRECT_ALIGNMENT, IOFile, drop_page_cache
+from .requests import Op
 from ._tensornvme import TensorNVMeEngine
 
 __all__ = [
     "ALIGNMENT",
     "AlignedBuffer",
     "alloc_buffer",
+    "DirectWriter",
     "ENGINE_NAMES",
     "IOEngine",
     "IOFuture",
+    "Op",
     "TensorNVMeEngine",
     "NativeEngine",
     "PyThreadsEngine",

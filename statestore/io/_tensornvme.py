@@ -55,7 +55,8 @@ import xxhash
 
 from statestore.errors import StateStoreClosedError, StateStoreIOError, StateStoreValueError
 
-from .engine import IOFuture, _as_bytes, _buffer_ptr_nbytes
+from .buffers import buffer_address, byte_view
+from .requests import IOFuture
 
 __all__ = ["TensorNVMeEngine", "unavailable_reason"]
 
@@ -94,7 +95,7 @@ def _close_live() -> None:
 def _exact_tensor(keep: torch.Tensor, ptr: int, nbytes: int) -> torch.Tensor:
     """A uint8 tensor over ``nbytes`` at ``ptr`` whose *storage* is exactly those bytes
     (tensornvme transfers ``storage().nbytes()``, whatever the tensor's own size)."""
-    t = torch.from_numpy(_as_bytes(keep, ptr, nbytes))
+    t = torch.from_numpy(byte_view(keep, ptr, nbytes))
     if t.untyped_storage().nbytes() != nbytes or t.data_ptr() != ptr:
         raise StateStoreValueError(f"internal: a tensor over {nbytes} bytes has a storage of "
                                    f"{t.untyped_storage().nbytes()} bytes")
@@ -209,7 +210,7 @@ class TensorNVMeEngine:
     def _data_request(self, op: str, key: str, buffer: Any, nbytes: Optional[int]) -> IOFuture:
         if not isinstance(key, str) or not key:
             raise StateStoreValueError(f"key must be a non-empty str, got {key!r}")
-        ptr, size, keep = _buffer_ptr_nbytes(buffer)
+        ptr, size, keep = buffer_address(buffer)
         if nbytes is None:
             nbytes = size
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 < nbytes <= size:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import mmap
 import weakref
+from typing import Any, Tuple
 
 import torch
 
@@ -26,7 +27,7 @@ from statestore.errors import StateStoreValueError
 
 from ._native import native
 
-__all__ = ["ALIGNMENT", "AlignedBuffer", "alloc_buffer"]
+__all__ = ["ALIGNMENT", "AlignedBuffer", "alloc_buffer", "buffer_address", "byte_view"]
 
 ALIGNMENT = 4096
 
@@ -135,3 +136,36 @@ def alloc_buffer(nbytes: int, *, pinned: bool = True) -> AlignedBuffer:
     if kind == "cuda-registered":
         weakref.finalize(buf, _cuda_unregister, t.data_ptr())
     return buf
+
+
+def buffer_address(buffer: Any) -> Tuple[int, int, Any]:
+    """Where an engine may read or write ``buffer``.
+
+    Args:
+        buffer: a contiguous CPU ``torch.Tensor`` or an :class:`AlignedBuffer`.
+
+    Returns:
+        ``(address, byte size, object to keep alive while the I/O runs)``.
+
+    Raises:
+        StateStoreValueError: ``buffer`` is of another type, not in CPU memory, or not
+            contiguous.
+    """
+    if isinstance(buffer, AlignedBuffer):
+        buffer = buffer.tensor
+    if not isinstance(buffer, torch.Tensor):
+        raise StateStoreValueError(f"buffer must be a CPU torch.Tensor or AlignedBuffer, got "
+                                   f"{type(buffer).__name__}")
+    if buffer.device.type != "cpu":
+        raise StateStoreValueError(f"buffer must be in CPU memory, got device {buffer.device}")
+    if not buffer.is_contiguous():
+        raise StateStoreValueError("buffer must be contiguous; call .contiguous() first")
+    return buffer.data_ptr(), buffer.numel() * buffer.element_size(), buffer
+
+
+def byte_view(keep: torch.Tensor, ptr: int, nbytes: int):
+    """A writable numpy byte view of ``nbytes`` at address ``ptr`` inside tensor ``keep``
+    (as :func:`buffer_address` gave them)."""
+    flat = keep.reshape(-1).view(torch.uint8)
+    start = ptr - flat.data_ptr()
+    return flat[start:start + nbytes].numpy()

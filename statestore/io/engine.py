@@ -34,7 +34,7 @@ import tempfile
 import threading
 import warnings
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -42,6 +42,8 @@ import torch
 from statestore.errors import StateStoreClosedError, StateStoreIOError, StateStoreValueError
 
 from ._native import native, native_error
+from .buffers import buffer_address, byte_view
+from .requests import IOFuture, Op
 from .files import DIRECT_ALIGNMENT, IOFile
 
 __all__ = [
@@ -62,30 +64,6 @@ DEFAULT_BLOCK_SIZE = 1 << 20
 DEFAULT_THREADS = 8
 
 
-class IOFuture(Future):
-    """A ``concurrent.futures.Future`` for one request. Submitted I/O cannot be cancelled:
-    :meth:`cancel` returns ``False``."""
-
-    def cancel(self) -> bool:  # noqa: D401 - Future API
-        return False
-
-
-def _buffer_ptr_nbytes(buffer: Any) -> tuple[int, int, Any]:
-    """(address, byte size, object to keep alive) of a contiguous CPU tensor or AlignedBuffer."""
-    from .buffers import AlignedBuffer
-
-    if isinstance(buffer, AlignedBuffer):
-        buffer = buffer.tensor
-    if not isinstance(buffer, torch.Tensor):
-        raise StateStoreValueError(f"buffer must be a CPU torch.Tensor or AlignedBuffer, got "
-                                   f"{type(buffer).__name__}")
-    if buffer.device.type != "cpu":
-        raise StateStoreValueError(f"buffer must be in CPU memory, got device {buffer.device}")
-    if not buffer.is_contiguous():
-        raise StateStoreValueError("buffer must be contiguous; call .contiguous() first")
-    return buffer.data_ptr(), buffer.numel() * buffer.element_size(), buffer
-
-
 class IOEngine(abc.ABC):
     """Reads into / writes from host buffers at file offsets, asynchronously."""
 
@@ -99,9 +77,9 @@ class IOEngine(abc.ABC):
 
     # -- primitives ----------------------------------------------------------------------------
     @abc.abstractmethod
-    def _submit(self, op: int, file: IOFile, ptr: int, nbytes: int, offset: int, keep: Any,
+    def _submit(self, op: Op, file: IOFile, ptr: int, nbytes: int, offset: int, keep: Any,
                 sync: bool) -> IOFuture:
-        """Submits one validated request (op 0 read, 1 write)."""
+        """Submits one validated request."""
 
     @abc.abstractmethod
     def _close(self) -> None:
@@ -113,13 +91,13 @@ class IOEngine(abc.ABC):
     # -- derived -------------------------------------------------------------------------------
     def read(self, file: IOFile, buffer: Any, offset: int, nbytes: int | None = None) -> IOFuture:
         """Reads ``nbytes`` (default: the buffer's size) at ``offset`` into ``buffer``."""
-        return self._request(0, file, buffer, offset, nbytes, False)
+        return self._request(Op.READ, file, buffer, offset, nbytes, False)
 
     def write(self, file: IOFile, buffer: Any, offset: int, nbytes: int | None = None, *,
               sync: bool = False) -> IOFuture:
         """Writes ``nbytes`` (default: the buffer's size) of ``buffer`` at ``offset``;
         ``sync=True`` also ``fdatasync``\\ s the file before the future completes."""
-        return self._request(1, file, buffer, offset, nbytes, sync)
+        return self._request(Op.WRITE, file, buffer, offset, nbytes, sync)
 
     def _request(self, op, file, buffer, offset, nbytes, sync) -> IOFuture:
         if self._closed:
@@ -128,7 +106,7 @@ class IOEngine(abc.ABC):
             raise StateStoreValueError(f"file must be an IOFile, got {type(file).__name__}")
         if file.closed:
             raise StateStoreIOError(_errno.EBADF, f"'{file.path}' is closed", file.path)
-        ptr, size, keep = _buffer_ptr_nbytes(buffer)
+        ptr, size, keep = buffer_address(buffer)
         if nbytes is None:
             nbytes = size
         if not isinstance(nbytes, int) or nbytes < 0 or nbytes > size:
@@ -143,7 +121,7 @@ class IOEngine(abc.ABC):
                     raise StateStoreValueError(
                         f"{what} {v} is not a multiple of {a}, which direct I/O on "
                         f"'{file.path}' requires (use statestore.io.alloc_buffer and pad sizes)")
-            if op == 1 and nbytes and self.writes_in_place:
+            if op == Op.WRITE and nbytes and self.writes_in_place:
                 file.ensure_allocated(offset + nbytes)
         return self._submit(op, file, ptr, nbytes, offset, keep, sync)
 
@@ -249,7 +227,7 @@ class NativeEngine(IOEngine):
         flags = 0
         if file.drop_cache:
             flags |= native.DROP_CACHE
-        if sync and op == 1:
+        if sync and op == Op.WRITE:
             flags |= native.DATA_SYNC
         fut = IOFuture()
         fut.set_running_or_notify_cancel()
@@ -282,7 +260,7 @@ class NativeEngine(IOEngine):
         """TESTS ONLY. After ``skip`` matching block completions, the next ``count`` fail with
         ``err`` (``kind="error"``) or transfer half their bytes (``kind="short"``, which the
         engine must retry transparently). ``op``: ``"read"``, ``"write"`` or ``"any"``."""
-        ops = {"any": -1, "read": 0, "write": 1}
+        ops = {"any": -1, "read": Op.READ, "write": Op.WRITE}
         kinds = {"error": 0, "short": 1}
         if op not in ops:
             raise StateStoreValueError(f"op must be one of {sorted(ops)}, got {op!r}")
@@ -318,12 +296,12 @@ class PyThreadsEngine(IOEngine):
 
         def run():
             try:
-                mv = _as_bytes(keep, ptr, nbytes)
+                mv = byte_view(keep, ptr, nbytes)
                 done = 0
                 while done < nbytes:
                     n = min(self.block_size, nbytes - done)
                     chunk = mv[done:done + n]
-                    if op == 0:
+                    if op == Op.READ:
                         r = os.preadv(file.fd, [chunk], offset + done)
                         if r == 0:
                             raise StateStoreIOError(
@@ -333,18 +311,18 @@ class PyThreadsEngine(IOEngine):
                     else:
                         r = os.pwritev(file.fd, [chunk], offset + done)
                     done += r
-                if op == 1 and sync:
+                if op == Op.WRITE and sync:
                     os.fdatasync(file.fd)
                 if file.drop_cache and nbytes:
-                    if op == 1:
+                    if op == Op.WRITE:
                         os.fdatasync(file.fd)
                     os.posix_fadvise(file.fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
-                self._stats["bytes_read" if op == 0 else "bytes_written"] += nbytes
+                self._stats["bytes_read" if op == Op.READ else "bytes_written"] += nbytes
                 fut.set_result(nbytes)
             except StateStoreIOError as e:
                 fut.set_exception(e)
             except OSError as e:
-                what = "read" if op == 0 else "write"
+                what = "read" if op == Op.READ else "write"
                 fut.set_exception(StateStoreIOError(
                     e.errno, f"{what} of {nbytes} bytes at offset {offset} in '{file.path}' failed: "
                     f"{e.strerror}", file.path))
@@ -358,13 +336,6 @@ class PyThreadsEngine(IOEngine):
     def stats(self) -> dict:
         return dict(self._stats, engine=self.name, queue_depth=self.queue_depth,
                     block_size=self.block_size)
-
-
-def _as_bytes(keep: torch.Tensor, ptr: int, nbytes: int):
-    """A writable byte view of ``nbytes`` at ``ptr`` inside tensor ``keep``."""
-    flat = keep.reshape(-1).view(torch.uint8)
-    start = ptr - flat.data_ptr()
-    return flat[start:start + nbytes].numpy()
 
 
 # --- registry and probing ---------------------------------------------------------------------

@@ -37,8 +37,13 @@ from torch import Tensor, nn
 
 from .._safetensors_layout import layout
 from .._types import Slice, dtype_from_name
-from ..checkpoint import (_close_quietly, _commit, _fs, _is_local, _join, _open_for_write,
-                          _prepare_root, read_manifest)
+from ..checkpoint import read_manifest
+from ..checkpoint.filesystem import close_quietly as _close_quietly
+from ..checkpoint.filesystem import commit as _commit
+from ..checkpoint.filesystem import is_local as _is_local
+from ..checkpoint.filesystem import join as _join
+from ..checkpoint.filesystem import open_for_write as _open_for_write
+from ..checkpoint.filesystem import prepare_root as _prepare_root
 from ..errors import (CheckpointCorruptError, CheckpointError, CheckpointMismatchError,
                       StateStoreError, StateStoreIOError, StateStoreValueError)
 

@@ -1,26 +1,29 @@
 """Loading a checkpoint by linking its shards instead of copying them.
 
-Where a store can take a shard file as its own (:meth:`StateStore._adopt`: an
+Where a store can take a shard file as its own (:meth:`StateStore._adopt_file`: an
 :class:`~statestore.NVMeStore` on the checkpoint's filesystem, for shards whose tensors are
 laid out for direct I/O, as those of a linked save are), :func:`link_shards` hard-links it
 into the store, frozen: the store never writes it (writes of its states go to a new file,
 copy-on-write, as after a linked save), so the checkpoint stays immutable and a resume of
 tens of GB costs no disk and no copy. Once the checkpoint is removed, the store's link is the
-file's only name and the store writes into it in place (it is reopened for writing). The checksums are still verified: every linked state is
-read once through the store's pipeline (direct I/O, the store's RAM budget) and hashed
-(:func:`verify_linked`). Other shards, and other stores or filesystems, are copied as before.
+file's only name and the store writes into it in place (it is reopened for writing). The
+checksums are still verified: every linked state is read once through the store's pipeline
+(direct I/O, the store's RAM budget) and hashed (:func:`verify_linked`). Other shards, and
+other stores or filesystems, are copied as before.
 """
 from __future__ import annotations
 
 import json
-import os
 import struct
-from typing import Any, Dict, List
+from typing import Dict, List
 
 import xxhash
 
-from ._safetensors_layout import PAD_PREFIX
-from .errors import CheckpointCorruptError
+from .._safetensors_layout import PAD_PREFIX
+from ..errors import CheckpointCorruptError
+from .filesystem import is_local, join
+from .format import Manifest, ManifestRow
+from .stream import read_states
 
 __all__ = ["link_shards", "verify_linked"]
 
@@ -32,35 +35,34 @@ def _tensor_names(fpath: str) -> List[str]:
     return [k for k in header if k != "__metadata__" and not k.startswith(PAD_PREFIX)]
 
 
-def link_shards(store, m, groups: Dict[str, List[Dict[str, Any]]]) -> Dict[str, List[Dict[str, Any]]]:
+def link_shards(store, m: Manifest,
+                groups: Dict[str, List[ManifestRow]]) -> Dict[str, List[ManifestRow]]:
     """The shards of ``groups`` (rows by file, headers already checked) that ``store`` took
     by hard link, with their rows."""
-    from .checkpoint import _is_local, _join
-    if store.resident or not _is_local(m.fs):
+    if store.resident or not is_local(m.fs):
         return {}
     linked = {}
     for name, rs in groups.items():
-        fpath = _join(m.root, name)
+        fpath = join(m.root, name)
         try:
             names = _tensor_names(fpath)
         except (OSError, ValueError, struct.error, RecursionError):
             continue                    # copied (and its problem reported) by the caller
-        rows = [(r["state_key"], r["spec"], r["offset"], r["checksum"]) for r in rs]
+        rows = [(r.state_key, r.spec, r.offset, r.checksum) for r in rs]
         if store._adopt_file(fpath, rows, names):
             linked[name] = rs
     return linked
 
 
-def verify_linked(store, m, linked: Dict[str, List[Dict[str, Any]]], bar) -> None:
+def verify_linked(store, m: Manifest, linked: Dict[str, List[ManifestRow]], bar) -> None:
     """Check the checksum of every state taken by link, reading it through the store."""
-    from .checkpoint import _join, _read_states
     for name, rs in linked.items():
-        by_key = {r["state_key"]: r for r in rs}
+        by_key = {r.state_key: r for r in rs}
         hashes = {k: xxhash.xxh3_64() for k in by_key}
-        for k, chunk in _read_states(store, list(by_key)):
+        for k, chunk in read_states(store, list(by_key)):
             hashes[k].update(chunk)
             bar.update(len(chunk))
         for k, r in by_key.items():
-            if hashes[k].hexdigest() != r["checksum"]:
-                raise CheckpointCorruptError(f"{_join(m.root, name)}: checksum mismatch in tensor "
-                                             f"{r['key']!r} (the file was altered or damaged)")
+            if hashes[k].hexdigest() != r.checksum:
+                raise CheckpointCorruptError(f"{join(m.root, name)}: checksum mismatch in tensor "
+                                             f"{r.key!r} (the file was altered or damaged)")

@@ -20,11 +20,13 @@ format's order, metadata sorted by key, the checksum key itself left out.
 from __future__ import annotations
 
 import json
-from typing import Dict, Iterable, List, Mapping
+from typing import Iterable, List, Mapping
 
 import xxhash
 
-__all__ = ["KEY", "manifest_digest"]
+from .format import COLUMNS
+
+__all__ = ["KEY", "manifest_digest", "sealed"]
 
 KEY = "statestore.manifest_checksum"
 
@@ -42,10 +44,9 @@ def manifest_digest(names: Iterable[str], columns: Mapping[str, List],
 def sealed(table):
     """``table`` (a manifest as a ``pyarrow.Table``) with its checksum recomputed over its
     current rows and metadata: for tools (and tests) that rewrite a manifest on purpose."""
-    from .checkpoint import _SCHEMA
     meta = {k.decode(errors="replace"): v.decode(errors="replace")
             for k, v in (table.schema.metadata or {}).items()}
-    names = [n for n in _SCHEMA.names if n in table.column_names]
+    names = [n for n in COLUMNS if n in table.column_names]
     columns = {n: table.column(n).to_pylist() for n in names}
     meta[KEY] = manifest_digest(names, columns, meta)
     return table.replace_schema_metadata(meta)

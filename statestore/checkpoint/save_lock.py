@@ -23,7 +23,7 @@ import fcntl
 import os
 from typing import Optional
 
-from .errors import StateStoreIOError
+from ..errors import StateStoreIOError
 
 __all__ = ["SAVE_LOCK", "SaveLock"]
 

@@ -1,4 +1,5 @@
-"""Checks of whole checkpoint files beyond their listed tensors (``docs/errors.md``,
+"""Checks of a checkpoint's shard files against its manifest (:func:`check_shard_header`),
+and of whole files beyond their listed tensors (``docs/errors.md``,
 "Untrusted checkpoint bytes"; ``docs/checkpoint-format.md``, "What verify checks").
 
 Tensor checksums cover the bytes a load copies. The rest of a shard decides whether stock
@@ -22,20 +23,27 @@ symlinks that lead out of the checkpoint directory.
 """
 from __future__ import annotations
 
+import json
 import os
 import stat
-from typing import Any, Dict, List, Tuple
+import struct
+from typing import Any, Dict, Iterable, List, Sequence, Tuple
 
-from ._safetensors_layout import PAD_PREFIX
-from ._types import dtype_from_name
-from .errors import CheckpointCorruptError
+from .._safetensors_layout import PAD_PREFIX
+from .._types import dtype_from_name
+from ..errors import CheckpointCorruptError, CheckpointError
+from .filesystem import is_local, join
+from .format import Manifest, ManifestRow
+from .metadata import is_int
 
-__all__ = ["MAX_MANIFEST_BYTES", "check_local_file", "check_layout", "pad_ranges",
-           "check_zeros"]
+__all__ = ["MAX_MANIFEST_BYTES", "MAX_HEADER", "check_shard_header", "by_file",
+           "check_local_file", "check_layout", "pad_ranges", "check_zeros"]
 
 #: Largest manifest read (bytes): about two million tensors' rows. A larger
 #: ``manifest.parquet`` is refused before a byte of it is read.
 MAX_MANIFEST_BYTES = 256 << 20
+#: Largest safetensors header read (bytes).
+MAX_HEADER = 100 * 1024 * 1024
 _ZERO_CHUNK = 1 << 20
 
 
@@ -133,3 +141,100 @@ def check_zeros(f, fpath: str, ranges: List[Tuple[int, int]]) -> None:
                 raise CheckpointCorruptError(f"{fpath}: pad bytes at {off}..{off + n} are not "
                                              f"zero (the file was altered or damaged)")
             left -= len(chunk)
+
+
+def check_shard_header(m: Manifest, name: str, rows: Sequence[ManifestRow]) -> int:
+    """Check a shard's safetensors header, and the whole file, against the manifest.
+
+    After it, every listed tensor lies in the shard's data section, inside the file, and no
+    two overlap: loading allocates at most the shard's size for them, and reads nothing
+    outside it.
+
+    Args:
+        m: the checkpoint's manifest.
+        name: the shard's file name in the checkpoint directory.
+        rows: the manifest rows that name the shard.
+
+    Returns:
+        The shard's size in bytes.
+
+    Raises:
+        CheckpointCorruptError: the shard is missing, not a regular file, unreadable, or
+            disagrees with the manifest or with itself (the message names the problem).
+    """
+    fpath = join(m.root, name)
+    keys = [r["key"] for r in rows]
+    try:
+        if is_local(m.fs):     # before opening it: a FIFO would block, /dev/zero never end
+            check_local_file(m.root, fpath, "the shard")
+        size = m.fs.size(fpath)
+    except CheckpointError:
+        raise
+    except FileNotFoundError:
+        raise CheckpointCorruptError(f"{fpath}: shard missing (tensors {keys[:3]}...)") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointCorruptError(f"{fpath}: cannot read the shard: {e}") from None
+    if not is_int(size) or size < 8:
+        raise CheckpointCorruptError(f"{fpath}: truncated (no safetensors header)")
+    try:
+        with m.fs.open(fpath, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > min(size - 8, MAX_HEADER):
+                raise CheckpointCorruptError(f"{fpath}: header length {n} exceeds the file "
+                                             f"({size} bytes)")
+            header = json.loads(f.read(n))
+            if not isinstance(header, dict):
+                raise CheckpointCorruptError(f"{fpath}: bad safetensors header: not a JSON "
+                                             f"object")
+    except CheckpointError:
+        raise
+    except (ValueError, UnicodeDecodeError, RecursionError, struct.error) as e:
+        raise CheckpointCorruptError(f"{fpath}: bad safetensors header: "
+                                     f"{type(e).__name__}: {str(e)[:200]}") from None
+    except OSError as e:
+        raise CheckpointCorruptError(f"{fpath}: cannot read the shard: {e}") from None
+    data_start = 8 + n
+    prev_end, prev_key = data_start, None
+    for r in sorted(rows, key=lambda r: (r["offset"], r["nbytes"])):
+        h = header.get(r["key"])
+        if not isinstance(h, dict) or "data_offsets" not in h:
+            raise CheckpointCorruptError(f"{fpath}: tensor {r['key']!r} missing from the shard header")
+        offs = h["data_offsets"]
+        if not isinstance(offs, list) or len(offs) != 2 or not all(is_int(x) for x in offs) \
+                or not 0 <= offs[0] <= offs[1]:
+            raise CheckpointCorruptError(f"{fpath}: tensor {r['key']!r}: bad data_offsets "
+                                         f"{str(offs)[:100]}")
+        a, b = offs
+        shape = h.get("shape")
+        if data_start + a != r["offset"] or b - a != r["nbytes"] or h.get("dtype") != r["dtype"] \
+                or not isinstance(shape, list) or shape != list(r["shape"]):
+            raise CheckpointCorruptError(f"{fpath}: tensor {r['key']!r}: shard header disagrees "
+                                         f"with the manifest")
+        if r["offset"] + r["nbytes"] > size:
+            raise CheckpointCorruptError(f"{fpath}: truncated: tensor {r['key']!r} ends at byte "
+                                         f"{r['offset'] + r['nbytes']}, file has {size}")
+        if r["nbytes"] and r["offset"] < prev_end:
+            raise CheckpointCorruptError(f"{fpath}: tensor {r['key']!r} overlaps tensor "
+                                         f"{prev_key!r}")
+        if r["nbytes"]:
+            prev_end, prev_key = r["offset"] + r["nbytes"], r["key"]
+    # The whole file, not only the listed tensors: layout, exact length, zero pads.
+    check_layout(fpath, header, data_start, size)
+    pads = pad_ranges(header, data_start)
+    if pads:
+        try:
+            with m.fs.open(fpath, "rb") as f:
+                check_zeros(f, fpath, pads)
+        except OSError as e:
+            raise CheckpointCorruptError(f"{fpath}: cannot read the shard: {e}") from None
+    return size
+
+
+def by_file(rows: Iterable[ManifestRow]) -> Dict[str, List[ManifestRow]]:
+    """Manifest ``rows`` grouped by shard file, each group in file order."""
+    out: Dict[str, List[ManifestRow]] = {}
+    for r in rows:
+        out.setdefault(r["file"], []).append(r)
+    for rows in out.values():
+        rows.sort(key=lambda r: r["offset"])
+    return out

@@ -1,0 +1,82 @@
+"""Checkpoints of stores: safetensors shards plus a Parquet manifest, written atomically.
+
+Format (version :data:`FORMAT_VERSION`; specified in ``docs/checkpoint-format.md``)::
+
+    <path>/manifest.parquet                      one row per tensor; written last
+    <path>/shard-<save id>-<n>.safetensors       tensors, stock safetensors files
+
+The manifest's columns are ``key, param, state, file, offset, nbytes, shape, dtype,
+checksum`` (``offset``: absolute byte offset of the tensor's data in ``file``; ``checksum``:
+xxh3-64 of its bytes, hex). Its schema metadata holds the format name and version, the
+statestore version, the checksum algorithm, the save id, the optimizer metadata (JSON: step
+counts, param groups with hyperparameters, parameter names, shapes and dtypes) and the
+manifest's own checksum.
+
+Public functions: :func:`save_checkpoint`, :func:`load_checkpoint`, :func:`load_deferred`,
+:func:`read_manifest`, :func:`verify_checkpoint` (``StateStore.save_checkpoint`` and
+``load_checkpoint`` call the first two). The modules, each owning one concept:
+
+========================  ==============================================================
+:mod:`.format`            the manifest schema, :class:`ManifestRow`, :class:`Manifest`
+:mod:`.metadata`          the optimizer metadata's required shape
+:mod:`.manifest`          reading and validating a manifest (:func:`read_manifest`)
+:mod:`.parquet_guard`     bounds on what decoding an untrusted manifest may cost
+:mod:`.digest`            the manifest's own checksum
+:mod:`.filesystem`        local and fsspec paths, atomic commit, clean-up, progress bars
+:mod:`.stream`            states streamed through a store's pipeline (both chunk loops)
+:mod:`.writer`            the steps of a save: shards, linked shards, manifest, clean-up
+:mod:`.save`              :func:`save_checkpoint` (a save alone)
+:mod:`.collective`        a collective save over a ``torch.distributed`` group
+:mod:`.save_lock`         one save at a time per local checkpoint directory
+:mod:`.shard_check`       shard headers and files checked against the manifest
+:mod:`.reader`            parallel, hashed reads of shard byte ranges
+:mod:`.linked_load`       a load that hard-links shards into an ``NVMeStore``
+:mod:`.load`              :func:`load_checkpoint`, :func:`load_deferred`,
+                          :func:`verify_checkpoint`, :class:`Deferred`
+:mod:`.foreign`           what a directory without a manifest is (for the error message)
+========================  ==============================================================
+
+The shards of a local save are written by :class:`statestore.io.DirectWriter` (``O_DIRECT``).
+Names are imported on first use: ``import statestore`` (whose ``StateStore`` checks tensor
+ranks against :data:`.parquet_guard.MAX_NDIM`) does not load pyarrow.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any, Dict
+
+# the exceptions this package raises (statestore.errors), importable from here too
+from ..errors import (CheckpointCorruptError, CheckpointError, CheckpointMismatchError,
+                      CheckpointNotFoundError)
+
+#: public name -> the module of this package that defines it
+_EXPORTS: Dict[str, str] = {
+    "FORMAT_NAME": "format", "FORMAT_VERSION": "format", "MANIFEST": "format",
+    "CHECKSUM": "format", "SCHEMA": "format", "Manifest": "format", "ManifestRow": "format",
+    "optimizer_metadata_problem": "metadata",
+    "read_manifest": "manifest",
+    "sealed": "digest",
+    "DEFAULT_SHARD_BYTES": "writer",
+    "save_checkpoint": "save",
+    "load_checkpoint": "load", "load_deferred": "load", "verify_checkpoint": "load",
+    "Deferred": "load",
+}
+
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MANIFEST", "save_checkpoint", "load_checkpoint",
+           "read_manifest", "verify_checkpoint", "Manifest", "ManifestRow", "CHECKSUM",
+           "SCHEMA", "DEFAULT_SHARD_BYTES", "load_deferred", "Deferred",
+           "optimizer_metadata_problem", "sealed", "CheckpointError", "CheckpointCorruptError",
+           "CheckpointNotFoundError", "CheckpointMismatchError"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -1,0 +1,120 @@
+"""A collective save: every rank of a ``torch.distributed`` group writes the states it holds
+into its own shards, rank 0 writes the one manifest once all have finished
+(``docs/distributed.md``). Any rank's failure fails the save on every rank, the previous
+checkpoint intact."""
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, Dict, List, Optional
+
+from ..distributed import Collective
+from ..errors import CheckpointError
+from .filesystem import prepare_root, remove
+from .format import ManifestRow
+from .writer import (as_io_error, lock_for_save, metadata_json, remove_stale, save_progress,
+                     write_manifest, write_shards)
+
+__all__ = ["save_collective", "merge_metadata"]
+
+
+def merge_metadata(metas: List[str], rows: List[List[ManifestRow]]) -> str:
+    """One optimizer metadata from every rank's: rank 0's, with each parameter's step count
+    taken from the rank that saved its states."""
+    parsed = [json.loads(m) for m in metas]
+    merged = next((m for m in parsed if m), {})
+    if not isinstance(merged, dict):
+        return json.dumps(merged)
+    steps: Dict[str, Any] = {}
+    for m in parsed:                       # parameters without states: any rank's count
+        if isinstance(m, dict) and isinstance(m.get("steps"), dict):
+            for k, v in m["steps"].items():
+                steps.setdefault(k, v)
+    for m, r in zip(parsed, rows):         # parameters with states: their owner's count
+        own = m.get("steps") if isinstance(m, dict) else None
+        if isinstance(own, dict):
+            for name in {row.param for row in r}:
+                if name in own:
+                    steps[name] = own[name]
+    if steps or "steps" in merged:
+        merged = dict(merged, steps=steps)
+    return json.dumps(merged)
+
+
+def save_collective(store, path: str, group, shard_bytes: int, progress, metadata,
+                    link: bool = True) -> None:
+    """:func:`statestore.checkpoint.save_checkpoint` over ``group`` (arguments checked by it):
+    every rank of ``group`` calls it."""
+    comm = Collective(group)
+    error: Optional[BaseException] = None
+    lock = None
+    try:                    # a rank failing here must still take part in the collectives
+        store.sync()
+        meta_json = metadata_json(store, metadata)
+        fs, root = prepare_root(path)
+        if comm.rank == 0:      # rank 0 holds the path's save lock for the whole collective
+            lock = lock_for_save(fs, root, path)
+    except Exception as e:
+        error = e
+    try:
+        _save_collective_locked(store, path, comm, error, fs if error is None else None,
+                                root if error is None else None, shard_bytes, progress,
+                                meta_json if error is None else None, link)
+    finally:
+        if lock is not None:
+            lock.__exit__(None, None, None)
+
+
+def _save_collective_locked(store, path: str, comm, error, fs, root, shard_bytes: int,
+                            progress, meta_json, link: bool) -> None:
+    # Rank 0's save id; every rank's keys; any rank's early failure.
+    first_round = comm.all_gather((uuid.uuid4().hex[:12], [str(k) for k in store.keys()],
+                                   None if error is None else repr(error)))
+    early = [(r, msg) for r, (_, _, msg) in enumerate(first_round) if msg is not None]
+    if early:
+        if error is not None:
+            raise error
+        raise CheckpointError(f"collective save of checkpoint {path!r} failed on rank "
+                              f"{early[0][0]}: {early[0][1]}; nothing was written")
+    save_id = first_round[0][0]
+    # A state held by several ranks (replicated, not sharded) is written once, by the lowest.
+    first: Dict[str, int] = {}
+    for r, (_, ks, _) in enumerate(first_round):
+        for k in ks:
+            first.setdefault(k, r)
+    keys = [k for k in store.keys() if first[str(k)] == comm.rank]
+    written: List[str] = []
+    bar = save_progress(store, keys, root, progress)
+    rows: List[ManifestRow] = []
+    try:
+        rows = write_shards(store, fs, root, keys, f"shard-{save_id}-r{comm.rank:05d}",
+                            shard_bytes, bar, written, link)
+    except Exception as e:
+        error = e
+    finally:
+        bar.close()
+    gathered = comm.all_gather((rows, meta_json, None if error is None else repr(error)))
+    failed = [(r, msg) for r, (_, _, msg) in enumerate(gathered) if msg is not None]
+    status, committed = None, False
+    if not failed and comm.rank == 0:
+        try:
+            all_rows = [r for g in gathered for r in g[0]]
+            merged = merge_metadata([g[1] for g in gathered], [g[0] for g in gathered])
+            write_manifest(fs, root, all_rows, merged, save_id, written,
+                           world_size=comm.world)
+        except Exception as e:
+            error = e
+            status = repr(e)
+        committed = not written      # the manifest is in place (cleared on its rename)
+    if not failed:
+        status, committed = comm.broadcast((status, committed))
+    if failed or status is not None:
+        if not committed:            # shards the new manifest names must stay
+            remove(fs, written)
+        if error is not None:
+            raise as_io_error(error, path)
+        who = failed[0] if failed else (0, status)
+        raise CheckpointError(f"collective save of checkpoint {path!r} failed on rank "
+                              f"{who[0]}: {who[1]}; the previous checkpoint (if any) is intact")
+    if comm.rank == 0:
+        remove_stale(fs, root, save_id)

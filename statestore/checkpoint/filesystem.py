@@ -1,0 +1,134 @@
+"""Where a checkpoint lives: local directories and fsspec URLs, atomic commits, clean-up.
+
+Every checkpoint file is written under a temporary name and committed by :func:`commit`
+(flush, ``fsync`` on local filesystems, close, rename); a committed directory entry is made
+durable with :func:`fsync_dir`. Local files are written by :class:`statestore.io.DirectWriter`
+(``O_DIRECT``), others through fsspec.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from typing import List, Optional, Tuple
+
+import fsspec
+from tqdm.auto import tqdm
+
+from ..errors import StateStoreIOError, StateStoreValueError
+from ..io.direct_writer import DirectWriter
+
+__all__ = ["resolve", "is_local", "join", "fsync_dir", "commit", "close_quietly",
+           "open_for_write", "prepare_root", "remove", "progress"]
+
+
+def resolve(path: str) -> Tuple["fsspec.AbstractFileSystem", str]:
+    """The filesystem and root of the checkpoint ``path``.
+
+    Args:
+        path: a local directory or any fsspec URL (``str`` or ``os.PathLike``).
+
+    Returns:
+        ``(fs, root)``: the fsspec filesystem and the path on it, without a trailing slash.
+
+    Raises:
+        StateStoreValueError: ``path`` is not a path, or fsspec cannot resolve it.
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        raise StateStoreValueError(f"checkpoint path must be a str or os.PathLike, got {path!r}")
+    path = os.fspath(path)
+    try:
+        fs, root = fsspec.core.url_to_fs(path)
+    except (ImportError, ValueError) as e:
+        raise StateStoreValueError(f"checkpoint path {path!r}: {e}") from e
+    return fs, root.rstrip("/") or root
+
+
+def is_local(fs) -> bool:
+    """True when ``fs`` is the local filesystem (``os`` calls work on its paths)."""
+    return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+
+
+def join(root: str, name: str) -> str:
+    """The path of file ``name`` in the checkpoint directory ``root`` (any filesystem)."""
+    return f"{root}/{name}"
+
+
+def fsync_dir(fs, root: str) -> None:
+    """Make the entries of the local directory ``root`` durable (a no-op elsewhere)."""
+    if is_local(fs):
+        fd = os.open(root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def commit(fs, f, tmp: str, final: str) -> None:
+    """Flush, fsync (local files), close and rename ``tmp`` to ``final``."""
+    f.flush()
+    if is_local(fs):
+        os.fsync(f.fileno())
+    f.close()
+    fs.mv(tmp, final)
+
+
+def close_quietly(f) -> None:
+    """Close ``f`` after a failure without masking the exception being raised."""
+    try:
+        f.close()
+    except Exception:
+        pass
+
+
+def open_for_write(fs, path: str):
+    """A new file at ``path`` opened for sequential writing: a :class:`DirectWriter` on local
+    filesystems, fsspec's file elsewhere."""
+    if is_local(fs):
+        return DirectWriter(path)
+    return fs.open(path, "wb")
+
+
+def prepare_root(path: str):
+    """Resolve ``path`` and create its directory.
+
+    Returns:
+        ``(fs, root)`` as :func:`resolve`.
+
+    Raises:
+        StateStoreValueError: ``path`` exists and is not a directory.
+        StateStoreIOError: the directory cannot be created.
+    """
+    fs, root = resolve(path)
+    if fs.exists(root) and not fs.isdir(root):
+        raise StateStoreValueError(f"checkpoint path {path!r} exists and is not a directory")
+    try:
+        fs.makedirs(root, exist_ok=True)
+    except OSError as e:
+        raise StateStoreIOError(e.errno, f"cannot create checkpoint directory {path!r}: {e}") from e
+    return fs, root
+
+
+def remove(fs, paths: List[str]) -> None:
+    """Remove ``paths``, ignoring failures (clean-up after an error)."""
+    for p in paths:
+        try:
+            fs.rm(p)
+        except Exception:
+            pass
+
+
+class _Bar(tqdm):
+    """tqdm with a lock of this process only. tqdm's default lock includes a multiprocessing
+    semaphore that forked processes share: one killed (``kill -9``) while it held it, in the
+    middle of creating a bar, left it held forever, and every sibling's next save or load then
+    hung creating its own bar (seen in ``benchmarks/soak.py``)."""
+
+
+_Bar.set_lock(threading.RLock())
+
+
+def progress(total: int, desc: str, enabled: Optional[bool]):
+    """A byte progress bar: ``enabled=True`` at once, ``None`` only for work over a second,
+    ``False`` never."""
+    return _Bar(total=total, desc=desc, unit="B", unit_scale=True,
+                delay=0.0 if enabled is True else 1.0, disable=(enabled is False), leave=False)

@@ -1,0 +1,259 @@
+"""Loading a checkpoint into a store (whole, or one rank's shard with the rest deferred) and
+verifying one without loading it (``docs/checkpoint-format.md``, "Loading: verification").
+
+Loading reads the manifest (:mod:`.manifest`), checks every shard's header against it
+(:mod:`.shard_check`), takes the shards a store can adopt by hard link (:mod:`.linked_load`),
+and streams every other tensor into the store through its pipeline (:func:`.stream.write_state`),
+verifying its checksum on the way. On any error the store is left without the states it was
+loading.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, List, Optional
+
+import xxhash
+
+from ..distributed import group_info, owners_from_metadata, resolve_load_group
+from ..errors import (CheckpointCorruptError, CheckpointError, StateStoreError,
+                      StateStoreValueError)
+from .filesystem import join
+from .filesystem import progress as progress_bar
+from .format import Manifest, ManifestRow
+from .linked_load import link_shards, verify_linked
+from .manifest import read_manifest
+from .reader import READ_PIECE, ShardReader, reader_pool
+from .shard_check import by_file, check_shard_header
+from .stream import check_store, write_state
+
+__all__ = ["load_checkpoint", "load_deferred", "verify_checkpoint", "Deferred"]
+
+
+@dataclass
+class Deferred:
+    """States of a checkpoint that a sharded load left on disk (other ranks' shards): the
+    optimizer built on the store fetches those it turns out to need (another partition, or
+    no sharding at all) with :meth:`StateStore.load_deferred`.
+
+    Attributes:
+        path: the checkpoint's path, as given to ``load_checkpoint``.
+        save_id: the save id of the manifest loaded (a later save at ``path`` is refused).
+        rows: the manifest rows still on disk.
+        rank: this process's rank in the load's group.
+        world: the group's size.
+    """
+    path: str
+    save_id: Optional[str]
+    rows: List[ManifestRow]
+    rank: int
+    world: int
+
+
+def load_checkpoint(store, path: str, *, progress: Optional[bool] = None,
+                    process_group: Any = "auto", link: bool = True) -> None:
+    """Replace the states of ``store`` with the checkpoint at ``path``, verifying every
+    checksum while streaming. On any error the store is left empty (never half-loaded) and
+    the exception names the file and tensor.
+
+    An optimizer already attached to ``store`` (torch's order: build the optimizer, then
+    load) takes the checkpoint's step counts and param-group hyperparameters once the states
+    are loaded.
+
+    Args:
+        store: the :class:`~statestore.StateStore` to fill (any backend; the checkpoint may
+            come from any other).
+        path: the checkpoint directory: a local path or any fsspec URL.
+        progress: a byte progress bar: True always, None (default) for loads over a second,
+            False never.
+        process_group: ``"auto"`` (default) is the default group when torch.distributed is
+            initialized with more than one rank, else None. With a group, each rank loads
+            only the states of the parameters it owns at the group's size (the optimizer's
+            partition, computed from the checkpoint's manifest; any world size the
+            checkpoint was saved at), reading only their byte ranges; the others stay on
+            disk until an optimizer asks for them (:meth:`StateStore.load_deferred`).
+        link: an :class:`~statestore.NVMeStore` on the checkpoint's local filesystem takes
+            the shards a linked save wrote by hard link instead of copying them
+            (copy-on-write: the store never writes them), their checksums still verified;
+            False copies every state.
+
+    Raises:
+        StateStoreValueError: a bad argument.
+        StateStoreClosedError: the store is closed.
+        CheckpointNotFoundError: no complete checkpoint at ``path``.
+        CheckpointCorruptError: a file or tensor is truncated, altered or missing (named).
+        CheckpointMismatchError: an attached optimizer's parameters or groups do not fit
+            the checkpoint.
+        StateStoreIOError: reading failed (names the file).
+    """
+    if not isinstance(link, bool):
+        raise StateStoreValueError(f"link must be True or False, got {link!r}")
+    check_store(store)
+    store._check_open()
+    # The store's states are replaced (or, on failure, removed): the metadata of the optimizer
+    # that used them no longer describes them. Detached, an optimizer built next takes its
+    # step counts from this checkpoint, not from the optimizer the store had before.
+    store.detach_metadata()
+    group = resolve_load_group(process_group)
+    try:
+        m = read_manifest(path)
+    except BaseException:
+        store.clear()
+        raise
+    rows, later = m.rows, []
+    rank = world = 1
+    if group is not None:
+        rank, world = group_info(group)
+        if world > 1:
+            numels: Dict[str, int] = {}
+            for r in m.rows:
+                numels.setdefault(r.param, r.spec.numel)
+            owners = owners_from_metadata(m.metadata, numels, world)
+            rows = [r for r in m.rows if owners[r.param] == rank]
+            later = [r for r in m.rows if owners[r.param] != rank]
+    store.clear()
+    _load_rows(store, m, rows, progress, on_error=store.clear, link=link)
+    # then an optimizer already on the store takes the checkpoint's steps
+    store.record_load(m.metadata,
+                      Deferred(path, m.info.get("save_id"), later, rank, world) if later else None,
+                      group if later else None)
+
+
+def load_deferred(store, params: Iterable[str]) -> None:
+    """Load the states of ``params`` that a sharded :func:`load_checkpoint` left on disk.
+
+    Args:
+        store: the store the sharded load filled.
+        params: parameter names; those without deferred states are ignored.
+
+    Raises:
+        CheckpointError: the checkpoint was replaced since it was loaded.
+        CheckpointCorruptError: a file or tensor is damaged (the states this call created
+            are removed again).
+    """
+    d = store.deferred
+    if d is None:
+        return
+    want = set(params)
+    rows = [r for r in d.rows if r.param in want]
+    if not rows:
+        return
+    m = read_manifest(d.path)
+    if m.info.get("save_id") != d.save_id:
+        raise CheckpointError(f"checkpoint {d.path!r} was replaced since it was loaded (save "
+                              f"{d.save_id}, now {m.info.get('save_id')}); load it again")
+    created = [r.state_key for r in rows]
+
+    def undo():
+        store.delete([k for k in created if k in store])
+    _load_rows(store, m, rows, None, on_error=undo)
+    d.rows = [r for r in d.rows if r.param not in want]
+    if not d.rows:
+        store.record_deferred_loaded()
+
+
+def _load_rows(store, m: Manifest, rows: List[ManifestRow], enabled, on_error,
+               link: bool = True) -> None:
+    """Create ``rows``' states in ``store`` and stream them in (``link``: shards the store
+    can take by hard link are linked, :mod:`.linked_load`); ``on_error()`` on failure."""
+    try:
+        groups = by_file(rows)
+        for name, rs in groups.items():
+            check_shard_header(m, name, rs)
+    except BaseException:
+        on_error()
+        raise
+    try:
+        linked = link_shards(store, m, groups) if link else {}     # docs/scale.md
+        store.create_many([(r.state_key, r.spec.shape, r.spec.dtype, None) for r in rows
+                           if r.file not in linked])
+        bar = progress_bar(sum(r.nbytes for r in rows), f"load {os.path.basename(m.root)}",
+                           enabled)
+        try:
+            verify_linked(store, m, linked, bar)
+            with reader_pool() as pool:
+                for name, rs in groups.items():
+                    if name in linked:
+                        continue
+                    fpath = join(m.root, name)
+                    with ShardReader(m.fs, fpath, pool) as f:
+                        for r in rs:
+                            _load_tensor(store, f, fpath, r, bar)
+        finally:
+            bar.close()
+        store.sync()
+    except BaseException:
+        try:
+            on_error()
+        except Exception:
+            pass
+        raise
+
+
+def _load_tensor(store, f: ShardReader, fpath: str, r: ManifestRow, bar) -> None:
+    """Stream the tensor of row ``r`` from shard ``f`` into ``store`` and check its checksum."""
+    h = xxhash.xxh3_64()
+    offset = r.offset
+
+    def fill(view: memoryview) -> None:
+        nonlocal offset
+        f.read(view, offset, r.key, h.update)
+        offset += len(view)
+        bar.update(len(view))
+    write_state(store, r.state_key, r.spec, fill)
+    if h.hexdigest() != r.checksum:
+        raise CheckpointCorruptError(f"{fpath}: checksum mismatch in tensor {r.key!r} "
+                                     f"(the file was altered or damaged)")
+
+
+def verify_checkpoint(path: str, *, progress: Optional[bool] = None) -> List[str]:
+    """Check a checkpoint without loading it: manifest, shard headers and files, and every
+    tensor checksum (``docs/checkpoint-format.md``, "What verify checks").
+
+    Args:
+        path: the checkpoint directory: a local path or any fsspec URL.
+        progress: a byte progress bar: True always, None (default) for checks over a
+            second, False never.
+
+    Returns:
+        The problems found, one message each naming the file or tensor (empty when the
+        checkpoint is intact). A bad manifest is the only problem reported.
+
+    Raises:
+        StateStoreValueError: ``path`` is not a path.
+    """
+    try:
+        m = read_manifest(path)
+    except CheckpointError as e:
+        return [str(e)]
+    problems: List[str] = []
+    bar = progress_bar(m.nbytes, "verify", progress)
+    buf = bytearray(min(4 * READ_PIECE, max((r.nbytes for r in m.rows), default=0)))
+    mv = memoryview(buf)
+    with reader_pool() as pool:
+        for name, rows in by_file(m.rows).items():
+            fpath = join(m.root, name)
+            try:
+                check_shard_header(m, name, rows)
+                f = ShardReader(m.fs, fpath, pool)
+            except CheckpointError as e:
+                problems.append(str(e))
+                continue
+            with f:
+                for r in rows:
+                    h = xxhash.xxh3_64()
+                    offset, left = r.offset, r.nbytes
+                    try:
+                        while left:
+                            n = min(left, len(buf))
+                            f.read(mv[:n], offset, r.key, h.update)
+                            offset += n
+                            left -= n
+                            bar.update(n)
+                    except StateStoreError as e:
+                        problems.append(str(e))
+                        continue
+                    if h.hexdigest() != r.checksum:
+                        problems.append(f"{fpath}: checksum mismatch in tensor {r.key!r}")
+    bar.close()
+    return problems

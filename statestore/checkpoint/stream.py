@@ -1,0 +1,78 @@
+"""Whole states streamed through a store's pipeline, chunk by chunk, in bounded RAM.
+
+The two loops every checkpoint byte goes through: :func:`read_states` (save, verification of
+linked shards) and :func:`write_state` (load). Each cuts a state into the store's chunks and
+runs one pipeline over them; nothing else in the package touches a store's pipeline.
+:func:`check_store` checks the store argument of the public functions.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterator, List, Tuple
+
+import torch
+
+from .._types import Slice, StateKey, StateSpec
+from ..errors import StateStoreValueError
+
+__all__ = ["read_states", "write_state", "check_store"]
+
+
+def read_states(store, keys: List[StateKey]) -> Iterator[Tuple[StateKey, memoryview]]:
+    """Yield ``(key, bytes)`` of the states ``keys``, in order, chunk by chunk, through ONE
+    pipeline of the store: non-resident stores read ahead across tensors within their RAM
+    budget (chunks of a quarter of it) while the caller hashes and writes.
+
+    Args:
+        store: the :class:`~statestore.StateStore` holding ``keys``.
+        keys: the states to read; empty states yield nothing.
+
+    Returns:
+        An iterator of ``(key, memoryview)``: each view is valid until the next item.
+    """
+    units = []
+    for k in keys:
+        spec = store.spec(k)
+        if spec.nbytes == 0:
+            continue
+        chunks = store._chunks(spec, None if store.resident else store.unit_bytes)
+        units += [[Slice(k, a, b)] for a, b in chunks]
+    if not units:
+        return
+    with store.pipeline(units, mode="r") as pipe:
+        for (s,), (t,) in zip(units, pipe):
+            if t.device.type != "cpu":
+                t = t.cpu()
+            yield s.key, memoryview(t.contiguous().view(-1).view(torch.uint8).numpy())
+
+
+def write_state(store, key: StateKey, spec: StateSpec,
+                fill: Callable[[memoryview], None]) -> None:
+    """Write the whole state ``key`` (already created, of ``spec``) through one pipeline of
+    ``store``: ``fill(view)`` is called for each chunk in order and fills its bytes.
+
+    Args:
+        store: the :class:`~statestore.StateStore` holding ``key``.
+        key: the state to write.
+        spec: its shape and dtype.
+        fill: fills a writable byte view with the state's next bytes; its exception stops
+            the write (and propagates).
+    """
+    if not spec.nbytes:
+        return
+    chunks = store._chunks(spec)
+    with store.pipeline([[Slice(key, a, b)] for a, b in chunks], mode="w") as pipe:
+        for (t,) in pipe:
+            if t.device.type == "cpu" and t.is_contiguous():
+                fill(memoryview(t.view(-1).view(torch.uint8).numpy()))
+            else:
+                tmp = torch.empty(t.numel(), dtype=t.dtype)
+                fill(memoryview(tmp.view(torch.uint8).numpy()))
+                t.copy_(tmp.view(t.shape))
+
+
+def check_store(store) -> None:
+    """Raise :class:`StateStoreValueError` unless ``store`` is a :class:`~statestore.StateStore`."""
+    from ..store import StateStore
+    if not isinstance(store, StateStore):
+        raise StateStoreValueError(f"store must be a statestore.StateStore, got "
+                                   f"{type(store).__name__}")

@@ -1,0 +1,238 @@
+"""The steps of a save, shared by a save alone (:mod:`.save`) and a collective one
+(:mod:`.collective`): shards (copied or hard-linked), the manifest (the commit point), and
+the clean-up of earlier saves' files.
+
+Every state is streamed through the store's pipeline (:func:`.stream.read_states`) into shards
+written under temporary names, fsync'd and renamed; the manifest is written the same way,
+last: a checkpoint exists exactly when its manifest does. Shards of an earlier save at the
+same path are removed only after the new manifest is in place (``docs/checkpoint-format.md``,
+"Saving: the atomic commit protocol").
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import time
+from typing import List, Optional
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import xxhash
+
+from .._safetensors_layout import layout
+from .._types import StateKey
+from ..errors import CheckpointError, StateStoreError, StateStoreIOError, StateStoreValueError
+from .digest import KEY, manifest_digest
+from .filesystem import (close_quietly, commit, fsync_dir, is_local, join, open_for_write,
+                         remove)
+from .filesystem import progress as progress_bar
+from .format import (CHECKSUM, COLUMNS, FORMAT_NAME, FORMAT_VERSION, MANIFEST, SCHEMA,
+                     ManifestRow, columns, statestore_version)
+from .manifest import read_manifest
+from .metadata import optimizer_metadata_problem
+from .save_lock import SaveLock
+from .stream import read_states
+
+__all__ = ["DEFAULT_SHARD_BYTES", "metadata_json", "save_progress", "write_shards",
+           "write_manifest", "remove_stale", "lock_for_save", "as_io_error"]
+
+DEFAULT_SHARD_BYTES = 2 * 1024 ** 3
+# link() errors that mean "no hard link here" (the states are copied instead)
+_NO_LINK = {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EACCES}
+
+
+def save_progress(store, keys: List[StateKey], root: str, enabled: Optional[bool]):
+    """The byte progress bar of a save of ``keys``."""
+    return progress_bar(sum(store.spec(k).nbytes for k in keys), f"save {os.path.basename(root)}",
+                    enabled)
+
+
+def metadata_json(store, metadata: Optional[dict]) -> str:
+    """The optimizer metadata to save (``metadata``, else the store's), checked, as JSON.
+
+    Raises:
+        StateStoreValueError: it has the wrong shape or is not JSON-serializable.
+    """
+    meta = metadata if metadata is not None else store.metadata()
+    meta = {} if meta is None else meta
+    problem = optimizer_metadata_problem(meta)
+    if problem:
+        raise StateStoreValueError(f"checkpoint metadata: {problem}")
+    try:
+        return json.dumps(meta)
+    except (TypeError, ValueError, RecursionError) as e:
+        raise StateStoreValueError(f"checkpoint metadata is not JSON-serializable: {e}") from e
+
+
+def write_shards(store, fs, root: str, keys: List[StateKey], stem: str, shard_bytes: int,
+                 bar, written: List[str], link: bool = True) -> List[ManifestRow]:
+    """Write ``keys`` into shards ``<stem>-<n>.safetensors`` (temporary name, fsync, rename);
+    returns the manifest rows. Every file created is listed in ``written`` (for clean-up).
+
+    With ``link``, the store's own files that can serve as shards (``NVMeStore`` files on
+    the same local filesystem, ``StateStore._linkable``) are hard-linked and frozen instead of
+    copied: only states whose checksum the store does not know are read. The rest is copied."""
+    rows: List[ManifestRow] = []
+    n = 0
+    order = None
+    if link and is_local(fs):
+        for k in keys:
+            store._check_damaged(k)     # as reading it to copy would: no stale state saved
+        linked = set()
+        for lf in store._linkable(keys, root, shard_bytes):
+            name = f"{stem}-{n:05d}.safetensors"
+            final, tmp = join(root, name), join(root, f".{name}.tmp")
+            try:
+                lf.link(tmp)
+            except OSError as e:
+                if e.errno in _NO_LINK:
+                    continue        # copied below
+                raise
+            written.append(tmp)
+            rows += _link_rows(store, lf, name, bar)
+            os.rename(tmp, final)
+            written[-1] = final
+            linked.update(k for k, _ in lf.rows)
+            n += 1
+        if linked:
+            order = keys
+            keys = [k for k in keys if k not in linked]
+            fsync_dir(fs, root)
+    shards: List[List[StateKey]] = []
+    size = 0
+    for k in keys:
+        nb = store.spec(k).nbytes
+        if not shards or (size + nb > shard_bytes and shards[-1]):
+            shards.append([])
+            size = 0
+        shards[-1].append(k)
+        size += nb
+    for i, shard_keys in enumerate(shards):
+        name = f"{stem}-{n + i:05d}.safetensors"
+        final, tmp = join(root, name), join(root, f".{name}.tmp")
+        lay = layout([(str(k), store.spec(k).dtype, store.spec(k).shape) for k in shard_keys],
+                     align=64, metadata={"format": FORMAT_NAME})
+        written.append(tmp)
+        f = open_for_write(fs, tmp)
+        try:
+            f.write(lay.header)
+            hashes = {k: xxhash.xxh3_64() for k in shard_keys}
+            for k, chunk in read_states(store, shard_keys):
+                entry = lay.entries[str(k)]
+                if f.tell() < entry.offset:
+                    f.write(b"\0" * (entry.offset - f.tell()))
+                hashes[k].update(chunk)
+                f.write(chunk)
+                bar.update(len(chunk))
+            for k in shard_keys:
+                rows.append(ManifestRow.of(k, store.spec(k), name, lay.entries[str(k)].offset,
+                                           hashes[k].hexdigest()))
+            commit(fs, f, tmp, final)
+        except BaseException:
+            close_quietly(f)
+            raise
+        written[-1] = final
+    if order is not None:
+        # Rows in the store's key order, as a copying save writes them: a load creates the
+        # states in this order (a TieredStore places them by it).
+        rank = {str(k): i for i, k in enumerate(order)}
+        rows.sort(key=lambda r: rank[r.key])
+    return rows
+
+
+def _link_rows(store, lf, name: str, bar) -> List[ManifestRow]:
+    """Manifest rows of a linked store file; checksums the store does not know (it hashes
+    states as it writes them in order) are computed by reading the (now frozen) states
+    through the store's pipeline."""
+    todo = [k for k, _ in lf.rows if k not in lf.hashes]
+    hashes = {k: xxhash.xxh3_64() for k in todo}
+    for k, chunk in read_states(store, todo):
+        hashes[k].update(chunk)
+        bar.update(len(chunk))
+    for k, h in hashes.items():
+        lf.hashes[k] = h.hexdigest()
+    rows = []
+    for k, off in lf.rows:
+        if k not in hashes:
+            bar.update(store.spec(k).nbytes)
+        rows.append(ManifestRow.of(k, store.spec(k), name, off, lf.hashes[k]))
+    return rows
+
+
+def write_manifest(fs, root: str, rows: List[ManifestRow], meta_json: str, save_id: str,
+                   written: List[str], world_size: int = 1) -> None:
+    """Write and commit the manifest of ``rows``: the save's commit point. ``written`` is
+    cleared once the manifest is in place (its shards must then stay)."""
+    cols = columns(rows)
+    smeta = {
+        "statestore.format": FORMAT_NAME,
+        "statestore.format_version": str(FORMAT_VERSION),
+        "statestore.version": statestore_version(),
+        "statestore.checksum": CHECKSUM,
+        "statestore.save_id": save_id,
+        "statestore.saved_at": str(time.time()),
+        "statestore.world_size": str(world_size),
+        "statestore.metadata": meta_json,
+    }
+    smeta[KEY] = manifest_digest(COLUMNS, cols, smeta)
+    table = pa.Table.from_pydict(cols, schema=SCHEMA).replace_schema_metadata(smeta)
+    mtmp = join(root, f".{MANIFEST}.{save_id}.tmp")
+    written.append(mtmp)
+    f = fs.open(mtmp, "wb")
+    try:
+        pq.write_table(table, f)
+        commit(fs, f, mtmp, join(root, MANIFEST))
+    except BaseException as e:
+        close_quietly(f)
+        if isinstance(e, OSError) and not isinstance(e, StateStoreError):
+            # Name the file: in a linked save the manifest is the only data written.
+            raise StateStoreIOError(e.errno, f"writing {mtmp} failed: {e}", mtmp) from e
+        raise
+    # Committed: the new manifest names the shards, so from here on a failure must not
+    # remove them (that would leave neither the new nor the previous checkpoint).
+    written.clear()
+    if is_local(fs):
+        fsync_dir(fs, root)
+
+
+def remove_stale(fs, root: str, save_id: str) -> None:
+    """Remove shards and temporaries of earlier (or failed) saves once the manifest of
+    ``save_id`` is in place."""
+    if not is_local(fs):
+        # No lock there: a save racing to the same URL may have replaced our manifest. Then
+        # its shards are not stale, and ours are not named: fail without removing anything.
+        try:
+            now = read_manifest(f"{fs.unstrip_protocol(root)}").info.get("save_id")
+        except Exception:
+            now = None
+        if now != save_id:
+            raise CheckpointError(f"checkpoint {root!r}: another save replaced this one's "
+                                  f"manifest (save {save_id}, now {now}); concurrent saves to "
+                                  f"one path are not supported")
+    stale = []
+    for p in fs.ls(root, detail=False):
+        base = p.rstrip("/").rsplit("/", 1)[-1]
+        if base.startswith(f"shard-{save_id}-"):
+            continue
+        if base.startswith("shard-") or base.startswith(".shard-") \
+                or base.startswith(f".{MANIFEST}."):
+            stale.append(p)
+    remove(fs, stale)
+
+
+def as_io_error(e: BaseException, path: str) -> BaseException:
+    """``e`` as the save's exception: a plain ``OSError`` becomes a
+    :class:`StateStoreIOError` naming ``path``."""
+    if isinstance(e, OSError) and not isinstance(e, StateStoreError):
+        err = StateStoreIOError(e.errno, f"saving checkpoint {path!r} failed: {e}")
+        err.__cause__ = e
+        return err
+    return e
+
+
+def lock_for_save(fs, root: str, path: str):
+    """The save lock of a local checkpoint directory (:mod:`.save_lock`); a no-op context
+    elsewhere (fsspec URLs: the commit is verified instead)."""
+    return SaveLock(root, path) if is_local(fs) else contextlib.nullcontext()
