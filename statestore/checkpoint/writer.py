@@ -45,8 +45,8 @@ _NO_LINK = {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTS
 
 def save_progress(store, keys: List[StateKey], root: str, enabled: Optional[bool]):
     """The byte progress bar of a save of ``keys``."""
-    return progress_bar(sum(store.spec(k).nbytes for k in keys), f"save {os.path.basename(root)}",
-                    enabled)
+    return progress_bar(sum(store.spec(k).nbytes for k in keys),
+                        f"save {os.path.basename(root)}", enabled)
 
 
 def metadata_json(store, metadata: Optional[dict]) -> str:
