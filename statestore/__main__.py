@@ -118,56 +118,16 @@ def to_torch_state_dict(path: str, verify: bool = True) -> Dict[str, Any]:
     written out are in RAM. ``verify`` checks every checksum on the way. Compressed moments
     (metadata ``moment_dtype`` "bf16"/"int8") are decoded to fp32 tensors (in RAM).
     """
-    import torch
     from .checkpoint import read_manifest
     from .checkpoint.shard_check import by_file, check_shard_header
-    from .errors import CheckpointError
+    from .optim._torch_format import checkpoint_groups, checkpoint_states
     m = read_manifest(path)
-    groups = m.metadata.get("param_groups")
-    if not groups:
-        raise CheckpointError(f"{path}: the checkpoint carries no optimizer metadata "
-                              f"(param_groups); it cannot be numbered for torch")
+    index, groups = checkpoint_groups(path, m.metadata)
     for name, rows in by_file(m.rows).items():
         check_shard_header(m, name, rows)
-    index: Dict[str, int] = {}
-    out_groups = []
-    for g in groups:
-        names = [str(n) for n in g.get("params", [])]
-        ids = []
-        for n in names:
-            index[n] = len(index)
-            ids.append(index[n])
-        ng = {k: v for k, v in g.items() if k != "params"}
-        ng["betas"] = tuple(ng.get("betas", (0.9, 0.999)))
-        adamw = bool(ng.get("adamw_mode", True))
-        ng["decoupled_weight_decay"] = adamw
-        for k, v in (("foreach", None), ("capturable", False), ("differentiable", False),
-                     ("fused", None), ("maximize", False), ("amsgrad", False)):
-            ng.setdefault(k, v)
-        ng["params"] = ids
-        if any(n != str(i) for n, i in zip(names, ids)):
-            ng["param_names"] = names
-        out_groups.append(ng)
-    unknown = sorted({r["param"] for r in m.rows} - set(index))
-    if unknown:
-        raise CheckpointError(f"{path}: states of parameters {unknown} that no param group "
-                              f"of the metadata lists")
-    steps = m.metadata.get("steps", {})
-    state: Dict[int, Dict[str, Any]] = {}
-    for r in m.rows:
-        entry = state.setdefault(index[r["param"]],
-                                 {"step": torch.tensor(float(steps.get(r["param"], 0)))})
-        entry[r["state"]] = _open_tensor(m, r, verify)
-    moment_dtype = m.metadata.get("moment_dtype", "fp32")
-    if moment_dtype != "fp32":      # compressed moments: torch's fp32 exp_avg / exp_avg_sq
-        from .optim._moments import SCALE_OF, MomentFormat
-        fmt = MomentFormat(moment_dtype)
-        for entry in state.values():
-            for n, sn in SCALE_OF.items():
-                if n in entry:
-                    sc = entry.pop(sn, None)
-                    entry[n] = fmt.to_fp32(n, entry[n], sc).view(entry[n].shape)
-    return {"state": dict(sorted(state.items())), "param_groups": out_groups}
+    state = checkpoint_states(path, m.metadata, index, m.rows,
+                              lambda r: _open_tensor(m, r, verify))
+    return {"state": state, "param_groups": groups}
 
 
 def _cmd_convert(args) -> int:

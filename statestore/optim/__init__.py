@@ -1,4 +1,4 @@
 """Optimizers over any state store."""
-from .adam import CPUAdam, HybridAdam
+from .adam import OPTIMIZER_METADATA_VERSION, CPUAdam, HybridAdam
 
-__all__ = ["CPUAdam", "HybridAdam"]
+__all__ = ["CPUAdam", "HybridAdam", "OPTIMIZER_METADATA_VERSION"]

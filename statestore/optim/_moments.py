@@ -27,9 +27,9 @@ import torch
 from torch import Tensor
 
 from ..errors import StateStoreValueError
-from ..kernels import _quant as Q
+from ..kernels._quant import BLOCK, ROUNDINGS, decode, encode, moment_seed, nblocks
 
-__all__ = ["MOMENT_DTYPES", "MomentFormat", "SCALE_OF"]
+__all__ = ["MOMENT_DTYPES", "MomentFormat", "SCALE_OF", "export_fp32"]
 
 MOMENT_DTYPES = ("fp32", "bf16", "int8")
 #: the scale state of each int8 moment state
@@ -56,8 +56,8 @@ class MomentFormat:
                                        f"{moment_dtype!r}")
         if rounding is None:
             rounding = _DEFAULT_ROUNDING[moment_dtype]
-        if rounding not in Q.ROUNDINGS:
-            raise StateStoreValueError(f"moment_rounding must be one of {Q.ROUNDINGS} (or "
+        if rounding not in ROUNDINGS:
+            raise StateStoreValueError(f"moment_rounding must be one of {ROUNDINGS} (or "
                                        f"None), got {rounding!r}")
         self.name = moment_dtype
         self.rounding = rounding
@@ -80,7 +80,7 @@ class MomentFormat:
     def spec(self, name: str, shape: Tuple[int, ...]) -> Tuple[Tuple[int, ...], torch.dtype]:
         """(shape, dtype) of store state ``name`` of a parameter of ``shape``."""
         if name in _SCALES:
-            return (Q.nblocks(math.prod(shape)),), torch.float32
+            return (nblocks(math.prod(shape)),), torch.float32
         if name == "exp_avg":
             return tuple(shape), _DTYPES[self.name][0]
         if name == "exp_avg_sq":
@@ -94,7 +94,7 @@ class MomentFormat:
     def state_range(self, name: str, a: int, b: int) -> Tuple[int, int]:
         """Elements of state ``name`` that hold parameter elements ``[a, b)``."""
         if name in _SCALES:
-            return a // Q.BLOCK, -(-b // Q.BLOCK)
+            return a // BLOCK, -(-b // BLOCK)
         return a, b
 
     def cut_elems(self, store, base_align: int) -> int:
@@ -108,9 +108,9 @@ class MomentFormat:
         item = 2 if self.name == "bf16" else 1
         need = _lcm(need, max(1, align // item))
         if self.name == "int8":
-            need = _lcm(need, Q.BLOCK)
+            need = _lcm(need, BLOCK)
             if align > 1:
-                need = _lcm(need, Q.BLOCK * max(1, align // 4))
+                need = _lcm(need, BLOCK * max(1, align // 4))
         return need
 
     def unit_itemsize(self, names: Sequence[str]) -> Tuple[int, int]:
@@ -135,7 +135,7 @@ class MomentFormat:
         if self.name == "bf16":
             enc.update(exp_avg="bf16", exp_avg_sq="bf16")
         else:
-            enc.update(block=Q.BLOCK, exp_avg="int8 sign(c)*(c/127)^2*scale",
+            enc.update(block=BLOCK, exp_avg="int8 sign(c)*(c/127)^2*scale",
                        exp_avg_sq="uint8 (c/255)^4*scale", scales=dict(SCALE_OF))
         return {"moment_dtype": self.name, "moment_encoding": enc}
 
@@ -145,7 +145,7 @@ class MomentFormat:
         if not self.compressed:
             return codes.reshape(-1).float()
         which = 0 if name == "exp_avg" else 1
-        return Q.decode(self.name, which, codes.reshape(-1).cpu(),
+        return decode(self.name, which, codes.reshape(-1).cpu(),
                         None if scales is None else scales.reshape(-1).cpu()).to(codes.device)
 
     def from_fp32(self, name: str, x: Tensor) -> Dict[str, Tensor]:
@@ -156,7 +156,7 @@ class MomentFormat:
         if not self.compressed:
             return {name: flat}
         which = 0 if name == "exp_avg" else 1
-        codes, scales = Q.encode(self.name, which, flat, rounding="nearest")
+        codes, scales = encode(self.name, which, flat, rounding="nearest")
         out = {name: codes}
         if scales is not None:
             out[SCALE_OF[name]] = scales
@@ -165,7 +165,7 @@ class MomentFormat:
     def seeds(self, key: str, step: int) -> Tuple[int, int]:
         """Seeds of the random bits of (exp_avg, exp_avg_sq) of parameter ``key`` at step
         count ``step`` (after the update)."""
-        return Q.moment_seed(key, 0, step), Q.moment_seed(key, 1, step)
+        return moment_seed(key, 0, step), moment_seed(key, 1, step)
 
 
 def _lcm(a: int, b: int) -> int:
@@ -194,7 +194,7 @@ def export_fp32(store, fmt: MomentFormat, params: Sequence[Tuple[str, Tuple[int,
     moments ``store`` holds, for ``state_dict()``: decoded from resident stores directly;
     from disk stores chunk by chunk through the store's pipeline into a temporary file mapped
     into memory, so the call never holds every state in RAM."""
-    from .._types import Slice, StateKey
+    from .._types import StateKey
     from ..store import CHUNK_BYTES
     todo = [(StateKey(k, n), shape) for k, shape in params for n in ("exp_avg", "exp_avg_sq")
             if StateKey(k, n) in store]
@@ -223,12 +223,20 @@ def export_fp32(store, fmt: MomentFormat, params: Sequence[Tuple[str, Tuple[int,
     for (sk, shape), off in zip(todo, offsets):
         n = math.prod(shape)
         dst = flat[off:off + 4 * n].view(torch.float32)
-        sc = scale_key(sk)
-        ranges = [(a, min(n, a + step)) for a in range(0, n, step)]
-        units = [[Slice(sk, a, b)] + ([Slice(sc, *fmt.state_range(sc.state, a, b))]
-                                      if sc is not None else []) for a, b in ranges]
-        with store.pipeline(units, mode="r") as pipe:
-            for (a, b), ts in zip(ranges, pipe):
-                dst[a:b].copy_(fmt.to_fp32(sk.state, ts[0], ts[1] if sc is not None else None))
+        for a, b, codes, scales in _stream_moment(store, fmt, sk, scale_key(sk), n, step):
+            dst[a:b].copy_(fmt.to_fp32(sk.state, codes, scales))
         out[sk] = dst.view(shape)
     return out
+
+
+def _stream_moment(store, fmt: MomentFormat, sk, sc, n: int, step: int):
+    """Yield ``(a, b, codes, scales)`` for elements ``[a, b)`` of the ``n`` of moment ``sk``
+    (and the blocks of its scale ``sc``, or None), ``step`` elements at a time, read through
+    the store's pipeline: the one place this module streams a state in chunks."""
+    from .._types import Slice
+    ranges = [(a, min(n, a + step)) for a in range(0, n, step)]
+    units = [[Slice(sk, a, b)] + ([Slice(sc, *fmt.state_range(sc.state, a, b))]
+                                  if sc is not None else []) for a, b in ranges]
+    with store.pipeline(units, mode="r") as pipe:
+        for (a, b), ts in zip(ranges, pipe):
+            yield a, b, ts[0], (ts[1] if sc is not None else None)

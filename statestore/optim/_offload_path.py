@@ -42,7 +42,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["OffloadPath", "CudaLane", "attach"]
+__all__ = ["OffloadPath", "CudaLane", "attach_offload_path", "default_select", "install"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _ALIGN = 64
@@ -162,6 +162,7 @@ class OffloadPath:
         self._watched: List[Tensor] = []     # parameters with a hook, in order
         # backward runs the hooks of each device on that device's autograd thread
         self._lock = threading.RLock()
+        self.closed = False
         self.pinned_bytes = 0
         self.pageable_bytes = 0
 
@@ -171,7 +172,7 @@ class OffloadPath:
 
     def watch(self, params: Iterable[Tensor], owner) -> None:
         """Register the backward hook on ``params`` this path takes; ``owner`` (held weakly)
-        is the optimizer: the hook does nothing once it is gone."""
+        is the optimizer: the hook does nothing once it is gone or this path is closed."""
         if not hasattr(Tensor, "register_post_accumulate_grad_hook"):
             return
         ref = weakref.ref(owner)
@@ -179,7 +180,7 @@ class OffloadPath:
 
         def hook(param) -> None:
             opt, me = ref(), path()
-            if opt is None or me is None or getattr(opt, "_offload", None) is not me:
+            if opt is None or me is None or me.closed:
                 return
             if param.grad is not None and not param.grad.is_sparse:
                 with me._lock:
@@ -320,6 +321,7 @@ class OffloadPath:
                 "staging_pageable_bytes": self.pageable_bytes}
 
     def close(self) -> None:
+        self.closed = True
         self.remove_hooks()
         self._watched = []
         self._staging = {}
@@ -329,52 +331,49 @@ class OffloadPath:
         self.pinned_bytes = self.pageable_bytes = 0
 
 
-def default_select(opt) -> Callable[[Tensor], bool]:
-    """The optimizer's rule: a contiguous CUDA parameter whose store hands out host tensors."""
-    ref = weakref.ref(opt)
-
+def default_select(stores: Dict[Tensor, object]) -> Callable[[Tensor], bool]:
+    """The optimizer's rule: a contiguous CUDA parameter whose store (``stores``: the
+    optimizer's store of each parameter it keeps) hands out host tensors."""
     def select(p: Tensor) -> bool:
-        o = ref()
-        if o is None or not p.is_cuda or not p.is_contiguous():
+        if not p.is_cuda or not p.is_contiguous():
             return False
-        store = o._stores.get(p)
+        store = stores.get(p)
         return store is not None and store.device.type == "cpu"
     return select
 
 
-def attach(opt, params: Iterable[Tensor]) -> Optional[OffloadPath]:
-    """The optimizer's path for ``params`` (created when the first of them takes it), with
-    backward hooks on them; None while no parameter takes it."""
+def attach_offload_path(path: Optional[OffloadPath], owner, params: Iterable[Tensor],
+                        stores: Dict[Tensor, object]) -> Optional[OffloadPath]:
+    """The optimizer ``owner``'s path (``path``: the one it has, or None) for ``params``,
+    created when the first of them takes it, with backward hooks on them; None while no
+    parameter takes it."""
     params = list(params)
-    path = getattr(opt, "_offload", None)
     if path is None:
         if not torch.cuda.is_available():
             return None
-        select = default_select(opt)
+        select = default_select(stores)
         if not any(select(p) for p in params):
             return None
         path = OffloadPath(select)
-        opt._offload = path
-    path.watch(params, opt)
+    path.watch(params, owner)
     return path
 
 
 def install(opt, lane_factory, select: Optional[Callable[[Tensor], bool]] = None) -> OffloadPath:
-    """Replace ``opt``'s path by one with ``lane_factory`` (and ``select``; default: every
-    parameter with a host store), hooks included. For tests: CPU parameters then take the
-    same path as CUDA ones."""
+    """Tests only: replace ``opt``'s path by one with ``lane_factory`` (and ``select``;
+    default: every contiguous parameter whose store hands out host tensors), hooks included.
+    CPU parameters then take the same path as CUDA ones. Reads the optimizer's public
+    ``param_groups`` and ``state_store`` (a parameter's default store is on its device)."""
     old = getattr(opt, "_offload", None)
     if old is not None:
         old.close()
+    store = opt.state_store
 
     if select is None:
-        ref = weakref.ref(opt)
-
         def select(p: Tensor) -> bool:
-            o = ref()
-            st = o._stores.get(p) if o is not None else None
-            return st is not None and st.device.type == "cpu" and p.is_contiguous()
+            where = store.device if store is not None else p.device
+            return where.type == "cpu" and p.is_contiguous()
     path = OffloadPath(select, lane_factory)
-    opt._offload = path
-    path.watch(opt._params, opt)
+    opt._offload = path                 # the optimizer's path (this is a test hook)
+    path.watch([p for g in opt.param_groups for p in g["params"]], opt)
     return path

@@ -27,34 +27,34 @@ from torch import Tensor
 
 from .._types import StateKey
 from ..errors import StateStoreError, StateStoreValueError
+from ._metadata import STATE_NAMES
+from ._table import ParamTable
 
 __all__ = ["OptimizerState", "ParamState"]
-
-STATE_NAMES = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
 
 
 class ParamState(MutableMapping):
     """The states of one parameter: ``"step"`` (a float32 scalar tensor, as torch's Adam
     keeps it) and each state the store holds, read on access."""
 
-    __slots__ = ("_opt", "_p")
+    __slots__ = ("_table", "_owner", "_p")
 
-    def __init__(self, opt, p: Tensor):
-        self._opt, self._p = opt, p
+    def __init__(self, table: ParamTable, owner: str, p: Tensor):
+        self._table, self._owner, self._p = table, owner, p
 
     @property
     def _key(self) -> str:
-        return self._opt._keys[self._p]
+        return self._table.keys[self._p]
 
     def _store(self):
-        return self._opt._stores[self._p]
+        return self._table.stores[self._p]
 
     def _names(self) -> List[str]:
         store, key = self._store(), self._key
         return [n for n in STATE_NAMES if StateKey(key, n) in store]
 
     def __iter__(self) -> Iterator[str]:
-        if self._key in self._opt._steps:
+        if self._key in self._table.steps:
             yield "step"
         yield from self._names()
 
@@ -63,14 +63,14 @@ class ParamState(MutableMapping):
 
     def __contains__(self, name) -> bool:
         if name == "step":
-            return self._key in self._opt._steps
+            return self._key in self._table.steps
         return isinstance(name, str) and name in STATE_NAMES \
             and StateKey(self._key, name) in self._store()
 
     def __getitem__(self, name: str) -> Any:
         if name == "step":
             try:
-                return torch.tensor(float(self._opt._steps[self._key]), dtype=torch.float32)
+                return torch.tensor(float(self._table.steps[self._key]), dtype=torch.float32)
             except KeyError:
                 raise KeyError(name) from None
         if name not in self:
@@ -86,10 +86,10 @@ class ParamState(MutableMapping):
                     or value != int(value):
                 raise StateStoreValueError(f"state of parameter {key!r}: step must be a "
                                            f"non-negative whole number, got {value!r}")
-            self._opt._steps[key] = int(value)
+            self._table.steps[key] = int(value)
             return
         if name not in STATE_NAMES:
-            raise StateStoreValueError(f"parameter {key!r}: {type(self._opt).__name__} keeps "
+            raise StateStoreValueError(f"parameter {key!r}: {self._owner} keeps "
                                        f"only {list(STATE_NAMES)} and 'step', not {name!r}")
         if not isinstance(value, Tensor) or tuple(value.shape) != tuple(self._p.shape):
             raise StateStoreValueError(
@@ -97,7 +97,7 @@ class ParamState(MutableMapping):
                 f"{tuple(self._p.shape)}, got "
                 f"{tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__}")
         store, sk = self._store(), StateKey(key, name)
-        self._opt._next_plans = {}             # the set of states may change: plan afresh
+        self._table.next_plans.clear()             # the set of states may change: plan afresh
         if sk in store:
             store.put(sk, value.detach())
         else:
@@ -105,12 +105,12 @@ class ParamState(MutableMapping):
 
     def __delitem__(self, name: str) -> None:
         if name == "step":
-            if self._opt._steps.pop(self._key, None) is None:
+            if self._table.steps.pop(self._key, None) is None:
                 raise KeyError(name)
             return
         if name not in self:
             raise KeyError(name)
-        self._opt._next_plans = {}
+        self._table.next_plans.clear()
         self._store().delete([StateKey(self._key, name)])
 
     def __repr__(self) -> str:
@@ -122,34 +122,39 @@ class OptimizerState(MutableMapping):
     states this rank keeps, in parameter order. ``state[p]`` also answers for a parameter
     of the optimizer that has not stepped (an empty entry, as torch's ``defaultdict``)."""
 
-    def __init__(self, opt):
+    def __init__(self, opt, table: ParamTable):
         self._ref = weakref.ref(opt)
+        self._table = table
 
-    def _opt(self):
-        opt = self._ref()
-        if opt is None:
+    def _live(self) -> ParamTable:
+        """The optimizer's table (raises once the optimizer is gone)."""
+        if self._ref() is None:
             raise StateStoreError("the optimizer this state belonged to no longer exists")
-        return opt
+        return self._table
 
-    def _has(self, opt, p) -> bool:
-        return isinstance(p, Tensor) and p in opt._stores and opt._keys.get(p) in opt._steps
+    @staticmethod
+    def _has(table: ParamTable, p) -> bool:
+        return isinstance(p, Tensor) and p in table.stores and table.keys.get(p) in table.steps
 
     def __iter__(self) -> Iterator[Tensor]:
-        opt = self._opt()
-        return iter([p for p in opt._params if self._has(opt, p)])
+        table = self._live()
+        return iter([p for p in table.params if self._has(table, p)])
 
     def __len__(self) -> int:
-        opt = self._ref()
-        return 0 if opt is None else sum(1 for p in opt._params if self._has(opt, p))
+        if self._ref() is None:
+            return 0
+        table = self._table
+        return sum(1 for p in table.params if self._has(table, p))
 
     def __contains__(self, p) -> bool:
-        return self._has(self._opt(), p)
+        return self._has(self._live(), p)
 
     def __getitem__(self, p) -> ParamState:
-        opt = self._opt()
-        if not isinstance(p, Tensor) or p not in opt._stores:
+        opt = self._ref()
+        table = self._live()
+        if not isinstance(p, Tensor) or p not in table.stores:
             raise KeyError(p)
-        return ParamState(opt, p)
+        return ParamState(table, type(opt).__name__, p)
 
     def __setitem__(self, p, value) -> None:
         """Replace ``p``'s states with ``value`` (a mapping of ``"step"`` and state tensors);

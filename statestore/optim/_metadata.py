@@ -1,0 +1,476 @@
+"""The optimizer metadata: one schema, with its producer, its validator and the resume check.
+
+The metadata is the JSON object an optimizer attaches to its stores
+(:meth:`StateStore.attach_metadata`) and every checkpoint carries (``docs/checkpoint-format.md``,
+"Optimizer metadata")::
+
+    {"optimizer": "HybridAdam", "version": 1,
+     "param_groups": [{"lr": ..., "betas": [b1, b2], "eps": ..., "weight_decay": ...,
+                       "amsgrad": ..., "maximize": ..., "adamw_mode": ..., <extra keys>,
+                       "params": [parameter keys]}],
+     "steps": {key: int}, "params": {key: {"shape": [ints], "dtype": "bfloat16"}},
+     "moment_dtype": "fp32" | "bf16" | "int8", "moment_encoding": {...}}
+
+* :func:`metadata_source` produces it (a callable the store keeps);
+* :func:`optimizer_metadata_problem` validates one read from a checkpoint;
+* :func:`resume` checks a store's states and metadata against an optimizer and applies them:
+  param groups are matched by position, as ``torch.optim.Optimizer.load_state_dict`` matches
+  them, and each group's parameters by key (the name given through ``named_parameters()``, else
+  the index in torch's ``state_dict()`` numbering). A group takes every saved key but its
+  parameters (``lr``, ``betas``, ``eps``, ``weight_decay``, ``initial_lr`` written by an LR
+  scheduler, and any other key a user or library added), as ``load_state_dict`` does.
+  Differences raise one :class:`CheckpointMismatchError` whose message stays short
+  (:class:`MismatchReport`).
+
+It also names the states of a parameter (:func:`state_names`).
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from .._parquet_guard import MAX_NDIM
+from ..errors import CheckpointMismatchError, StateStoreError
+from ..offload._handle import PARAM_STATE
+from ._args import validate_hyper
+from ._moments import SCALE_OF
+from ._table import ParamTable
+
+__all__ = ["OPTIMIZER_METADATA_VERSION", "HYPER", "STATE_NAMES", "ALL_STATE_NAMES",
+           "LOW_PRECISION", "IMPL_KEYS", "MismatchReport", "group_extras", "saved_group_hyper",
+           "short_names", "state_names", "metadata_source", "failed_message",
+           "optimizer_metadata_problem", "resume"]
+
+OPTIMIZER_METADATA_VERSION = 1
+#: hyperparameters saved in metadata and state_dict (torch's AdamW keys plus ours)
+HYPER = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "adamw_mode")
+#: the logical states of a parameter
+STATE_NAMES = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
+#: every state a store may hold for a parameter (int8 moments add their scales)
+ALL_STATE_NAMES = STATE_NAMES + tuple(SCALE_OF.values())
+#: parameter dtypes that keep an fp32 ``master`` in the store
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+#: torch's implementation switches: never carried between optimizers (ours ignore them).
+IMPL_KEYS = frozenset({"foreach", "fused", "capturable", "differentiable",
+                       "decoupled_weight_decay"})
+#: keys the metadata writes itself (hyperparameters and parameter keys)
+_OWN_KEYS = frozenset({"params", "param_names", "lr", "betas", "eps", "weight_decay",
+                       "amsgrad", "maximize", "adamw_mode"})
+#: how many names a summary line shows
+_SHOW = 3
+
+
+def _json_value(v: Any) -> Tuple[bool, Any]:
+    """``(True, v as plain JSON)`` for numbers, strings, bools, None, one-element tensors and
+    lists/tuples of those; ``(False, None)`` for anything else (left out of the metadata)."""
+    if v is None or isinstance(v, (bool, str)):
+        return True, v
+    if isinstance(v, torch.Tensor):
+        if v.numel() != 1:
+            return False, None
+        v = v.item()
+    if isinstance(v, numbers.Integral):
+        return True, int(v)
+    if isinstance(v, numbers.Real):
+        f = float(v)
+        return (True, f) if math.isfinite(f) else (False, None)
+    if isinstance(v, (list, tuple)):
+        out = []
+        for x in v:
+            ok, y = _json_value(x)
+            if not ok:
+                return False, None
+            out.append(y)
+        return True, out
+    return False, None
+
+
+def group_extras(group: Dict[str, Any]) -> Dict[str, Any]:
+    """The keys of a param group beyond the optimizer's own hyperparameters (``initial_lr``
+    of an LR scheduler, a user's ``"name"``...) that JSON can hold, for the metadata."""
+    out = {}
+    for k, v in group.items():
+        if not isinstance(k, str) or k in _OWN_KEYS or k in IMPL_KEYS:
+            continue
+        ok, j = _json_value(v)
+        if ok:
+            out[k] = j
+    return out
+
+
+def saved_group_hyper(saved: Dict[str, Any]) -> Dict[str, Any]:
+    """What a group takes from a saved group (metadata or torch's ``state_dict``): every key
+    but its parameters and torch's implementation switches; ``betas`` as a tuple, torch's
+    ``decoupled_weight_decay`` as our ``adamw_mode``."""
+    h = {k: v for k, v in saved.items()
+         if isinstance(k, str) and k not in ("params", "param_names") and k not in IMPL_KEYS}
+    if "betas" in h and isinstance(h["betas"], (list, tuple)):
+        h["betas"] = tuple(h["betas"])
+    if "adamw_mode" not in h and "decoupled_weight_decay" in saved:
+        h["adamw_mode"] = bool(saved["decoupled_weight_decay"])
+    for k in ("amsgrad", "maximize", "adamw_mode"):
+        if k in h:
+            h[k] = bool(h[k])
+    return h
+
+
+def short_names(names: Sequence[str]) -> str:
+    shown = ", ".join(repr(n) for n in list(names)[:_SHOW])
+    more = len(names) - _SHOW
+    return shown + (f" and {more} more" if more > 0 else "")
+
+
+def _numbered(names) -> bool:
+    names = list(names)
+    return bool(names) and all(n.isdigit() for n in names)
+
+
+class MismatchReport:
+    """Collects the differences between a checkpoint (or a store's states) and an optimizer,
+    by kind, and raises one :class:`CheckpointMismatchError` whose message stays short
+    whatever the model's size: counts, the first few names of each kind, and a hint."""
+
+    def __init__(self, ckpt_params: Sequence[str], opt_params: Sequence[str],
+                 ckpt_groups: Optional[int] = None, opt_groups: Optional[int] = None,
+                 source: str = "checkpoint"):
+        self.source = source
+        self.ckpt_params, self.opt_params = list(ckpt_params), list(opt_params)
+        self.ckpt_groups, self.opt_groups = ckpt_groups, opt_groups
+        self._kinds: Dict[str, List[str]] = {}
+        self._order: List[str] = []
+
+    def add(self, kind: str, line: str) -> None:
+        """One difference; ``kind`` groups lines that are summarized together."""
+        if kind not in self._kinds:
+            self._kinds[kind] = []
+            self._order.append(kind)
+        if line not in self._kinds[kind]:
+            self._kinds[kind].append(line)
+
+    def __bool__(self) -> bool:
+        return bool(self._kinds)
+
+    def message(self) -> str:
+        total = sum(len(v) for v in self._kinds.values())
+        head = (f"the {self.source} does not match the optimizer ({total} difference"
+                f"{'s' if total != 1 else ''}): {self.source} has {len(self.ckpt_params)} "
+                f"parameters")
+        if self.ckpt_groups is not None:
+            head += f" in {self.ckpt_groups} param group{'s' if self.ckpt_groups != 1 else ''}"
+        head += f", optimizer has {len(self.opt_params)}"
+        if self.opt_groups is not None:
+            head += f" in {self.opt_groups} param group{'s' if self.opt_groups != 1 else ''}"
+        lines = [head]
+        for kind in self._order:
+            items = self._kinds[kind]
+            lines += ["  " + x for x in items[:_SHOW]]
+            if len(items) > _SHOW:
+                lines.append(f"  ... and {len(items) - _SHOW} more ({kind})")
+        lines.append("hint: " + self.hint())
+        return "\n".join(lines)
+
+    def hint(self) -> str:
+        ck, op = self.ckpt_params, self.opt_params
+        if ck and op and _numbered(op) and not _numbered(ck):
+            return (f"the {self.source} names its parameters ({short_names(ck)}) but the optimizer "
+                    f"numbers them: pass model.named_parameters() to the optimizer")
+        if ck and op and _numbered(ck) and not _numbered(op):
+            return (f"the {self.source} numbers its parameters ({short_names(ck)}) but the optimizer "
+                    f"names them ({short_names(op)}): pass model.parameters() as when it was saved")
+        return ("parameters are matched by name where the optimizer was given "
+                "named_parameters() (else by position); pass named_parameters(), the same "
+                f"param groups in the same order, and the same model as when the {self.source} "
+                "was saved")
+
+    def raise_if_any(self) -> None:
+        if self._kinds:
+            raise CheckpointMismatchError(self.message())
+
+
+# ------------------------------------------------------------------------------ states
+def state_names(p: Tensor, group: Dict[str, Any]) -> List[str]:
+    """The logical states of parameter ``p`` in ``group``: the two moments, amsgrad's
+    ``max_exp_avg_sq``, and an fp32 ``master`` for fp16/bf16 parameters."""
+    names = ["exp_avg", "exp_avg_sq"]
+    if group["amsgrad"]:
+        names.append("max_exp_avg_sq")
+    if p.dtype in LOW_PRECISION:
+        names.append("master")
+    return names
+
+
+def failed_message(name: str, cause: str) -> str:
+    """What an optimizer whose step failed part-way says when asked to go on."""
+    return (f"{name}: an earlier step() failed part-way ({cause}); parameters and states hold a "
+            "mix of two steps. Load the last checkpoint into the store (and the model weights) "
+            "and build a new optimizer")
+
+
+# ------------------------------------------------------------------------------ producer
+def metadata_source(name: str, param_groups: List[dict], table: ParamTable,
+                    moments: Dict[str, Any]) -> Callable[[], dict]:
+    """A callable producing the metadata of optimizer class ``name`` that holds the
+    containers it reads (groups and ``table``'s keys, parameters, step counts), not the
+    optimizer: the store keeps it after the optimizer is gone, so a later optimizer on the
+    store picks up the step counts. ``moments``: :meth:`MomentFormat.metadata`.
+
+    The callable raises :class:`StateStoreError` once a step failed part-way (a checkpoint
+    then would mix states of two steps and look valid)."""
+    keys, steps, params, failed = table.keys, table.steps, table.params, table.failed
+
+    def metadata() -> dict:
+        if failed:
+            raise StateStoreError(failed_message(name, failed[0]))
+        groups = []
+        for g in param_groups:
+            hyper = {k: (list(g[k]) if k == "betas" else g[k]) for k in HYPER}
+            if isinstance(hyper["lr"], Tensor):
+                hyper["lr"] = hyper["lr"].item()
+            for k in ("lr", "eps", "weight_decay"):     # numpy scalars: plain JSON numbers
+                hyper[k] = float(hyper[k])
+            hyper["betas"] = [float(b) for b in hyper["betas"]]
+            for k in ("amsgrad", "maximize", "adamw_mode"):
+                hyper[k] = bool(hyper[k])
+            hyper.update(group_extras(g))       # initial_lr of a scheduler, and others
+            hyper["params"] = [keys[p] for p in g["params"]]
+            groups.append(hyper)
+        return {
+            "optimizer": name,
+            "version": OPTIMIZER_METADATA_VERSION,
+            "param_groups": groups,
+            "steps": dict(steps),
+            "params": {keys[p]: {"shape": list(p.shape),
+                                 "dtype": str(p.dtype).replace("torch.", "")}
+                       for p in params},
+            **moments,
+        }
+    return metadata
+
+
+# ------------------------------------------------------------------------------ validator
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def optimizer_metadata_problem(meta) -> Optional[str]:
+    """What is wrong with the optimizer metadata ``meta`` (None when nothing is).
+
+    Any JSON object is accepted; the keys the optimizers, ``inspect`` and ``convert`` read must
+    have the documented shape (``docs/checkpoint-format.md``): ``steps`` maps parameter keys to
+    non-negative ints, ``params`` maps them to ``{"shape": [ints], "dtype": str}``,
+    ``param_groups`` is a list of objects whose ``params`` lists parameter keys (each in one
+    group only) and whose hyperparameters have their types."""
+    if not isinstance(meta, dict):
+        return f"must be a JSON object, got {type(meta).__name__}"
+    steps = meta.get("steps")
+    if "steps" in meta:
+        if not isinstance(steps, dict):
+            return "'steps' must map parameter keys to step counts"
+        for k, v in steps.items():
+            if not _is_int(v) or v < 0:
+                return f"'steps'[{k!r}] must be a non-negative int, got {v!r}"
+    params = meta.get("params")
+    if "params" in meta:
+        if not isinstance(params, dict):
+            return "'params' must map parameter keys to {shape, dtype}"
+        for k, v in params.items():
+            if not isinstance(v, dict):
+                return f"'params'[{k!r}] must be an object, got {v!r}"
+            shape = v.get("shape", [])
+            if not isinstance(shape, list) or len(shape) > MAX_NDIM \
+                    or not all(_is_int(d) and d >= 0 for d in shape):
+                return f"'params'[{k!r}]['shape'] must be a list of non-negative ints"
+            if not isinstance(v.get("dtype", ""), str):
+                return f"'params'[{k!r}]['dtype'] must be a string"
+    groups = meta.get("param_groups")
+    if "param_groups" in meta:
+        if not isinstance(groups, list):
+            return "'param_groups' must be a list"
+        seen = set()
+        for i, g in enumerate(groups):
+            if not isinstance(g, dict):
+                return f"'param_groups'[{i}] must be an object, got {g!r}"
+            names = g.get("params", [])
+            if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+                return f"'param_groups'[{i}]['params'] must be a list of parameter keys"
+            for n in names:
+                if n in seen:
+                    return f"parameter {n!r} is listed in more than one param group"
+                seen.add(n)
+            for k in ("lr", "eps", "weight_decay"):
+                if k in g and not _is_num(g[k]):
+                    return f"'param_groups'[{i}][{k!r}] must be a number, got {g[k]!r}"
+            if "betas" in g and (not isinstance(g["betas"], list) or len(g["betas"]) != 2
+                                 or not all(_is_num(b) for b in g["betas"])):
+                return f"'param_groups'[{i}]['betas'] must be a pair of numbers"
+            for k in ("amsgrad", "maximize", "adamw_mode"):
+                if k in g and not isinstance(g[k], bool):
+                    return f"'param_groups'[{i}][{k!r}] must be true or false, got {g[k]!r}"
+    for k, kind in (("optimizer", str), ("version", int)):
+        if k in meta and not isinstance(meta[k], kind):
+            return f"{k!r} must be a {kind.__name__}, got {meta[k]!r}"
+    return None
+
+
+# ------------------------------------------------------------------------------ resume check
+def resume(store, table: ParamTable, param_groups: List[dict], fmt, *, sharded: bool,
+           loaded: bool = False) -> None:
+    """Pick up the states already in ``store`` (a loaded checkpoint, or an earlier optimizer
+    on it): step counts, and, from a loaded checkpoint, the param groups' hyperparameters.
+
+    Args:
+        store: a store of the optimizer (``table.stores`` maps its parameters to it).
+        table: the optimizer's bookkeeping; its step counts are updated.
+        param_groups: the optimizer's groups; they take the checkpoint's hyperparameters.
+        fmt: the optimizer's :class:`~statestore.optim._moments.MomentFormat`.
+        sharded: the optimizer has a process group: states of parameters other ranks keep
+            are dropped from ``store``.
+        loaded: ``store.load_checkpoint`` just replaced the states under the optimizer
+            (torch's resume order).
+
+    Raises:
+        CheckpointMismatchError: the store's states or metadata do not fit the optimizer
+            (one error summarizing every difference). Everything is checked before anything
+            changes.
+        ValueError, TypeError: a saved hyperparameter fails the constructor's checks.
+    """
+    keys = table.keys
+    ours = {keys[p]: p for p, s in table.stores.items() if s is store}
+    store.load_deferred(list(ours))          # states a sharded load left to other ranks
+    if sharded:                              # drop states other ranks own
+        every_name = set(keys.values())
+        theirs = [k for k in store.keys() if k.param in every_name and k.param not in ours]
+        if theirs:
+            store.delete(theirs)
+    ckpt = store.loaded_metadata
+    meta = ckpt if loaded else store.metadata()
+    # Hyperparameters come from a checkpoint, not from an earlier optimizer on the store,
+    # unless that optimizer took the checkpoint's when it was loaded and has not stepped
+    # since (an optimizer of torch's resume order still alive when a new one is built).
+    from_ckpt = meta is not None and (meta is ckpt or (
+        isinstance(meta, dict) and isinstance(ckpt, dict)
+        and meta.get("steps") == ckpt.get("steps")
+        and meta.get("param_groups") == ckpt.get("param_groups")))
+    meta = meta if isinstance(meta, dict) else {}
+    if not loaded and len(store) == 0 and not meta.get("params"):
+        return
+    stored_params: Dict[str, Dict[str, Any]] = {}
+    for k in store.keys():
+        if k.state != PARAM_STATE:      # not a parameter's data (offload_parameters)
+            stored_params.setdefault(k.param, {})[k.state] = store.spec(k)
+    every = {keys[p]: p for p in table.params}
+    saved = meta.get("params")
+    saved = saved if isinstance(saved, dict) and saved else None
+    saved_groups = meta.get("param_groups") if from_ckpt else None
+    saved_groups = saved_groups if isinstance(saved_groups, list) and saved_groups else None
+    report = MismatchReport(list(saved) if saved else list(stored_params), list(every),
+                            len(saved_groups) if saved_groups else None, len(param_groups))
+    for name in sorted(set(stored_params) - set(ours)):
+        report.add("parameters with states in the store, not in the optimizer",
+                   f"unexpected parameter {name!r} in the store")
+    new_hyper: List[Dict[str, Any]] = [{} for _ in param_groups]
+    if saved_groups is not None:
+        if len(saved_groups) != len(param_groups):
+            report.add("param groups", f"the checkpoint has {len(saved_groups)} param "
+                       f"groups, the optimizer {len(param_groups)}")
+        else:
+            for i, (g, sg) in enumerate(zip(param_groups, saved_groups)):
+                ck = [n for n in sg.get("params", [])]
+                op = [keys[p] for p in g["params"]]
+                if set(ck) != set(op):
+                    only_ck = [n for n in ck if n not in set(op)]
+                    only_op = [n for n in op if n not in set(ck)]
+                    report.add("param groups", f"param group {i}: {len(ck)} parameters in "
+                               f"the checkpoint, {len(op)} in the optimizer (only in the "
+                               f"checkpoint: {short_names(only_ck) or 'none'}; only in the "
+                               f"optimizer: {short_names(only_op) or 'none'})")
+                new_hyper[i] = saved_group_hyper(sg)
+    if saved is not None:
+        _check_params(report, saved, every)
+    groups = {p: {**g, **h} for g, h in zip(param_groups, new_hyper) for p in g["params"]}
+    # checkpoints of optimizers from before moment_dtype existed hold fp32 moments; a store
+    # without optimizer metadata is checked by its states' dtypes alone (below)
+    saved_fmt = meta.get("moment_dtype", "fp32" if meta.get("optimizer") else None)
+    if stored_params and saved_fmt is not None and saved_fmt != fmt.name:
+        report.add("states", f"moment_dtype {fmt.name!r} in the optimizer, {saved_fmt!r} in "
+                   f"the store's metadata (load the states through state_dict() to convert)")
+    for name, p in ours.items():
+        if name in stored_params:       # else a new parameter: its states start fresh
+            _check_states(report, name, p, stored_params[name], groups[p], fmt)
+    report.raise_if_any()
+    for g, h in zip(param_groups, new_hyper):
+        merged = {**g, **h}
+        validate_hyper(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])
+    # apply: a group becomes the saved one (as torch's load_state_dict), its parameters
+    # and this optimizer's own hyperparameters kept where the checkpoint has none
+    for g, h, sg in zip(param_groups, new_hyper, saved_groups or [None] * len(new_hyper)):
+        if sg is not None:
+            for k in [k for k in g if k not in h and k not in ("params", "param_names")
+                      and k not in HYPER]:
+                del g[k]
+        g.update(h)
+    steps = meta.get("steps", {})
+    steps = steps if isinstance(steps, dict) else {}
+    for name in ours:
+        if name in stored_params:
+            table.steps[name] = int(steps.get(name, 0))
+        elif loaded:
+            table.steps.pop(name, None)     # its states were replaced by none
+
+
+def _check_params(report: MismatchReport, saved: Dict[str, Any],
+                  every: Dict[str, Tensor]) -> None:
+    """The checkpoint's parameters (names, shapes, dtypes) against the optimizer's."""
+    for name in sorted(set(saved) - set(every)):
+        report.add("parameters of the checkpoint not in the optimizer",
+                   f"parameter {name!r} of the checkpoint is not in the optimizer")
+    for name in sorted(set(every) - set(saved)):
+        report.add("parameters of the optimizer not in the checkpoint",
+                   f"parameter {name!r} of the optimizer is not in the checkpoint")
+    for name in sorted(set(saved) & set(every)):
+        shape = tuple(saved[name].get("shape", ())) if isinstance(saved[name], dict) else ()
+        if shape != tuple(every[name].shape):
+            report.add("shapes", f"parameter {name!r}: shape {tuple(every[name].shape)} "
+                       f"in the optimizer, {shape} in the checkpoint")
+        dtype = saved[name].get("dtype") if isinstance(saved[name], dict) else None
+        ours_dtype = str(every[name].dtype).replace("torch.", "")
+        if isinstance(dtype, str) and dtype != ours_dtype:
+            report.add("dtypes", f"parameter {name!r}: dtype {ours_dtype} in the "
+                       f"optimizer, {dtype} in the checkpoint")
+
+
+def _check_states(report: MismatchReport, name: str, p: Tensor, stored: Dict[str, Any],
+                  group: dict, fmt) -> None:
+    """The states ``stored`` (``{state: spec}``) of parameter ``name`` against what the
+    optimizer keeps for it."""
+    for state, spec in stored.items():
+        if not fmt.known(state):
+            report.add("states", f"parameter {name!r}: unexpected state {state!r} in "
+                       f"the store (an Adam optimizer with moment_dtype={fmt.name!r} "
+                       f"keeps {fmt.stored_names(STATE_NAMES)})")
+            continue
+        shape, dtype = fmt.spec(state, tuple(p.shape))
+        if spec.shape != shape:
+            report.add("states", f"parameter {name!r}: state {state!r} has shape "
+                       f"{spec.shape}, the optimizer expects {shape}")
+        if spec.dtype != dtype:
+            report.add("states", f"parameter {name!r}: state {state!r} has dtype "
+                       f"{spec.dtype}, the optimizer keeps {dtype} "
+                       f"(moment_dtype={fmt.name!r})")
+        if state == "master" and p.dtype not in LOW_PRECISION:
+            report.add("states", f"parameter {name!r}: the store holds an fp32 master "
+                       f"but the parameter is {p.dtype}")
+    needed = fmt.stored_names(state_names(p, group))
+    missing = [s for s in needed if s not in stored and s != "master"]
+    if missing and stored:
+        report.add("states", f"parameter {name!r}: states {missing} missing from the "
+                   f"store")

@@ -1,0 +1,309 @@
+"""torch's optimizer format, both ways: ``state_dict()`` / ``load_state_dict()`` of the
+optimizers, and ``statestore convert --to torch`` (:func:`statestore.__main__.to_torch_state_dict`).
+
+torch's format is ``{"state": {index: {"step": tensor, "exp_avg": ..., ...}},
+"param_groups": [{hyperparameters..., "params": [indices]}]}``, parameters numbered over the
+groups in order. A group in torch's format carries torch's implementation switches
+(``foreach``, ``fused``...) and ``decoupled_weight_decay`` (our ``adamw_mode``), so that
+``torch.optim.AdamW`` loads it (:func:`torch_group`). Compressed moments (``moment_dtype``
+"bf16"/"int8") are decoded to torch's fp32 ``exp_avg``/``exp_avg_sq`` on the way out and
+encoded on the way in.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Tuple
+
+import torch
+from torch import Tensor
+
+from .._types import StateKey
+from ..errors import CheckpointError, CheckpointMismatchError
+from ..offload._handle import param_value
+from ._args import is_real, validate_hyper
+from ._metadata import ALL_STATE_NAMES, MismatchReport, saved_group_hyper, short_names, state_names
+from ._moments import SCALE_OF, MomentFormat, export_fp32
+from ._table import ParamTable
+
+__all__ = ["torch_group", "export_state_dict", "read_state_dict", "write_states",
+           "checkpoint_groups", "checkpoint_states", "LoadPlan"]
+
+#: keys torch's AdamW groups always carry, with the value a group without them gets
+_TORCH_GROUP_DEFAULTS = (("foreach", None), ("capturable", False), ("differentiable", False),
+                         ("fused", None), ("maximize", False), ("amsgrad", False))
+
+#: one parameter's states to write: (parameter, key, store, [(state, tensor)], step count)
+LoadPlan = List[Tuple[Tensor, str, Any, List[Tuple[str, Tensor]], int]]
+
+
+def torch_group(group: Dict[str, Any], ids: List[int]) -> Dict[str, Any]:
+    """``group`` (an optimizer's param group or a metadata group) in torch's format, its
+    parameters as ``ids``: every key but ``params``, ``betas`` as a tuple, ``adamw_mode`` also
+    as torch's ``decoupled_weight_decay``, and torch's switches where missing."""
+    ng = {k: v for k, v in group.items() if k not in ("params", "adamw_mode")}
+    ng["betas"] = tuple(group.get("betas", (0.9, 0.999)))
+    adamw = bool(group.get("adamw_mode", True))
+    ng["decoupled_weight_decay"] = adamw
+    if "adamw_mode" in group:
+        ng["adamw_mode"] = adamw
+    for k, v in _TORCH_GROUP_DEFAULTS:
+        ng.setdefault(k, v)
+    ng["params"] = ids
+    return ng
+
+
+def _export_states(store, keys: List[StateKey]) -> Dict[StateKey, Tensor]:
+    """Resident stores: views. Others: snapshots of the store's files, mapped (see
+    :mod:`statestore._snapshot`)."""
+    from .._snapshot import export_states
+    return export_states(store, keys)
+
+
+# ------------------------------------------------------------------------------ out
+def export_state_dict(param_groups: List[dict], table: ParamTable,
+                      fmt: MomentFormat) -> Dict[str, Any]:
+    """The optimizer's ``state_dict()`` (see :meth:`CPUAdam.state_dict`): every parameter of
+    ``table`` with a step count whose states this rank keeps."""
+    keys, steps = table.keys, table.steps
+    index = {p: i for i, p in enumerate(table.params)}
+    groups = [torch_group(g, [index[p] for p in g["params"]]) for g in param_groups]
+    state: Dict[int, Dict[str, Any]] = {}
+    by_store: Dict[Any, List[Tensor]] = {}
+    for p in table.params:
+        if p in table.stores:           # with a process group: this rank's shard only
+            by_store.setdefault(table.stores[p], []).append(p)
+    plain = ("max_exp_avg_sq", "master") if fmt.compressed else \
+        ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
+    for store, ps in by_store.items():
+        tensors = _export_states(store, [StateKey(keys[p], n) for p in ps for n in plain
+                                         if StateKey(keys[p], n) in store])
+        if fmt.compressed:      # decoded to fp32: torch's format
+            tensors.update(export_fp32(store, fmt, [(keys[p], tuple(p.shape)) for p in ps]))
+        for p in ps:
+            k = keys[p]
+            if k not in steps:
+                continue
+            entry: Dict[str, Any] = {"step": torch.tensor(float(steps[k]))}
+            for n in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master"):
+                t = tensors.get(StateKey(k, n))
+                if t is not None:
+                    entry[n] = t
+            state[index[p]] = entry
+    return {"state": state, "param_groups": groups}
+
+
+# ------------------------------------------------------------------------------ in
+def read_state_dict(state_dict: Dict[str, Any], param_groups: List[dict], table: ParamTable,
+                    owns: Callable[[Tensor], bool]) -> Tuple[List[Dict[str, Any]], LoadPlan]:
+    """Check ``state_dict`` (torch's format) against the optimizer; changes nothing.
+
+    Returns:
+        the new hyperparameters of each group, and the states to write
+        (:func:`write_states`) for the parameters whose states this rank keeps (``owns``).
+
+    Raises:
+        ValueError, TypeError: a malformed state dict, naming the group, parameter or state.
+        CheckpointMismatchError: groups or parameter counts that differ.
+    """
+    if not isinstance(state_dict, dict) or "state" not in state_dict \
+            or "param_groups" not in state_dict:
+        raise ValueError("state_dict must be a dict with 'state' and 'param_groups'")
+    saved_groups = state_dict["param_groups"]
+    states = state_dict["state"]
+    if not isinstance(saved_groups, (list, tuple)):
+        raise TypeError(f"state_dict['param_groups'] must be a list, got "
+                        f"{type(saved_groups).__name__}")
+    if not isinstance(states, dict):
+        raise TypeError(f"state_dict['state'] must be a dict, got {type(states).__name__}")
+    for i, sg in enumerate(saved_groups):
+        if not isinstance(sg, dict) or not isinstance(sg.get("params"), (list, tuple)):
+            raise ValueError(f"loaded state dict: parameter group {i} must be a dict with "
+                             f"a 'params' list")
+    keys = table.keys
+    every = [keys[p] for p in table.params]
+    saved_ids = [sid for sg in saved_groups for sid in sg["params"]]
+    report = MismatchReport([str(x) for x in saved_ids], every, len(saved_groups),
+                            len(param_groups), source="state dict")
+    if len(saved_groups) != len(param_groups):
+        report.add("param groups", f"loaded state dict has {len(saved_groups)} parameter "
+                   f"groups, optimizer has {len(param_groups)}")
+    else:
+        for i, (g, sg) in enumerate(zip(param_groups, saved_groups)):
+            if len(g["params"]) != len(sg["params"]):
+                report.add("param groups", f"loaded state dict contains a parameter group "
+                           f"{i} with {len(sg['params'])} parameters, optimizer's has "
+                           f"{len(g['params'])}")
+    report.raise_if_any()
+    id_map = _match_ids(saved_groups, saved_ids, param_groups, table)
+    for sid in states:
+        if sid not in id_map:
+            raise ValueError(f"loaded state dict has state for unknown parameter {sid!r}")
+    # 1. the new hyperparameters of each group (every saved key, as torch's
+    # load_state_dict), checked as the constructor checks them
+    new_hyper: List[Dict[str, Any]] = []
+    for i, (g, sg) in enumerate(zip(param_groups, saved_groups)):
+        h = saved_group_hyper(sg)
+        if "betas" in h and not isinstance(h["betas"], tuple):
+            raise ValueError(f"loaded state dict: parameter group {i}: "
+                             f"Invalid betas: {h['betas']!r}")
+        merged = {**g, **h}
+        validate_hyper(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])
+        new_hyper.append(h)
+    # 2. every state, checked before anything changes
+    new_groups = {p: {**g, **h} for g, h in zip(param_groups, new_hyper) for p in g["params"]}
+    plan: LoadPlan = []
+    for sid, st in states.items():
+        p = id_map[sid]
+        if not owns(p):
+            continue                    # another rank's shard
+        key = keys[p]
+        if not isinstance(st, dict):
+            raise TypeError(f"state of parameter {key!r} must be a dict, got "
+                            f"{type(st).__name__}")
+        plan.append((p, key, table.stores[p], _read_entries(p, key, st, new_groups[p]),
+                     _read_step(key, st)))
+    return new_hyper, plan
+
+
+def _match_ids(saved_groups, saved_ids, param_groups: List[dict],
+               table: ParamTable) -> Dict[Any, Tensor]:
+    """The optimizer's parameter of each state key of the state dict: by name when the keys
+    are exactly the optimizer's names (DCP's fully qualified names, or our own
+    ``named_parameters()`` keys), else by position in the groups, as torch does."""
+    keys = table.keys
+    by_name = {keys[p]: p for p in table.params}
+    if saved_ids and all(isinstance(x, str) for x in saved_ids) \
+            and set(saved_ids) == set(by_name):
+        for i, (g, sg) in enumerate(zip(param_groups, saved_groups)):
+            ours = {keys[p] for p in g["params"]}
+            if set(sg["params"]) != ours:
+                raise CheckpointMismatchError(
+                    f"loaded state dict: parameter group {i} holds "
+                    f"{short_names(sorted(set(sg['params']) - ours))}, which the optimizer "
+                    f"has in another group")
+        return dict(by_name)
+    id_map = {}
+    for g, sg in zip(param_groups, saved_groups):
+        for p, sid in zip(g["params"], sg["params"]):
+            id_map[sid] = p
+    return id_map
+
+
+def _read_entries(p: Tensor, key: str, st: Dict[str, Any],
+                  group: dict) -> List[Tuple[str, Tensor]]:
+    """The states of parameter ``p`` in ``st`` (a missing ``master`` is the parameter)."""
+    names = state_names(p, group)
+    for n in names:
+        if n != "master" and n not in st:
+            raise ValueError(f"state of parameter {key!r} lacks {n!r}")
+    entries = []
+    for n in names:
+        src = st.get(n)
+        if n == "master" and src is None:
+            src = param_value(p)
+        if not isinstance(src, Tensor):
+            raise TypeError(f"state {n!r} of parameter {key!r} must be a tensor, got "
+                            f"{type(src).__name__}")
+        if src.layout != torch.strided or src.is_meta or not src.is_floating_point():
+            raise TypeError(f"state {n!r} of parameter {key!r} must be a dense "
+                            f"floating-point tensor with data, got {src.layout} "
+                            f"{src.dtype} on {src.device}")
+        if tuple(src.shape) != tuple(p.shape):
+            raise ValueError(f"state {n!r} of parameter {key!r} has shape "
+                             f"{tuple(src.shape)}, parameter has {tuple(p.shape)}")
+        entries.append((n, src))
+    return entries
+
+
+def _read_step(key: str, st: Dict[str, Any]) -> int:
+    step = st.get("step", 0)
+    if isinstance(step, Tensor) and step.numel() == 1:
+        step = step.item()
+    if not is_real(step) or step < 0 or step != int(step):
+        raise ValueError(f"state of parameter {key!r}: step must be a non-negative "
+                         f"whole number, got {step!r}")
+    return int(step)
+
+
+def write_states(param_groups: List[dict], new_hyper: List[Dict[str, Any]], plan: LoadPlan,
+                 table: ParamTable, fmt: MomentFormat) -> None:
+    """Apply what :func:`read_state_dict` checked: the groups' hyperparameters, then each
+    parameter's states (replacing those in its store, one parameter at a time; compressed
+    moments encoded) and step count."""
+    table.next_plans.clear()            # state names may change (amsgrad): plan afresh
+    for g, h in zip(param_groups, new_hyper):
+        g.update(h)
+    for p, key, store, entries, step in plan:
+        existing = [StateKey(key, n) for n in ALL_STATE_NAMES if StateKey(key, n) in store]
+        if existing:
+            store.delete(existing)
+        new = []
+        for n, src in entries:
+            enc = fmt.from_fp32(n, src) \
+                if fmt.compressed and n in SCALE_OF else {n: src.detach().float().cpu()}
+            for sn, t in enc.items():
+                shape, dtype = fmt.spec(sn, tuple(p.shape))
+                t = t.reshape(shape)
+                new.append((StateKey(key, sn), shape, dtype,
+                            t if store.device.type == "cpu" else t.to(store.device)))
+        store.create_many(new)
+        table.steps[key] = step
+
+
+# ------------------------------------------------------------------------------ checkpoints
+def checkpoint_groups(path: str, metadata: Dict[str, Any]
+                      ) -> Tuple[Dict[str, int], List[Dict[str, Any]]]:
+    """torch's numbering of a checkpoint's parameters (in the order of its metadata's
+    ``param_groups``) and its groups in torch's format (``param_names`` added where the keys
+    are names), for ``statestore convert --to torch``.
+
+    Raises:
+        CheckpointError: the metadata has no param groups.
+    """
+    groups = metadata.get("param_groups")
+    if not groups:
+        raise CheckpointError(f"{path}: the checkpoint carries no optimizer metadata "
+                              f"(param_groups); it cannot be numbered for torch")
+    index: Dict[str, int] = {}
+    out_groups = []
+    for g in groups:
+        names = [str(n) for n in g.get("params", [])]
+        ids = []
+        for n in names:
+            index[n] = len(index)
+            ids.append(index[n])
+        ng = torch_group(g, ids)
+        if any(n != str(i) for n, i in zip(names, ids)):
+            ng["param_names"] = names
+        out_groups.append(ng)
+    return index, out_groups
+
+
+def checkpoint_states(path: str, metadata: Dict[str, Any], index: Dict[str, int],
+                      rows: List[Dict[str, Any]],
+                      open_tensor: Callable[[Dict[str, Any]], Tensor]) -> Dict[int, Dict]:
+    """torch's ``state`` of a checkpoint: one entry per parameter index (``index``: from
+    :func:`checkpoint_groups`) with its step count and the tensor of each manifest row
+    (``open_tensor(row)``); compressed moments decoded to fp32 (in RAM).
+
+    Raises:
+        CheckpointError: states of a parameter no param group lists.
+    """
+    unknown = sorted({r["param"] for r in rows} - set(index))
+    if unknown:
+        raise CheckpointError(f"{path}: states of parameters {unknown} that no param group "
+                              f"of the metadata lists")
+    steps = metadata.get("steps", {})
+    state: Dict[int, Dict[str, Any]] = {}
+    for r in rows:
+        entry = state.setdefault(index[r["param"]],
+                                 {"step": torch.tensor(float(steps.get(r["param"], 0)))})
+        entry[r["state"]] = open_tensor(r)
+    moment_dtype = metadata.get("moment_dtype", "fp32")
+    if moment_dtype != "fp32":      # compressed moments: torch's fp32 exp_avg / exp_avg_sq
+        fmt = MomentFormat(moment_dtype)
+        for entry in state.values():
+            for n, sn in SCALE_OF.items():
+                if n in entry:
+                    sc = entry.pop(sn, None)
+                    entry[n] = fmt.to_fp32(n, entry[n], sc).view(entry[n].shape)
+    return dict(sorted(state.items()))
