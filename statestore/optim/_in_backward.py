@@ -35,7 +35,8 @@ from ._metadata import short_names
 from ._table import ParamTable
 from ._units import checked_grad, plan_step
 
-__all__ = ["misuse_reason", "refused_message", "mixed_message", "PassState", "BackwardStepper"]
+__all__ = ["misuse_reason", "refused_message", "mixed_message", "PassState", "BackwardStepper",
+           "backward_hook"]
 
 _RULE = ("with update_in_backward=True each gradient is applied as soon as backward produces "
          "it, so gradients must reach step() unchanged: no clipping or unscaling between "
@@ -68,6 +69,33 @@ def mixed_message(reason: str, early: Sequence[str]) -> str:
             f"parameter made this step once, not all from the same gradients. {_RULE}: remove "
             f"that from the training loop, or set optimizer.update_in_backward = False; the "
             f"next step() works either way")
+
+
+def backward_hook(owner, stepper: "BackwardStepper", prefetching) -> Callable[[Tensor], None]:
+    """The gradient hook of an optimizer's parameters: with ``update_in_backward``, hands the
+    parameter whose gradient is final to ``stepper``; otherwise lets the disk stores in
+    ``prefetching`` (a WeakSet of the optimizer's) start the next step's reads
+    (:meth:`StateStore.pump`, which never blocks). Holds the optimizer and stepper weakly."""
+    ref, sref = weakref.ref(owner), weakref.ref(stepper)
+
+    def hook(param) -> None:
+        opt = ref()
+        if opt is None:
+            return
+        if opt.update_in_backward:
+            st = sref()
+            if st is not None:
+                st.grad_ready(param)
+            return
+        if not prefetching:
+            return
+        for store in list(prefetching):
+            try:
+                store.pump()
+            except StateStoreError:      # surfaces again at the step that needs it
+                store.cancel_prefetch()
+                prefetching.discard(store)
+    return hook
 
 
 class PassState:
@@ -125,6 +153,21 @@ class BackwardStepper:
     def busy(self) -> bool:
         """Whether backward has updated some parameters since the last step."""
         return bool(self.early_done) or self.table.touched and self.passes is not None
+
+    def check_switch(self, value: bool, skip_nonfinite: bool, process_group) -> None:
+        """Whether ``optimizer.update_in_backward`` may become ``value`` now.
+
+        Raises:
+            ValueError: True with ``skip_nonfinite`` or a ``process_group``.
+            StateStoreError: backward has updated some parameters since the last step.
+        """
+        if value and skip_nonfinite:
+            raise ValueError("update_in_backward=True cannot be combined with skip_nonfinite=True")
+        if value and process_group is not None:
+            raise ValueError("update_in_backward=True cannot be combined with process_group")
+        if self.busy:
+            raise StateStoreError("update_in_backward cannot change while backward has updated "
+                                  "some parameters: call step() first")
 
     # ------------------------------------------------------------------ during backward
     def grad_ready(self, p: Tensor) -> None:

@@ -11,11 +11,14 @@ failure in ``failed`` and refuses to go on instead.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+import torch
 from torch import Tensor
 
-__all__ = ["ParamTable", "StepUndo", "index_keys"]
+from ..errors import StateStoreError
+
+__all__ = ["ParamTable", "StepUndo", "index_keys", "assign_stores", "offload_store"]
 
 #: what :meth:`ParamTable.rollback_steps` restores: each advanced key's count before (None:
 #: it had none)
@@ -101,3 +104,39 @@ def index_keys(param_groups: Sequence[dict]) -> Tuple[Dict[Tensor, str], List[Te
         if "/" in k:
             raise ValueError(f"parameter name {k!r} must not contain '/'")
     return keys, params
+
+
+def assign_stores(table: ParamTable, state_store, owns: Callable[[Tensor], bool],
+                  owned: List) -> None:
+    """Give each parameter this rank keeps and that has no store yet its store:
+    ``state_store``, or where None a :class:`~statestore.DeviceStore` on the parameter's
+    device (created here, one per device, and appended to ``owned``: the optimizer closes
+    them)."""
+    default: Dict[torch.device, object] = {}
+    stores = table.stores
+    for p in table.params:
+        if p in stores or not owns(p):
+            continue
+        if state_store is not None:
+            stores[p] = state_store
+            continue
+        if p.device not in default:
+            from ..backends.device import DeviceStore
+            default[p.device] = DeviceStore(p.device)
+            owned.append(default[p.device])
+        stores[p] = default[p.device]
+
+
+def offload_store(fraction: float, directory: Optional[str]):
+    """ColossalAI's ``nvme_offload_fraction``: a tiered store with ``fraction`` of the state
+    bytes on disk under ``directory`` (a temporary directory when None), the rest in RAM.
+
+    Raises:
+        StateStoreError: the tiered store is not available.
+    """
+    try:
+        from ..backends.tiered import TieredStore
+    except ImportError as e:
+        raise StateStoreError(f"nvme_offload_fraction needs the tiered store, which is "
+                              f"not available: {e}") from e
+    return TieredStore.from_fraction(fraction, directory)

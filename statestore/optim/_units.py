@@ -6,21 +6,48 @@ operations per parameter slice.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Collection, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 from .._types import Slice, StateKey
 from ..errors import StateStoreValueError
+from ..kernels import adam_step
+from ..kernels._moments import adam_step_moments
 from ..offload._handle import is_offloaded, param_value
 from ..pipeline import plan_units
 from ._metadata import state_names
 
-__all__ = ["plan_step", "ensure_states", "checked_grad", "UnitTensors", "Entry"]
+__all__ = ["collect_work", "plan_step", "ensure_states", "checked_grad", "UnitTensors", "Entry"]
 
 #: one parameter's part of a unit: (parameter, start, stop, its store states in unit order)
 Entry = Tuple[Tensor, int, int, List[str]]
+
+
+def collect_work(param_groups: Sequence[dict], keys: Dict[Tensor, str],
+                 stores: Dict[Tensor, object], owns: Callable[[Tensor], bool],
+                 released: Collection[Tensor], owner: str
+                 ) -> Tuple[Dict[object, List[Tuple[dict, List[Tensor]]]], Dict[Tensor, Tensor]]:
+    """What a step updates: ``{store: [(group, params)]}`` over the parameters with a
+    gradient whose states this rank keeps (``owns``), plus those whose gradient backward
+    applied and ``released``; and every parameter's gradient (checked:
+    :func:`checked_grad`, ``owner`` naming the optimizer)."""
+    work: Dict[object, List[Tuple[dict, List[Tensor]]]] = {}
+    grads: Dict[Tensor, Tensor] = {}
+    for group in param_groups:
+        per_store: Dict[object, List[Tensor]] = {}
+        for p in group["params"]:
+            if p.grad is None:
+                if p in released and owns(p):   # applied during backward
+                    per_store.setdefault(stores[p], []).append(p)
+                continue
+            grads[p] = checked_grad(p, keys[p], owner)
+            if owns(p):
+                per_store.setdefault(stores[p], []).append(p)
+        for store, ps in per_store.items():
+            work.setdefault(store, []).append((group, ps))
+    return work, grads
 
 
 def plan_step(store, items, keys: Dict[Tensor, str], fmt,
@@ -120,7 +147,7 @@ class UnitTensors:
         StateStoreValueError: the store holds moments of another dtype than the optimizer's.
     """
 
-    __slots__ = ("params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "masters",
+    __slots__ = ("entries", "params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "masters",
                  "steps", "scales", "writeback", "uploads", "off")
 
     def __init__(self, tensors: List[Tensor], entries: Sequence[Entry],
@@ -167,6 +194,32 @@ class UnitTensors:
         self.params, self.grads, self.exp_avgs, self.exp_avg_sqs = params, gs, m, v
         self.max_exp_avg_sqs, self.masters, self.steps, self.scales = vmax, masters, ssteps, scales
         self.writeback, self.uploads, self.off = writeback, uploads, off
+        self.entries = entries
+
+    def update(self, group: dict, keys: Dict[Tensor, str], fmt, grad_scale: float) -> None:
+        """Run the Adam kernel over the unit with ``group``'s hyperparameters (``keys``: the
+        parameters' keys, which seed compressed moments' stochastic rounding)."""
+        beta1, beta2 = group["betas"]
+        lr = group["lr"]
+        if isinstance(lr, Tensor):
+            lr = lr.item()
+        kw = dict(steps=self.steps, lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"],
+                  weight_decay=group["weight_decay"], adamw_mode=group["adamw_mode"],
+                  amsgrad=group["amsgrad"],
+                  max_exp_avg_sqs=self.max_exp_avg_sqs if group["amsgrad"] else None,
+                  masters=self.masters if any(x is not None for x in self.masters) else None,
+                  maximize=group["maximize"], grad_scale=grad_scale)
+        if not fmt.compressed:
+            adam_step(self.params, self.grads, self.exp_avgs, self.exp_avg_sqs, **kw)
+            return
+        scales = self.scales
+        names = [keys[e[0]] for e in self.entries]
+        adam_step_moments(self.params, self.grads, self.exp_avgs, self.exp_avg_sqs,
+                          kind=fmt.name, rounding=fmt.rounding,
+                          seeds=[fmt.seeds(k, s) for k, s in zip(names, self.steps)],
+                          offsets=[a for _, _, a in scales],
+                          exp_avg_scales=[x for x, _, _ in scales],
+                          exp_avg_sq_scales=[y for _, y, _ in scales], **kw)
 
     def put_back(self) -> None:
         """Copy updated values computed away from their parameter back into it (a

@@ -12,17 +12,7 @@ and ``master`` (an fp32 master copy for fp16/bf16 parameters), both fp32. Step c
 per parameter in the optimizer and saved with checkpoints through
 :meth:`StateStore.attach_metadata`.
 
-The class delegates each concept to a module of this package:
-
-* ``_args``: argument checks; ``_table``: the per-parameter bookkeeping shared with the other
-  modules (keys, stores, step counts and their one rollback rule);
-* ``_units``: planning a step's pipeline units and gathering a unit's tensors for the kernel;
-* ``_in_backward``: the update-in-backward stepper;
-* ``_metadata``: the optimizer metadata (producer, validator, resume check);
-* ``_torch_format``: ``state_dict()`` / ``load_state_dict()`` in torch's format;
-* ``_sharding``: the distributed helpers of ``process_group``;
-* ``_state``: ``optimizer.state``; ``_moments``: ``moment_dtype``; ``_offload_path``: CUDA
-  parameters over host stores; ``_masters``: the fp32 master weights.
+Each concept lives in a module of this package (``docs/architecture.md``, "Optimizers").
 """
 from __future__ import annotations
 
@@ -34,20 +24,19 @@ import torch
 from torch import Tensor
 
 from ..errors import StateStoreError
-from ..kernels import adam_step, grads_finite
-from ..kernels._moments import adam_step_moments
+from ..kernels import grads_finite
 from ..offload._handle import update_begin, update_end
 from ..store import StateStore
 from ._args import check_arguments, check_params, is_real, validate_hyper
-from ._in_backward import BackwardStepper
+from ._in_backward import BackwardStepper, backward_hook
 from ._metadata import OPTIMIZER_METADATA_VERSION, failed_message, metadata_source, resume
 from ._moments import MomentFormat
 from ._offload_path import OffloadPath, attach_offload_path
 from ._sharding import Sharding
 from ._state import OptimizerState
-from ._table import ParamTable, index_keys
+from ._table import ParamTable, assign_stores, index_keys, offload_store
 from ._torch_format import export_state_dict, read_state_dict, write_states
-from ._units import UnitTensors, checked_grad, ensure_states, plan_step
+from ._units import UnitTensors, collect_work, ensure_states, plan_step
 
 __all__ = ["CPUAdam", "HybridAdam", "OPTIMIZER_METADATA_VERSION"]
 
@@ -161,10 +150,10 @@ class _StoreAdam(torch.optim.Optimizer):
             self._sharding = Sharding(process_group, self._params)
         self._owned_stores: List[StateStore] = []
         if state_store is None and nvme_offload_fraction > 0:
-            state_store = self._make_offload_store(float(nvme_offload_fraction), nvme_offload_dir)
+            state_store = offload_store(float(nvme_offload_fraction), nvme_offload_dir)
             self._owned_stores.append(state_store)
         self.state_store = state_store
-        self._assign_stores()
+        assign_stores(table, state_store, self._owns, self._owned_stores)
         attached = list(dict.fromkeys(self._stores.values()))
         if state_store is not None and state_store not in attached:
             attached.append(state_store)     # a rank owning no parameter still saves with the group
@@ -182,58 +171,19 @@ class _StoreAdam(torch.optim.Optimizer):
         self._pump_hooks: list = []
         #: CUDA parameters over host or disk stores: page-locked staging on a side stream
         #: (docs/gpu.md); None while no parameter takes that path
-        self._offload: Optional[OffloadPath] = None
-        self._offload = attach_offload_path(self._offload, self, self._params, self._stores)
+        self._offload: Optional[OffloadPath] = attach_offload_path(None, self, self._params,
+                                                                   self._stores)
         self._register_pump_hooks(self._params)
         #: torch's ``optimizer.state``: a view of the store (statestore/optim/_state.py)
         self.state = OptimizerState(self, table)
 
     # ------------------------------------------------------------------ set-up
-    def _make_offload_store(self, fraction: float, directory: Optional[str]) -> StateStore:
-        try:
-            from ..backends.tiered import TieredStore
-        except ImportError as e:
-            raise StateStoreError(f"nvme_offload_fraction needs the tiered store, which is "
-                                  f"not available: {e}") from e
-        return TieredStore.from_fraction(fraction, directory)
-
-    def _assign_stores(self) -> None:
-        default: Dict[torch.device, StateStore] = {}
-        for p in self._params:
-            if p in self._stores or not self._owns(p):
-                continue
-            if self.state_store is not None:
-                self._stores[p] = self.state_store
-                continue
-            if p.device not in default:
-                from ..backends.device import DeviceStore
-                default[p.device] = DeviceStore(p.device)
-                self._owned_stores.append(default[p.device])
-            self._stores[p] = default[p.device]
-
     def _register_pump_hooks(self, params: Sequence[Tensor]) -> None:
         """While backward produces gradients, let disk stores start the next step's reads
         (:meth:`StateStore.pump`, which never blocks), or, with ``update_in_backward``,
         update the parameters whose gradients are final. The hooks hold the optimizer
         weakly."""
-        ref = weakref.ref(self)
-
-        def pump(param) -> None:
-            opt = ref()
-            if opt is None:
-                return
-            if opt.update_in_backward:
-                opt._stepper.grad_ready(param)
-                return
-            if not opt._prefetching:
-                return
-            for store in list(opt._prefetching):
-                try:
-                    store.pump()
-                except StateStoreError:      # surfaces again at the step that needs it
-                    store.cancel_prefetch()
-                    opt._prefetching.discard(store)
-
+        pump = backward_hook(self, self._stepper, self._prefetching)
         if not hasattr(Tensor, "register_post_accumulate_grad_hook"):
             return
         # Only parameters kept in a disk store: resident stores never prefetch, so an
@@ -270,34 +220,30 @@ class _StoreAdam(torch.optim.Optimizer):
         """
         n_groups = len(self.param_groups)
         super().add_param_group(param_group)
-        if not hasattr(self, "_table"):          # torch's __init__ adding the first groups
-            g = self.param_groups[-1]
-            try:
-                validate_hyper(g["lr"], g["betas"], g["eps"], g["weight_decay"])
-            except BaseException:
-                del self.param_groups[n_groups:]
-                raise
-            return
-        table = self._table
-        keys, params, stores = dict(table.keys), list(table.params), dict(table.stores)
+        table = getattr(self, "_table", None)   # None: torch's __init__ adding the first groups
+        saved = (dict(table.keys), list(table.params), dict(table.stores)) if table else None
         try:
             g = self.param_groups[-1]
             validate_hyper(g["lr"], g["betas"], g["eps"], g["weight_decay"])
-            if self._sharding is not None:
-                raise StateStoreError("add_param_group is not supported with a process_group "
-                                      "(the state partition is fixed at construction)")
-            table.set_keys(*index_keys(self.param_groups))
-            check_params(self._params, self._keys)
-            self._assign_stores()
+            if table is not None:
+                if self._sharding is not None:
+                    raise StateStoreError("add_param_group is not supported with a "
+                                          "process_group (the state partition is fixed at "
+                                          "construction)")
+                table.set_keys(*index_keys(self.param_groups))
+                check_params(self._params, self._keys)
+                assign_stores(table, self.state_store, self._owns, self._owned_stores)
         except BaseException:
             del self.param_groups[n_groups:]
-            table.set_keys(keys, params)
-            table.stores.clear()
-            table.stores.update(stores)
+            if saved is not None:
+                table.set_keys(saved[0], saved[1])
+                table.stores.clear()
+                table.stores.update(saved[2])
             raise
-        self._offload = attach_offload_path(self._offload, self, self.param_groups[-1]["params"],
-                                            self._stores)
-        self._register_pump_hooks(self.param_groups[-1]["params"])
+        if table is not None:
+            added = self.param_groups[-1]["params"]
+            self._offload = attach_offload_path(self._offload, self, added, self._stores)
+            self._register_pump_hooks(added)
 
     def _owns(self, p: Tensor) -> bool:
         """True when this rank keeps ``p``'s states (always, without a process group)."""
@@ -381,21 +327,9 @@ class _StoreAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        keys, released, name = self._keys, self._stepper.released, type(self).__name__
-        work: Dict[StateStore, List[Tuple[dict, List[Tensor]]]] = {}
-        grads: Dict[Tensor, Tensor] = {}
-        for group in self.param_groups:
-            per_store: Dict[StateStore, List[Tensor]] = {}
-            for p in group["params"]:
-                if p.grad is None:
-                    if p in released and self._owns(p):   # applied during backward
-                        per_store.setdefault(self._stores[p], []).append(p)
-                    continue
-                grads[p] = checked_grad(p, keys[p], name)
-                if self._owns(p):
-                    per_store.setdefault(self._stores[p], []).append(p)
-            for store, ps in per_store.items():
-                work.setdefault(store, []).append((group, ps))
+        keys, released = self._keys, self._stepper.released
+        work, grads = collect_work(self.param_groups, keys, self._stores, self._owns, released,
+                                   type(self).__name__)
         if not grads and not released:
             return loss
         if self._sharding is not None:
@@ -473,28 +407,8 @@ class _StoreAdam(torch.optim.Optimizer):
         offloaded = update_begin(entries)   # offloaded parameters: fetched for the update
         u = UnitTensors(tensors, entries, grads, dev, self._offload, self._keys, self._steps,
                         self._moments, self._moment_dtypes)
-        beta1, beta2 = group["betas"]
-        lr = group["lr"]
-        if isinstance(lr, Tensor):
-            lr = lr.item()
         self._table.touched = True
-        kw = dict(steps=u.steps, lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"],
-                  weight_decay=group["weight_decay"], adamw_mode=group["adamw_mode"],
-                  amsgrad=group["amsgrad"],
-                  max_exp_avg_sqs=u.max_exp_avg_sqs if group["amsgrad"] else None,
-                  masters=u.masters if any(x is not None for x in u.masters) else None,
-                  maximize=group["maximize"], grad_scale=grad_scale)
-        fmt = self._moments
-        if not fmt.compressed:
-            adam_step(u.params, u.grads, u.exp_avgs, u.exp_avg_sqs, **kw)
-        else:
-            keys = [self._keys[e[0]] for e in entries]
-            adam_step_moments(u.params, u.grads, u.exp_avgs, u.exp_avg_sqs, kind=fmt.name,
-                              rounding=fmt.rounding,
-                              seeds=[fmt.seeds(k, s) for k, s in zip(keys, u.steps)],
-                              offsets=[a for _, _, a in u.scales],
-                              exp_avg_scales=[x for x, _, _ in u.scales],
-                              exp_avg_sq_scales=[y for _, y, _ in u.scales], **kw)
+        u.update(group, self._keys, self._moments, grad_scale)
         u.put_back()
         update_end(offloaded)               # ... and written back to their store
 
@@ -517,13 +431,7 @@ class _StoreAdam(torch.optim.Optimizer):
             raise TypeError(f"update_in_backward must be a bool, got {value!r}")
         if value == self._update_in_backward:
             return
-        if value and self.skip_nonfinite:
-            raise ValueError("update_in_backward=True cannot be combined with skip_nonfinite=True")
-        if value and self.process_group is not None:
-            raise ValueError("update_in_backward=True cannot be combined with process_group")
-        if self._stepper.busy:
-            raise StateStoreError("update_in_backward cannot change while backward has updated "
-                                  "some parameters: call step() first")
+        self._stepper.check_switch(value, self.skip_nonfinite, self.process_group)
         self._stepper.reset()
         self._table.next_plans.clear()
         self._update_in_backward = value
