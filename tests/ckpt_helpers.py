@@ -24,7 +24,6 @@ import subprocess
 import sys
 import time
 import traceback
-import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -33,26 +32,19 @@ import statestore as ss
 from statestore.optim import CPUAdam
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import backend_registry  # noqa: E402
 
 # ------------------------------------------------------------------------------ stores
-STORE_KINDS: List[str] = ["device-cpu", "pinned", "file"]
-if hasattr(ss, "NVMeStore"):
-    STORE_KINDS.append("nvme")
+#: every line of the backend registry that needs no CUDA (``tests/backend_registry.py``)
+STORE_KINDS: List[str] = backend_registry.names(cuda=False)
 
 
 def make_store(kind: str, directory: str, **kwargs) -> ss.StateStore:
-    """A fresh store of ``kind`` keeping its files (if any) under ``directory``."""
-    if kind == "device-cpu":
-        return ss.DeviceStore("cpu")
-    if kind == "pinned":
-        with warnings.catch_warnings():      # no CUDA: pageable fallback, one warning
-            warnings.simplefilter("ignore", RuntimeWarning)
-            return ss.PinnedCPUStore()
-    if kind == "file":
-        return ss.FileStore(os.path.join(directory, "filestore"), **kwargs)
-    if kind == "nvme":
-        return ss.NVMeStore(os.path.join(directory, "nvme"), **kwargs)
-    raise ValueError(f"unknown store kind {kind!r}")
+    """A fresh store of ``kind`` (a line of the backend registry) keeping its files (if any)
+    under ``directory``, with the store's default budget unless ``budget_bytes`` is given."""
+    kwargs.setdefault("budget_bytes", ss.DEFAULT_BUDGET_BYTES)
+    return backend_registry.make(kind, os.path.join(directory, kind), **kwargs)
 
 
 # ------------------------------------------------------------------------------ training

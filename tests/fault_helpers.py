@@ -29,33 +29,27 @@ from statestore.optim import CPUAdam
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+import backend_registry  # noqa: E402
 import ckpt_helpers as H  # noqa: E402
 
 #: A small NVMe budget: a step is cut into many pipeline units, so faults land mid-step.
 NVME_BUDGET = 64 << 10
 
 # ------------------------------------------------------------------------------ stores
-STORE_KINDS = ["file", "nvme", "tiered"]
+#: the lines of the backend registry that keep their states in files (``disk``)
+STORE_KINDS = backend_registry.names(cuda=False, disk=True)
 
 
-def make_store(kind: str, directory: str, engine: str = "auto",
+def make_store(kind: str, directory: str, engine: Optional[str] = None,
                budget: int = NVME_BUDGET) -> ss.StateStore:
-    """``file``: FileStore; ``nvme``: NVMeStore; ``tensornvme``: NVMeStore(engine="tensornvme"),
-    a TensorNVMeStore; ``tiered``: half in RAM, half in an NVMeStore (ColossalAI's
-    ``nvme_offload_fraction=0.5``). Files under ``directory``."""
-    if kind == "file":
-        return ss.FileStore(directory)
-    if kind == "nvme":
-        return ss.NVMeStore(directory, engine=engine, budget_bytes=budget)
-    if kind == "tensornvme":        # a TensorNVMeStore (its engine is always TensorNVMe)
-        return ss.NVMeStore(directory, engine="tensornvme", budget_bytes=budget)
-    if kind == "tiered":
-        return ss.TieredStore([(ss.DeviceStore("cpu"), 0.5),
-                               (ss.NVMeStore(directory, engine=engine, budget_bytes=budget),
-                                0.5)])
-    if kind == "device-cpu":
-        return ss.DeviceStore("cpu")
-    raise ValueError(f"unknown store kind {kind!r}")
+    """A fresh store of ``kind`` (a line of the backend registry, ``tests/backend_registry.py``)
+    with its files in ``directory``; on lines that run on I/O engines, a RAM budget of
+    ``budget`` bytes and ``engine`` (None: the store's choice)."""
+    engines = backend_registry.BY_NAME[kind].engines
+    options: Dict[str, Any] = {"budget_bytes": budget} if engines else {}
+    if engine is not None and engines == backend_registry.EVERY_ENGINE:
+        options["engine"] = engine
+    return backend_registry.make(kind, directory, **options)
 
 
 def engine_of(store) -> Any:

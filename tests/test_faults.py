@@ -31,9 +31,10 @@ import torch
 
 import statestore as ss
 from statestore.checkpoint import verify_checkpoint
-from statestore.io import available_engines, probe_engine
+from statestore.io import available_engines
 
 sys.path.insert(0, os.path.dirname(__file__))
+import backend_registry  # noqa: E402
 import fault_helpers as F  # noqa: E402
 
 ENGINES = [e for e in available_engines() if e in ("io_uring", "libaio", "threads")]
@@ -42,9 +43,7 @@ if not ENGINES:  # pragma: no cover - the native engines are not built
 #: disk stores whose I/O goes through an engine (TensorNVMe's adapter has the same test-only
 #: injection hook: an "error" is refused before it reaches TensorNVMe, so the block keeps
 #: its bytes, as a failed request leaves a disk's)
-ENGINE_STORES = [("nvme", e) for e in ENGINES] + [("tiered", ENGINES[0])]
-if probe_engine("tensornvme") is None:
-    ENGINE_STORES.append(("tensornvme", "tensornvme"))
+ENGINE_STORES = backend_registry.engine_lines(ENGINES)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,8 @@ The metadata is the JSON object an optimizer attaches to its stores
      "moment_dtype": "fp32" | "bf16" | "int8", "moment_encoding": {...}}
 
 * :func:`metadata_source` produces it (a callable the store keeps);
-* :func:`optimizer_metadata_problem` validates one read from a checkpoint;
+* :func:`optimizer_metadata_problem` validates one read from a checkpoint (the checkpoint
+  package's check of the shape every saved and loaded metadata must have, re-exported here);
 * :func:`resume` checks a store's states and metadata against an optimizer and applies them:
   param groups are matched by position, as ``torch.optim.Optimizer.load_state_dict`` matches
   them, and each group's parameters by key (the name given through ``named_parameters()``, else
@@ -33,7 +34,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from ..checkpoint.parquet_guard import MAX_NDIM
+from ..checkpoint.metadata import optimizer_metadata_problem
 from ..errors import CheckpointMismatchError, StateStoreError
 from ..offload._handle import PARAM_STATE
 from ._args import validate_hyper
@@ -250,75 +251,6 @@ def metadata_source(name: str, param_groups: List[dict], table: ParamTable,
             **moments,
         }
     return metadata
-
-
-# ------------------------------------------------------------------------------ validator
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_num(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def optimizer_metadata_problem(meta) -> Optional[str]:
-    """What is wrong with the optimizer metadata ``meta`` (None when nothing is).
-
-    Any JSON object is accepted; the keys the optimizers, ``inspect`` and ``convert`` read must
-    have the documented shape (``docs/checkpoint-format.md``): ``steps`` maps parameter keys to
-    non-negative ints, ``params`` maps them to ``{"shape": [ints], "dtype": str}``,
-    ``param_groups`` is a list of objects whose ``params`` lists parameter keys (each in one
-    group only) and whose hyperparameters have their types."""
-    if not isinstance(meta, dict):
-        return f"must be a JSON object, got {type(meta).__name__}"
-    steps = meta.get("steps")
-    if "steps" in meta:
-        if not isinstance(steps, dict):
-            return "'steps' must map parameter keys to step counts"
-        for k, v in steps.items():
-            if not _is_int(v) or v < 0:
-                return f"'steps'[{k!r}] must be a non-negative int, got {v!r}"
-    params = meta.get("params")
-    if "params" in meta:
-        if not isinstance(params, dict):
-            return "'params' must map parameter keys to {shape, dtype}"
-        for k, v in params.items():
-            if not isinstance(v, dict):
-                return f"'params'[{k!r}] must be an object, got {v!r}"
-            shape = v.get("shape", [])
-            if not isinstance(shape, list) or len(shape) > MAX_NDIM \
-                    or not all(_is_int(d) and d >= 0 for d in shape):
-                return f"'params'[{k!r}]['shape'] must be a list of non-negative ints"
-            if not isinstance(v.get("dtype", ""), str):
-                return f"'params'[{k!r}]['dtype'] must be a string"
-    groups = meta.get("param_groups")
-    if "param_groups" in meta:
-        if not isinstance(groups, list):
-            return "'param_groups' must be a list"
-        seen = set()
-        for i, g in enumerate(groups):
-            if not isinstance(g, dict):
-                return f"'param_groups'[{i}] must be an object, got {g!r}"
-            names = g.get("params", [])
-            if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-                return f"'param_groups'[{i}]['params'] must be a list of parameter keys"
-            for n in names:
-                if n in seen:
-                    return f"parameter {n!r} is listed in more than one param group"
-                seen.add(n)
-            for k in ("lr", "eps", "weight_decay"):
-                if k in g and not _is_num(g[k]):
-                    return f"'param_groups'[{i}][{k!r}] must be a number, got {g[k]!r}"
-            if "betas" in g and (not isinstance(g["betas"], list) or len(g["betas"]) != 2
-                                 or not all(_is_num(b) for b in g["betas"])):
-                return f"'param_groups'[{i}]['betas'] must be a pair of numbers"
-            for k in ("amsgrad", "maximize", "adamw_mode"):
-                if k in g and not isinstance(g[k], bool):
-                    return f"'param_groups'[{i}][{k!r}] must be true or false, got {g[k]!r}"
-    for k, kind in (("optimizer", str), ("version", int)):
-        if k in meta and not isinstance(meta[k], kind):
-            return f"{k!r} must be a {kind.__name__}, got {meta[k]!r}"
-    return None
 
 
 # ------------------------------------------------------------------------------ resume check

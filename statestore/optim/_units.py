@@ -147,8 +147,8 @@ class UnitTensors:
         StateStoreValueError: the store holds moments of another dtype than the optimizer's.
     """
 
-    __slots__ = ("entries", "params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "masters",
-                 "steps", "scales", "writeback", "uploads", "off")
+    __slots__ = ("entries", "params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs",
+                 "masters", "steps", "scales", "writeback", "uploads", "off")
 
     def __init__(self, tensors: List[Tensor], entries: Sequence[Entry],
                  grads: Dict[Tensor, Tensor], dev: torch.device, off, keys: Dict[Tensor, str],
