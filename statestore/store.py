@@ -340,7 +340,8 @@ class StateStore(LinkSeam, ABC):
                     out[sl.key].view(-1)[sl.start:sl.stop].copy_(t)
 
         Args:
-            keys: a state key, or an iterable of them (each state streamed whole, in order).
+            keys: a :class:`StateKey` or ``"param/state"`` string, or an iterable of keys
+                (as :meth:`delete`); each state is streamed whole, in order.
             mode: ``"r"`` (read: the tensors hold the stored values; do not modify them),
                 ``"w"`` (write: fill each tensor, written back when the iteration moves on)
                 or ``"rw"`` (read, modify in place, write back).
