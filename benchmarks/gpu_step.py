@@ -185,12 +185,9 @@ def _cpu_adam_floor(sizes, dtype, reps):
 
 def _disk_floor(store, reps):
     """The store's pipeline over every state, read and written back, no compute."""
-    from statestore import Slice
-    units = [[Slice(k, a, b)] for k in store.keys() for a, b in store._chunks(store.spec(k))]
-
     def rw():
-        with store.pipeline(units, mode="rw") as pipe:
-            for _ in pipe:
+        with store.stream(store.keys(), "rw") as chunks:
+            for _ in chunks:
                 pass
         store.sync()
     rw()
