@@ -27,8 +27,10 @@ Factory = Callable[["os.PathLike"], ss.StateStore]
 
 #: ``(name, factory)`` of every line of the registry (``tests/backend_registry.py``);
 #: ``factory(tmp_path)`` returns a fresh, open store.
+#: ``tmp`` may be None for the resident lines, which keep no files.
 BACKENDS: List[Tuple[str, Factory]] = [
-    (b.name, lambda tmp, b=b: b.make(str(tmp / b.name))) for b in REGISTRY]
+    (b.name, lambda tmp, b=b: b.make(None if tmp is None else str(tmp / b.name)))
+    for b in REGISTRY]
 CUDA_BACKENDS: List[Tuple[str, Factory]] = [(n, f) for n, f in BACKENDS if BY_NAME[n].cuda]
 
 BACKEND_NAMES = [name for name, _ in BACKENDS]
