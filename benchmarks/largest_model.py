@@ -404,10 +404,10 @@ def main() -> None:
     states = state_bytes_per_param(args.moments) * n
     os.makedirs(args.dir, exist_ok=True)
     free = shutil.disk_usage(args.dir).free
-    # the states, and once training goes on after the checkpoint as much again; offloaded
-    # parameters: their store and the checkpoint's model file
-    need = (2 if args.check_steps and args.reference == "continue" else 1) * states + (4 << 30) \
-        + (4 * n if args.offload_params else 0)
+    # the states twice: a linked save refuses to start without room for the copy-on-write of
+    # every file it links (the store's next writes), and training on after the checkpoint
+    # makes those copies; offloaded parameters: their store and the checkpoint's model file
+    need = 2 * states + (4 << 30) + (4 * n if args.offload_params else 0)
     with open("/proc/meminfo") as f:
         mem = {l.split(":")[0]: int(l.split()[1]) * 1024 for l in f}
     print(f"model: {n / 1e9:.2f}B parameters ({c}); bf16 weights {_gb(2 * n)} "
@@ -416,7 +416,8 @@ def main() -> None:
           f"{_gib(mem.get('MemAvailable', 0))}", flush=True)
     if free < need and not args.force:
         sys.exit(f"not enough free disk under {args.dir}: {_gb(free)} < {_gb(need)} (states, "
-                 "plus as much again once training goes on after the checkpoint); --force "
+                 "plus as much again for the copy-on-write a linked checkpoint reserves"
+                 f"{', parameters and the model file' if args.offload_params else ''}); --force "
                  "to try anyway")
     w_bw, r_bw = probe_disk(args.dir, int(args.probe_gib * GiB))
     print(f"disk probe ({args.probe_gib:g} GiB, O_DIRECT, 64 MiB requests): write "
