@@ -34,15 +34,16 @@ process loads it with ``handle.load_checkpoint`` instead of restoring the weight
 masters. Digests read each parameter from the store, one at a time. ``--moments`` is
 ``HybridAdam``'s ``moment_dtype`` (``int8``: 2 bytes a parameter for both moments instead of 8).
 
-Disk (fp32 moments; int8 moments: 6 bytes a parameter instead of 12): the states (12 bytes a parameter) plus, once training goes on after the checkpoint, as
-much again (the checkpoint keeps the frozen files; copy-on-write): 24 bytes a parameter at
-the peak. ``--reference rerun`` needs the states once: the train process stops at its
+Disk (fp32 moments; int8 moments: about 6.1 bytes a parameter instead of 12): the states, plus
+as much again free: a linked save refuses to start without room for the copy-on-write of the
+files it links (the store's next writes), and training on after the checkpoint makes those
+copies. ``--reference rerun`` writes the states once: the train process stops at its
 checkpoint, the resumed process removes the checkpoint once loaded (its store keeps the
 links, then the only names of the files, and writes into them in place), and a third
-process trains from the
-same seed without stopping, for the digests to compare. With ``--offload-params`` add the bf16
-parameters' store (2 bytes a parameter) and the checkpoint's model file (2 more). The run refuses to start without the
-free space it needs (``--force`` to try anyway).
+process trains from the same seed without stopping, for the digests to compare. With
+``--offload-params`` add the bf16 parameters' store (2 bytes a parameter) and the
+checkpoint's model file (2 more). The run refuses to start without the free space it needs
+(``--force`` to try anyway).
 Results (and the commands that produced them): docs/scale.md.
 """
 from __future__ import annotations
