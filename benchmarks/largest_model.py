@@ -22,15 +22,28 @@ One run, three processes:
 
     .venv/bin/python benchmarks/largest_model.py --size 1b --dir /tmp/big
     .venv/bin/python benchmarks/largest_model.py --size 3b --dir /tmp/big --steps 2 --check-steps 1
+    .venv/bin/python benchmarks/largest_model.py --size 7b --layers 33 --kv-heads 8 \
+        --offload-params --moments int8 --dir /tmp/big --steps 2 --check-steps 1 --reference rerun
 
-Disk: the states (12 bytes a parameter) plus, once training goes on after the checkpoint, as
-much again (the checkpoint keeps the frozen files; copy-on-write): 24 bytes a parameter at
-the peak. ``--reference rerun`` needs the states once: the train process stops at its
+``--offload-params`` (parameter offload, ``docs/offload.md``): the model is created on the
+``meta`` device and built one module at a time straight into a second ``NVMeStore``
+(``statestore.offload_parameters(model, params, prefetch=--prefetch)``), so neither its
+weights nor its gradients (with ``release_grads``) sit in RAM; the checkpoint is
+``handle.save_checkpoint`` (the states plus a stock ``model.safetensors``) and the resumed
+process loads it with ``handle.load_checkpoint`` instead of restoring the weights from the
+masters. Digests read each parameter from the store, one at a time. ``--moments`` is
+``HybridAdam``'s ``moment_dtype`` (``int8``: 2 bytes a parameter for both moments instead of 8).
+
+Disk (fp32 moments; int8 moments: about 6.1 bytes a parameter instead of 12): the states, plus
+as much again free: a linked save refuses to start without room for the copy-on-write of the
+files it links (the store's next writes), and training on after the checkpoint makes those
+copies. ``--reference rerun`` writes the states once: the train process stops at its
 checkpoint, the resumed process removes the checkpoint once loaded (its store keeps the
 links, then the only names of the files, and writes into them in place), and a third
-process trains from the
-same seed without stopping, for the digests to compare. The run refuses to start without the
-free space it needs (``--force`` to try anyway).
+process trains from the same seed without stopping, for the digests to compare. With
+``--offload-params`` add the bf16 parameters' store (2 bytes a parameter) and the
+checkpoint's model file (2 more). The run refuses to start without the free space it needs
+(``--force`` to try anyway).
 Results (and the commands that produced them): docs/scale.md.
 """
 from __future__ import annotations
@@ -75,19 +88,30 @@ class Phase:
 
 
 # ------------------------------------------------------------------ children
-def _digest(model) -> str:
+def _digest(model, handle=None) -> str:
+    """xxh3-128 of every parameter; offloaded ones are read from the store one at a time."""
+    import torch
     import xxhash
     h = xxhash.xxh3_128()
+    if handle is not None:
+        handle.sync()
     for name, p in model.named_parameters():
+        v = p.detach() if handle is None else handle.store.get(handle.key(name))
         h.update(name.encode())
-        h.update(memoryview(p.detach().contiguous().view(-1).view(__import__("torch").uint8).numpy()))
+        h.update(memoryview(v.contiguous().view(-1).view(torch.uint8).numpy()))
     return h.hexdigest()
 
 
-def _step(model, opt, store, c, args, step, out, name):
+def _io(store, handle):
+    """Bytes read and written so far by the optimizer's store and the parameters' store."""
+    stats = [store.stats()] + ([handle.store.stats()] if handle is not None else [])
+    return (sum(s["bytes_read"] for s in stats), sum(s["bytes_written"] for s in stats))
+
+
+def _step(model, opt, store, c, args, step, out, name, handle=None):
     import llama
     ids = llama.batch(step, c, args.batch, args.seq)
-    before = store.stats()
+    before = _io(store, handle)
     grads = {}
     with Phase(out, name, step=step) as ph:
         loss = model(ids, labels=ids)
@@ -97,21 +121,59 @@ def _step(model, opt, store, c, args, step, out, name):
         opt.step()
         opt.zero_grad(set_to_none=True)
     store.sync()            # the step's last writes belong to its I/O
-    after = store.stats()
+    if handle is not None:
+        handle.sync()
+    after = _io(store, handle)
     ph_out = out["phases"][-1]
     ph_out.update(loss=loss.item(), grads_after_backward=grads["held"],
                   seconds_with_sync=time.perf_counter() - ph.t0,
-                  bytes_read=after["bytes_read"] - before["bytes_read"],
-                  bytes_written=after["bytes_written"] - before["bytes_written"],
-                  ring=after["buffer_bytes"])
+                  bytes_read=after[0] - before[0], bytes_written=after[1] - before[1],
+                  ring=store.stats()["buffer_bytes"])
     return loss.item()
 
 
 def _optimizer(model, store, args):
     from statestore.optim import HybridAdam
+    kw = {} if args.moments == "fp32" else {"moment_dtype": args.moments}
     return HybridAdam(model.named_parameters(), lr=args.lr, weight_decay=0.1, state_store=store,
                       update_in_backward=args.in_backward,
-                      release_grads=args.in_backward and args.release_grads)
+                      release_grads=args.in_backward and args.release_grads, **kw)
+
+
+def _build(args, c, tag, init=True):
+    """The model and, with ``--offload-params``, its handle: created on ``meta`` and built
+    into the NVMeStore ``params-<tag>`` one module at a time, with the values
+    ``llama.build`` gives (same generator, same module order); zeros without ``init``."""
+    import torch
+
+    import llama
+    import statestore as ss
+    if not args.offload_params:
+        return llama.build(c, seed=args.seed, init=init), None
+    with torch.device("meta"):
+        model = llama.Llama(c)
+    model = model.to(torch.bfloat16)
+    g = torch.Generator().manual_seed(args.seed)
+
+    def fill(mod):
+        for pname, p in mod._parameters.items():
+            if p is None:
+                continue
+            p.zero_()
+            if init:
+                if pname == "weight" and isinstance(mod, llama.RMSNorm):
+                    p.fill_(1.0)
+                else:
+                    p.normal_(0.0, 0.02, generator=g)
+
+    params = ss.NVMeStore(os.path.join(args.dir, f"params-{tag}"),
+                          budget_bytes=args.budget_mib << 20)
+    return model, ss.offload_parameters(model, params, prefetch=args.prefetch, init=fill)
+
+
+def _largest_module_bytes(model) -> int:
+    return max(sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
+               for m in model.modules())
 
 
 def _config(args):
@@ -132,12 +194,13 @@ def child_train(args) -> None:
     torch.set_num_threads(args.threads)
     c = _config(args)
     out: dict = {"role": "train"}
-    with Phase(out, "build model"):
-        model = llama.build(c, seed=args.seed)
+    with Phase(out, "build model" + (" into the parameter store" if args.offload_params else "")):
+        model, handle = _build(args, c, "a")
     out["params"] = sum(p.numel() for p in model.parameters())
     out["param_bytes"] = llama.param_bytes(model)
+    out["largest_module_bytes"] = _largest_module_bytes(model)
     out["base_rss"] = reset_peak(trim=True)
-    if args.compute_probe:
+    if args.compute_probe and handle is None:
         # forward + backward alone, no optimizer: the step's compute, for comparison
         ids = llama.batch(0, c, args.batch, args.seq)
         with Phase(out, "forward + backward alone (no optimizer)"):
@@ -147,23 +210,32 @@ def child_train(args) -> None:
     opt = _optimizer(model, store, args)
     for step in tqdm(range(args.steps), desc="train", unit="step"):
         _step(model, opt, store, c, args, step, out, "first step (creates states)" if step == 0
-              else "step")
+              else "step", handle)
     ckpt = os.path.join(args.dir, "ckpt")
-    with Phase(out, "save_checkpoint"):
-        store.save_checkpoint(ckpt, progress=True)
-    out["digest_at_save"] = _digest(model)
+    with Phase(out, "save_checkpoint" + (" (states + model.safetensors)" if handle else "")):
+        if handle is not None:
+            handle.save_checkpoint(ckpt, store, progress=True)
+        else:
+            store.save_checkpoint(ckpt, progress=True)
+    out["checkpoint_bytes"] = folder_bytes(ckpt)
+    out["digest_at_save"] = _digest(model, handle)
     out["state_nbytes"] = store.stats()["nbytes"]
-    with Phase(out, "state_dict()"):
-        sd = opt.state_dict()
-        n = sum(t.numel() * t.element_size() for st in sd["state"].values()
-                for t in st.values() if t.dim())
-    out["state_dict_bytes"] = n
-    del sd
+    if handle is not None:
+        out["handle_stats"] = handle.stats()
+    if args.moments == "fp32":
+        with Phase(out, "state_dict()"):
+            sd = opt.state_dict()
+            n = sum(t.numel() * t.element_size() for st in sd["state"].values()
+                    for t in st.values() if t.dim())
+        out["state_dict_bytes"] = n
+        del sd
+    # else: state_dict() decodes compressed moments into new fp32 tensors in RAM (12 bytes
+    # a parameter): not bounded, so not part of this run
     digests = []
     for i in range(args.check_steps if args.reference == "continue" else 0):
         step = args.steps + i
-        _step(model, opt, store, c, args, step, out, "step after save (reference)")
-        digests.append(_digest(model))
+        _step(model, opt, store, c, args, step, out, "step after save (reference)", handle)
+        digests.append(_digest(model, handle))
     out["digests"] = digests
     out["store_stats"] = {k: v for k, v in store.stats().items() if k != "engine_stats"}
     with open(os.path.join(args.dir, "train.json"), "w") as f:
@@ -188,19 +260,23 @@ def child_resume(args) -> None:
     c = _config(args)
     out: dict = {"role": "resume"}
     with Phase(out, "build model (uninitialized)"):
-        model = llama.build(c, init=False)
+        model, handle = _build(args, c, "b", init=False)
     out["base_rss"] = reset_peak(trim=True)
     store = ss.NVMeStore(os.path.join(args.dir, "run-b"), budget_bytes=args.budget_mib << 20)
     t0 = time.perf_counter()
-    with Phase(out, "load_checkpoint"):
-        store.load_checkpoint(os.path.join(args.dir, "ckpt"), progress=True)
-    with Phase(out, "weights from the masters"), torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(store.get((name, "master")))
+    if handle is not None:
+        with Phase(out, "load_checkpoint"):
+            handle.load_checkpoint(os.path.join(args.dir, "ckpt"), store)
+    else:
+        with Phase(out, "load_checkpoint"):
+            store.load_checkpoint(os.path.join(args.dir, "ckpt"), progress=True)
+        with Phase(out, "weights from the masters"), torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(store.get((name, "master")))
     with Phase(out, "build optimizer"):
         opt = _optimizer(model, store, args)
     out["resume_seconds"] = time.perf_counter() - t0
-    out["digest_at_load"] = _digest(model)
+    out["digest_at_load"] = _digest(model, handle)
     if args.reference == "rerun":
         # the checkpoint goes: the store keeps its links, now the files' only names, and
         # writes into them in place (disk: the states once, not twice)
@@ -210,10 +286,12 @@ def child_resume(args) -> None:
     digests = []
     for i in tqdm(range(args.check_steps), desc="resumed", unit="step"):
         _step(model, opt, store, c, args, args.steps + i, out,
-              "first step after resume" if i == 0 else "step after resume")
-        digests.append(_digest(model))
+              "first step after resume" if i == 0 else "step after resume", handle)
+        digests.append(_digest(model, handle))
     out["digests"] = digests
     store.close()
+    if handle is not None:
+        handle.store.close()
     with open(os.path.join(args.dir, "resume.json"), "w") as f:
         json.dump(out, f)
 
@@ -229,19 +307,21 @@ def child_reference(args) -> None:
     torch.set_num_threads(args.threads)
     c = _config(args)
     out: dict = {"role": "reference"}
-    model = llama.build(c, seed=args.seed)
+    model, handle = _build(args, c, "c")
     out["base_rss"] = reset_peak(trim=True)
     store = ss.NVMeStore(os.path.join(args.dir, "run-c"), budget_bytes=args.budget_mib << 20)
     opt = _optimizer(model, store, args)
     digests = []
     for step in tqdm(range(args.steps + args.check_steps), desc="reference", unit="step"):
-        _step(model, opt, store, c, args, step, out, "step (reference run)")
+        _step(model, opt, store, c, args, step, out, "step (reference run)", handle)
         if step == args.steps - 1:
-            out["digest_at_save"] = _digest(model)
+            out["digest_at_save"] = _digest(model, handle)
         if step >= args.steps:
-            digests.append(_digest(model))
+            digests.append(_digest(model, handle))
     out["digests"] = digests
     store.close()
+    if handle is not None:
+        handle.store.close()
     with open(os.path.join(args.dir, "reference.json"), "w") as f:
         json.dump(out, f)
 
@@ -287,6 +367,13 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--budget-mib", type=int, default=256, help="the store's RAM budget")
+    ap.add_argument("--offload-params", action="store_true",
+                    help="parameters on disk too (statestore.offload_parameters into a second "
+                         "NVMeStore), not in RAM")
+    ap.add_argument("--prefetch", type=int, default=2,
+                    help="--offload-params: modules whose parameters are read ahead")
+    ap.add_argument("--moments", choices=["fp32", "bf16", "int8"], default="fp32",
+                    help="HybridAdam's moment_dtype")
     ap.add_argument("--no-in-backward", dest="in_backward", action="store_false",
                     help="step after backward instead of update_in_backward=True")
     ap.add_argument("--no-release-grads", dest="release_grads", action="store_false")
@@ -315,19 +402,23 @@ def main() -> None:
     import llama
     c = _config(args)
     n = c.num_parameters()
-    states = 12 * n
+    states = state_bytes_per_param(args.moments) * n
     os.makedirs(args.dir, exist_ok=True)
     free = shutil.disk_usage(args.dir).free
-    # the states, and once training goes on after the checkpoint as much again
-    need = (2 if args.check_steps and args.reference == "continue" else 1) * states + (4 << 30)
+    # the states twice: a linked save refuses to start without room for the copy-on-write of
+    # every file it links (the store's next writes), and training on after the checkpoint
+    # makes those copies; offloaded parameters: their store and the checkpoint's model file
+    need = 2 * states + (4 << 30) + (4 * n if args.offload_params else 0)
     with open("/proc/meminfo") as f:
         mem = {l.split(":")[0]: int(l.split()[1]) * 1024 for l in f}
-    print(f"model: {n / 1e9:.2f}B parameters ({c}); bf16 weights {_gb(2 * n)}, fp32 states "
+    print(f"model: {n / 1e9:.2f}B parameters ({c}); bf16 weights {_gb(2 * n)} "
+          f"({'on disk' if args.offload_params else 'in RAM'}), states ({args.moments} moments) "
           f"{_gb(states)}; disk free {_gb(free)} (needs ~{_gb(need)}), RAM available "
           f"{_gib(mem.get('MemAvailable', 0))}", flush=True)
     if free < need and not args.force:
         sys.exit(f"not enough free disk under {args.dir}: {_gb(free)} < {_gb(need)} (states, "
-                 "plus as much again once training goes on after the checkpoint); --force "
+                 "plus as much again for the copy-on-write a linked checkpoint reserves"
+                 f"{', parameters and the model file' if args.offload_params else ''}); --force "
                  "to try anyway")
     w_bw, r_bw = probe_disk(args.dir, int(args.probe_gib * GiB))
     print(f"disk probe ({args.probe_gib:g} GiB, O_DIRECT, 64 MiB requests): write "
@@ -353,12 +444,14 @@ def main() -> None:
         sys.exit(f"the train process exited ({rc}) before it could be killed")
     print(f"train process killed part-way through a step (exit {rc})", flush=True)
     disk_after_train = folder_bytes(args.dir, follow_symlinks=True)
-    shutil.rmtree(os.path.join(args.dir, "run-a"), ignore_errors=True)
+    for sub in ("run-a", "params-a"):
+        shutil.rmtree(os.path.join(args.dir, sub), ignore_errors=True)
     rc = subprocess.call(me + ["--role", "resume"])
     if rc:
         sys.exit(f"the resume process failed ({rc})")
     if args.reference == "rerun":
-        shutil.rmtree(os.path.join(args.dir, "run-b"), ignore_errors=True)
+        for sub in ("run-b", "params-b"):
+            shutil.rmtree(os.path.join(args.dir, sub), ignore_errors=True)
         rc = subprocess.call(me + ["--role", "reference"])
         if rc:
             sys.exit(f"the reference process failed ({rc})")
@@ -375,19 +468,30 @@ def main() -> None:
             print("the reference run's weights at the checkpoint step differ from the train "
                   "process's: training is not deterministic here", flush=True)
         tr["digests"] = ref["digests"]
-    report(args, c, tr, rs, w_bw, r_bw, sampler.peak, disk_after_train, wall)
+    report(args, c, tr, rs, w_bw, r_bw, sampler.peak, disk_after_train, wall,
+           ref if args.reference == "rerun" else None)
     if not args.keep:
-        for sub in ("run-a", "run-b", "run-c", "ckpt"):
+        for sub in ("run-a", "run-b", "run-c", "params-a", "params-b", "params-c", "ckpt"):
             shutil.rmtree(os.path.join(args.dir, sub), ignore_errors=True)
 
 
-def report(args, c, tr, rs, w_bw, r_bw, disk_peak, disk_after_train, wall) -> None:
+def state_bytes_per_param(moments: str) -> float:
+    """Disk bytes of HybridAdam's states a parameter: fp32 master + both moments (int8: one
+    byte each plus an fp32 scale per block of each: well under 0.1 byte a parameter)."""
+    if moments == "int8":
+        return 4 + 2 + 0.1
+    return 4 + {"fp32": 8, "bf16": 4}[moments]
+
+
+def report(args, c, tr, rs, w_bw, r_bw, disk_peak, disk_after_train, wall, ref=None) -> None:
     n, pb = tr["params"], tr["param_bytes"]
+    off = args.offload_params
     print()
     print(f"## {n / 1e9:.2f}B-parameter Llama ({c.num_hidden_layers} layers, hidden "
           f"{c.hidden_size}, ffn {c.intermediate_size}, vocab {c.vocab_size}), bf16 weights "
-          f"{_gib(pb)}, states {_gib(tr['state_nbytes'])} on NVMeStore (budget "
-          f"{args.budget_mib} MiB), update_in_backward={args.in_backward}, release_grads="
+          f"{_gib(pb)} {'on NVMeStore (offload_parameters, prefetch ' + str(args.prefetch) + ')' if off else 'in RAM'}, "
+          f"states ({args.moments} moments) {_gib(tr['state_nbytes'])} on NVMeStore (budget "
+          f"{args.budget_mib} MiB{' each' if off else ''}), update_in_backward={args.in_backward}, release_grads="
           f"{args.in_backward and args.release_grads}, batch {args.batch} x {args.seq} tokens")
     print(f"disk: write {w_bw:.2f} GB/s, read {r_bw:.2f} GB/s (O_DIRECT probe, same run); "
           f"peak disk used {_gb(disk_peak)}; after the train process {_gb(disk_after_train)}")
@@ -395,13 +499,21 @@ def report(args, c, tr, rs, w_bw, r_bw, disk_peak, disk_after_train, wall) -> No
     print("| process | phase | time (s) | peak RSS | over the built model | grads held | "
           "ring | read | written | I/O floor (s) | time / floor |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    bound = 2 * pb + GiB
-    for who, res in (("train", tr), ("resume", rs)):
+    # offloaded: the working set (largest module x (prefetch + 2)), both stores' budgets and
+    # 1 GiB of activations and slack, plus the gradients a phase still holds after backward
+    work = tr.get("largest_module_bytes", 0) * (args.prefetch + 2) + 2 * (args.budget_mib << 20) \
+        + GiB
+    bound = work if off else 2 * pb + GiB
+    over_bound = []
+    for who, res in (("train", tr), ("resume", rs)) + ((("reference", ref),) if ref else ()):
         for ph in res["phases"]:
             over = ph["peak"] - res["base_rss"]
             rd, wr = ph.get("bytes_read"), ph.get("bytes_written")
             floor = (rd / (r_bw * 1e9) + wr / (w_bw * 1e9)) if rd is not None else None
             secs = ph.get("seconds_with_sync", ph["seconds"])
+            if off and not ph["name"].startswith("build") \
+                    and over > work + ph.get("grads_after_backward", 0):
+                over_bound.append(f"{who}: {ph['name']}")
             print(f"| {who} | {ph['name']} | {secs:.1f} | {_gib(ph['peak'])} | "
                   f"{_gib(over) if not ph['name'].startswith('build') else '-'} | "
                   f"{_gib(ph['grads_after_backward']) if 'grads_after_backward' in ph else '-'} | "
@@ -411,13 +523,22 @@ def report(args, c, tr, rs, w_bw, r_bw, disk_peak, disk_after_train, wall) -> No
                   f"{f'{secs / floor:.2f}' if floor else '-'} |")
     base = tr["base_rss"]
     print()
-    print(f"built model: RSS {_gib(base)} (bf16 weights {_gib(pb)} + interpreter, torch and "
-          f"the model's buffers {_gib(base - pb)}); bound per phase: weights + grads + 1 GiB "
-          f"= {_gib(bound)} over the interpreter")
-    peak_over = max(ph["peak"] for ph in tr["phases"] + rs["phases"]
-                    if not ph["name"].startswith("build")) - (base - pb)
-    print(f"largest peak over the interpreter: {_gib(peak_over)} "
-          f"({'within' if peak_over <= bound else 'OVER'} the bound)")
+    if off:
+        print(f"built model: RSS {_gib(base)} (interpreter and torch; the weights are on disk); "
+              f"largest module {_gib(tr['largest_module_bytes'])}; bound per phase over that: "
+              f"largest module x (prefetch + 2) + both budgets + 1 GiB = {_gib(work)}, plus the "
+              f"gradients held after backward (every gradient in a first step: HybridAdam "
+              f"learns their order then)")
+        print(f"phases over the bound: {', '.join(over_bound) if over_bound else 'none'}; "
+              f"checkpoint {_gb(tr['checkpoint_bytes'])}")
+    else:
+        print(f"built model: RSS {_gib(base)} (bf16 weights {_gib(pb)} + interpreter, torch and "
+              f"the model's buffers {_gib(base - pb)}); bound per phase: weights + grads + 1 GiB "
+              f"= {_gib(bound)} over the interpreter")
+        peak_over = max(ph["peak"] for ph in tr["phases"] + rs["phases"]
+                        if not ph["name"].startswith("build")) - (base - pb)
+        print(f"largest peak over the interpreter: {_gib(peak_over)} "
+              f"({'within' if peak_over <= bound else 'OVER'} the bound)")
     same = rs["digest_at_load"] == tr["digest_at_save"] and rs["digests"] == tr["digests"]
     print(f"uninterrupted run compared with: {args.reference} "
           f"({'the train process after its checkpoint' if args.reference == 'continue' else 'a third process trained from the same seed'})")
@@ -425,12 +546,16 @@ def report(args, c, tr, rs, w_bw, r_bw, disk_peak, disk_after_train, wall) -> No
           f"files, wrote {_gb(rs['bytes_written_by_load'])}); weights at load == weights at save: "
           f"{rs['digest_at_load'] == tr['digest_at_save']}; {len(tr['digests'])} steps after "
           f"resume bit-identical to the uninterrupted run: {rs['digests'] == tr['digests']}")
-    print(f"state_dict(): {tr['state_dict_bytes'] / 1e9:.2f} GB of tensors returned")
+    if "state_dict_bytes" in tr:
+        print(f"state_dict(): {tr['state_dict_bytes'] / 1e9:.2f} GB of tensors returned")
+    else:
+        print(f"state_dict(): not run ({args.moments} moments are decoded into fp32 tensors "
+              f"in RAM)")
     print(f"wall time {wall:.0f} s; {'OK' if same else 'MISMATCH'}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(args=vars(args), train=tr, resume=rs, write_gbps=w_bw, read_gbps=r_bw,
-                           disk_peak=disk_peak, ok=same), f, indent=1)
+            json.dump(dict(args=vars(args), train=tr, resume=rs, reference=ref, write_gbps=w_bw,
+                           read_gbps=r_bw, disk_peak=disk_peak, ok=same), f, indent=1)
     if not same:
         sys.exit(1)
 

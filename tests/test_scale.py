@@ -248,20 +248,30 @@ def _env():
                 + os.environ.get("PYTHONPATH", ""))
 
 
-def test_largest_model_benchmark_runs_end_to_end_at_a_tiny_size(tmp_path):
-    """Train, checkpoint, kill, resume in a fresh process, compare bit for bit (figures are
-    not checked: timing never decides a test)."""
+@pytest.mark.parametrize("mode", [
+    [],
+    ["--moments", "int8", "--reference", "rerun"],
+    ["--offload-params", "--moments", "int8"],
+    ["--offload-params", "--reference", "rerun"],
+], ids=["states-on-disk", "int8-rerun", "offload-int8", "offload-rerun"])
+def test_largest_model_benchmark_runs_end_to_end_at_a_tiny_size(mode, tmp_path):
+    """Train, checkpoint, kill, resume in a fresh process, compare bit for bit, with the
+    states on disk or (``--offload-params``) the parameters too (figures are not checked:
+    timing never decides a test)."""
     root = os.path.dirname(HERE)
     r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "largest_model.py"),
                         "--size", "tiny", "--dir", str(tmp_path), "--steps", "2",
                         "--check-steps", "1", "--probe-gib", "0.0625", "--kill-after", "0",
-                        "--no-compute-probe"], capture_output=True, text=True, env=_env(),
-                       timeout=600)
+                        "--no-compute-probe", "--threads", "1"] + mode,
+                       capture_output=True, text=True, env=_env(), timeout=600)
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-2000:])
     assert "bit-identical to the uninterrupted run: True" in r.stdout, r.stdout[-2000:]
     assert "weights at load == weights at save: True" in r.stdout
     assert "| resume | load_checkpoint |" in r.stdout
-    assert not [d for d in ("run-a", "run-b", "run-c", "ckpt") if os.path.exists(tmp_path / d)]
+    if "--offload-params" in mode:
+        assert "on NVMeStore (offload_parameters" in r.stdout
+        assert "phases over the bound: none" in r.stdout, r.stdout[-3000:]
+    assert not [d for d in os.listdir(tmp_path) if d.startswith(("run-", "params-", "ckpt"))]
 
 
 def test_the_example_trains_saves_and_resumes(tmp_path):

@@ -1,0 +1,395 @@
+"""The hooks through which an :class:`~statestore.offload.OffloadHandle` follows the model.
+
+:class:`ModuleHooks` installs and serves them: each module's forward pre-hook and forward
+hook (parameters held for the forward), a hook on each output's gradient and the unpacking of
+tensors saved for backward (held again for the backward), the parameters' gradient
+accumulation hooks (released after), a ``TorchFunctionMode`` (:class:`FetchMode`) for
+parameters read by a module that does not own them, the global optimizer step hooks
+(optimizers other than statestore's get every parameter for their ``step()``) and
+``model.state_dict()`` / ``load_state_dict()`` hooks.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import List
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from ..errors import StateStoreValueError
+from ._readahead import Run
+from ._seam import HANDLE_ATTR
+
+__all__ = ["ModuleHooks", "FetchMode", "Saved", "graph_task", "tensors_in",
+           "METADATA_FUNCTIONS"]
+
+
+def graph_task() -> int:
+    """Id of the autograd graph task running now (-1 outside backward)."""
+    return torch._C._current_graph_task_id()
+
+
+# ---------------------------------------------------------------------------------- helpers
+class Saved:
+    """What a saved-for-backward view of a parameter is packed into."""
+
+    __slots__ = ("p", "offset", "size", "stride")
+
+    def __init__(self, p, offset, size, stride):
+        self.p, self.offset, self.size, self.stride = p, offset, size, stride
+
+
+def _metadata_functions() -> frozenset:
+    T = Tensor
+    out = {T.size, T.dim, T.numel, T.stride, T.is_contiguous, T.element_size,
+           T.is_floating_point, T.register_hook, T.requires_grad_, T.__len__,
+           T.register_post_accumulate_grad_hook, T.data_ptr}
+    for name in ("shape", "dtype", "device", "requires_grad", "grad", "is_leaf", "ndim",
+                 "layout", "is_cuda", "is_meta", "grad_fn", "names", "_version"):
+        attr = getattr(T, name, None)
+        for acc in ("__get__", "__set__"):
+            f = getattr(attr, acc, None)
+            if f is not None:
+                out.add(f)
+    data = getattr(T, "data", None)
+    if data is not None and hasattr(data, "__set__"):
+        out.add(data.__set__)
+    return frozenset(out)
+
+
+#: Tensor functions that read no data: a released parameter passed to them is not fetched.
+METADATA_FUNCTIONS = _metadata_functions()
+
+
+class FetchMode(TorchFunctionMode):
+    """Active during the root module's forward: fetches a released offloaded parameter that
+    a torch function is about to read (a module using a parameter it does not own)."""
+
+    def __init__(self, handle):
+        super().__init__()
+        self.h = handle
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        h = self.h
+        if h._released and not h._busy and func not in METADATA_FUNCTIONS:
+            for a in args:
+                if isinstance(a, Tensor):
+                    if a in h._released:
+                        h._fallback_forward(a)
+                elif isinstance(a, (list, tuple)):
+                    for b in a:
+                        if isinstance(b, Tensor) and b in h._released:
+                            h._fallback_forward(b)
+            if kwargs:
+                for a in kwargs.values():
+                    if isinstance(a, Tensor) and a in h._released:
+                        h._fallback_forward(a)
+        return func(*args, **(kwargs or {}))
+
+
+def tensors_in(obj, depth: int = 0):
+    if isinstance(obj, Tensor):
+        yield obj
+    elif depth < 4 and isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from tensors_in(o, depth + 1)
+    elif depth < 4 and isinstance(obj, dict):
+        for o in obj.values():
+            yield from tensors_in(o, depth + 1)
+
+
+class ModuleHooks:
+    """The hooks of :class:`~statestore.offload.OffloadHandle` (a base class of it: the
+    attributes used here are set by the handle's ``__init__``)."""
+
+    def _install_hooks(self) -> None:
+        for idx, m in enumerate(self._modules):
+            self._hooks.append(m.register_forward_pre_hook(self._make_pre(idx)))
+            self._hooks.append(m.register_forward_hook(self._make_post(idx), always_call=True))
+        for p in self._params:
+            if p.requires_grad:
+                self._hooks.append(p.register_hook(self._make_pre_acc(p)))
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._post_acc))
+        self._hooks.append(self.model._register_state_dict_hook(self._state_dict_hook))
+        self._hooks.append(self.model.register_load_state_dict_pre_hook(self._load_pre_hook))
+        self._hooks.append(self.model.register_load_state_dict_post_hook(self._load_post_hook))
+        from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                           register_optimizer_step_pre_hook)
+        self._hooks.append(register_optimizer_step_pre_hook(self._before_step))
+        self._hooks.append(register_optimizer_step_post_hook(self._after_step))
+
+    def _note_task(self) -> int:
+        task = graph_task()
+        if task >= 0 and task not in self._tasks:
+            self._tasks.add(task)
+            if self._outer_task is None:
+                self._outer_task = task
+            torch.autograd.Variable._execution_engine.queue_callback(
+                lambda: self._task_end(task))
+        return task
+
+    def _task_end(self, task: int) -> None:
+        self._tasks.discard(task)
+        for p, tasks in self._bw.items():
+            if task in tasks:
+                tasks.discard(task)
+                self._to_release.append(p)
+        self._flush_releases()
+        if task == self._outer_task:
+            self._outer_task = None
+            self._end_iteration()
+
+    # ------------------------------------------------------------------ hooks
+    def _make_pre(self, idx: int):
+        def pre(module, args):
+            self._busy += 1
+            try:
+                self._pre(idx, args)
+            finally:
+                self._busy -= 1
+        return pre
+
+    def _pre(self, idx: int, args) -> None:
+        if True:
+            root = idx == 0
+            pushed = False
+            if root and graph_task() < 0:
+                self._begin_iteration()
+                torch._C._autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
+                mode = FetchMode(self)
+                mode.__enter__()
+                self._root_ctx.append(mode)
+                pushed = True
+            self._stack.append((idx, pushed))
+            self._event(idx)
+            for p in self._mod_params[idx]:
+                self._fwd[p] = self._fwd.get(p, 0) + 1
+            if torch.is_grad_enabled() and any(not p.requires_grad for p in self._mod_params[idx]):
+                hooked = False
+                for x in tensors_in(args):
+                    if x.requires_grad:
+                        x.register_hook(lambda g, i=idx: self._inputs_done(i))
+                        hooked = True
+                if not hooked:
+                    pass   # frozen parameters then serve no backward of this module
+
+    def _make_post(self, idx: int):
+        def post(module, args, output):
+            self._busy += 1
+            try:
+                self._post(idx, output)
+            finally:
+                self._busy -= 1
+        return post
+
+    def _post(self, idx: int, output) -> None:
+        if True:
+            if not self._stack or self._stack[-1][0] != idx:
+                return          # the pre-hook did not run (it raised before its push)
+            _, pushed = self._stack.pop()
+            for p in self._mod_params[idx]:
+                n = self._fwd.get(p, 0) - 1
+                if n <= 0:
+                    self._fwd.pop(p, None)
+                    self._maybe_release(p)
+                else:
+                    self._fwd[p] = n
+            if pushed:
+                mode = self._root_ctx.pop()
+                mode.__exit__(None, None, None)
+                torch._C._autograd._pop_saved_tensors_default_hooks()
+            if output is not None and torch.is_grad_enabled():
+                for y in tensors_in(output):
+                    if y.requires_grad and y.grad_fn is not None:
+                        y.register_hook(lambda g, i=idx: self._backward_event(i))
+
+    def _backward_event(self, idx: int) -> None:
+        task = self._note_task()
+        self._event(idx)
+        for p in self._mod_params[idx]:
+            self._bw.setdefault(p, set()).add(task)
+
+    def _inputs_done(self, idx: int) -> None:
+        task = graph_task()
+        for p in self._mod_params[idx]:
+            if not p.requires_grad and task in self._bw.get(p, ()):
+                self._bw[p].discard(task)
+                self._to_release.append(p)
+
+    def _make_pre_acc(self, p: Tensor):
+        ref = weakref.ref(p)
+
+        def pre_acc(grad):
+            q = ref()
+            if q is not None and q not in self._data:
+                # backward reached the parameter without one of its modules asking for it:
+                # accumulating into a released parameter would give its gradient its layout
+                task = self._note_task()
+                self._fetch([q])
+                self._bw.setdefault(q, set()).add(task)
+            return None
+        return pre_acc
+
+    def _post_acc(self, p: Tensor) -> None:
+        task = graph_task()
+        tasks = self._bw.get(p)
+        if tasks and task in tasks:
+            tasks.discard(task)
+        if p in self._applied:              # its update came first (the optimizer's hook ran
+            self._applied.discard(p)        # before this one)
+        elif p in self._uib:
+            # an optimizer updates it during backward, maybe only once its states arrive:
+            # keep it until then rather than read it again (released by _opt_done)
+            self._opt.add(p)
+            self._opt_wait.add(p)
+        self._to_release.append(p)
+
+    def _fallback_forward(self, p: Tensor) -> None:
+        """A torch function reads released parameter ``p`` in the root's forward: fetch it
+        and from now on with the innermost running module."""
+        self._busy += 1
+        try:
+            idx = self._stack[-1][0] if self._stack else 0
+            if not any(q is p for q in self._mod_params[idx]):
+                self._mod_params[idx] = self._mod_params[idx] + [p]
+                self._plans.clear()
+                if self._run is not None:
+                    self._run.diverged = True
+                    self._close_window(self._run)
+            self._fetch([p])
+            self._fwd[p] = self._fwd.get(p, 0) + 1
+        finally:
+            self._busy -= 1
+
+    def _pack(self, t: Tensor):
+        if not self._data or t.device != self.device or t.layout != torch.strided:
+            return t
+        ptr = t.data_ptr()
+        if ptr == 0:
+            return t
+        for p, d in self._data.items():
+            if d.dtype != t.dtype:
+                continue
+            base = d.data_ptr()
+            size = d.dtype.itemsize
+            if base <= ptr < base + d.numel() * size:
+                extent = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if s > 0)
+                off = (ptr - base) // size
+                if t.numel() and off + extent <= d.numel():
+                    return Saved(p, off, tuple(t.shape), tuple(t.stride()))
+        return t
+
+    def _unpack(self, x):
+        if not isinstance(x, Saved):
+            return x
+        p = x.p
+        if p not in self._data:
+            task = self._note_task()
+            self._fetch([p])
+            self._bw.setdefault(p, set()).add(task)
+        d = self._data[p]
+        return d.as_strided(x.size, x.stride, d.storage_offset() + x.offset)
+
+    # ------------------------------------------------------------------ optimizers
+    def _opt_acquire(self, items) -> None:
+        ps = [p for p, _, _ in items]
+        if graph_task() >= 0:
+            self._uib.update(ps)            # updated during backward (update_in_backward)
+        self._fetch(ps)
+        self._opt.update(ps)
+
+    def _opt_done(self, items) -> None:
+        for p, a, b in items:
+            if b >= p.numel():
+                self._write_back(p)
+                self._opt.discard(p)
+                if p in self._opt_wait:
+                    self._opt_wait.discard(p)
+                elif graph_task() >= 0:
+                    self._applied.add(p)
+                self._maybe_release(p)
+
+    def _write_back(self, p: Tensor) -> None:
+        if self._alias or p not in self._data:
+            return
+        t = self._data[p]
+        if self.store.resident:
+            self.store.put(self._key[p], t)
+            return
+        self._dirty[p] = t
+        run = self._run
+        if run is None or run.window is None:
+            self._flush_dirty()
+
+    def _ours(self, optimizer) -> List[Tensor]:
+        return [p for g in optimizer.param_groups for p in g["params"]
+                if getattr(p, HANDLE_ATTR, None) is self]
+
+    def _before_step(self, optimizer, args, kwargs) -> None:
+        from ..optim import CPUAdam, HybridAdam
+        if isinstance(optimizer, (CPUAdam, HybridAdam)):
+            if self._io and getattr(optimizer, "state_store", None) is self.store \
+                    and self._ours(optimizer):
+                raise StateStoreValueError(
+                    f"{type(optimizer).__name__}: its state_store is the store the parameters "
+                    f"are offloaded to; give the parameters a store of their own (two "
+                    f"pipelines at once on one disk store could wait on each other)")
+            return      # updates parameters a unit at a time through update_begin/update_end
+        ps = self._ours(optimizer)
+        if ps:          # another optimizer reads every parameter: materialize them all
+            self._fetch(ps)
+            self._opt.update(ps)
+            self._foreign[id(optimizer)] = ps
+
+    def _after_step(self, optimizer, args, kwargs) -> None:
+        ps = self._foreign.pop(id(optimizer), None)
+        if ps:
+            for p in ps:
+                self._write_back(p)
+                self._opt.discard(p)
+                self._maybe_release(p)
+        if not self._io or self._run is not None or self._next_run is not None:
+            return
+        plan = self._plans.get(True)
+        if plan and self.prefetch > 0 and (ps or self._ours(optimizer)):
+            # the next iteration's first modules are read while the caller zeroes
+            # gradients and loads the next batch
+            self._flush_dirty()
+            run = Run(True, plan)
+            self._open_window(run, 0)
+            self._next_run = run
+
+    # ------------------------------------------------------------------ model.state_dict()
+    def _state_dict_hook(self, module, state_dict, prefix, local_metadata) -> None:
+        """``model.state_dict()`` gives the stored values (``keep_vars=True``: the
+        parameters themselves, as torch)."""
+        for p in self._params:
+            for n in self._names[p]:
+                k = prefix + n
+                v = state_dict.get(k)
+                if v is not None and not isinstance(v, nn.Parameter):
+                    state_dict[k] = self._value(p).detach()
+
+    def _load_pre_hook(self, module, state_dict, prefix, *args) -> None:
+        """``model.load_state_dict()``: every parameter materialized for torch to copy into,
+        written back by :meth:`_load_post_hook`."""
+        self._suspend()
+        self._fetch(self._params)
+        self._opt.update(self._params)
+        self._loading = True
+
+    def _load_post_hook(self, module, incompatible_keys) -> None:
+        if not getattr(self, "_loading", False):
+            return
+        self._loading = False
+        for p in self._params:
+            if self._alias or p not in self._data:
+                pass
+            elif self.store.resident:
+                self.store.put(self._key[p], self._data[p])
+            else:
+                self._dirty[p] = self._data[p]
+            self._opt.discard(p)
+            self._maybe_release(p)
+        self._flush_dirty()
