@@ -132,6 +132,10 @@ def main():
                     "JSON-lines file")
     ap.add_argument("--from-dump", default=None, help="print the tables from a --dump file "
                     "(runs that finished) instead of training")
+    ap.add_argument("--kinds", default=None, help="comma-separated runs instead of the "
+                    "default ones (statestore:<fp32|bf16|int8>:<default|nearest|stochastic>, "
+                    "bnb-adamw8bit, torchao-adamw8bit, torch-adamw); with --from-dump, "
+                    "runs added to the dumped ones")
     ap.add_argument("--tolerance", type=float, default=0.02,
                     help="stated tolerance: largest windowed loss gap to fp32 moments, relative")
     args = ap.parse_args()
@@ -147,6 +151,8 @@ def main():
                 d = json.loads(line)
                 res[d["kind"]] = (d["losses"], d["secs"], d["nparams"])
         kinds = []
+    if args.kinds:
+        kinds = [k for k in args.kinds.split(",") if k and k not in res]
     if args.peers and not args.from_dump:
         for k, mod in (("bnb-adamw8bit", "bitsandbytes"), ("torchao-adamw8bit", "torchao.optim")):
             try:

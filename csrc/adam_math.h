@@ -229,12 +229,16 @@ SS_HD void adam_element(int64_t i, float* w, const void* g, float* m, float* v, 
 enum class MomentKind : int32_t { kF32 = 0, kBF16 = 1, kInt8 = 2 };
 
 constexpr int kQBlock = 256;                    // elements per int8 block (one fp32 scale)
-constexpr float kMLevels = 127.0f;              // exp_avg codes -127..127
-constexpr float kVLevels = 255.0f;              // exp_avg_sq codes 0..255
-// 1/127^2 and 1/255^2 rounded once from double, as the reference's float32 constants
-constexpr float kInvM2 = static_cast<float>(1.0 / (127.0 * 127.0));
-constexpr float kInvV2 = static_cast<float>(1.0 / (255.0 * 255.0));
-constexpr float kFltMin = 1.17549435082228750797e-38f;  // 2^-126
+// int8 codes are 8-bit floats relative to the block's scale (no inf/nan, exponent bias 15):
+// exp_avg E4M3 (kMBitsM mantissa bits; |c| <= 127), sqrt(exp_avg_sq) E4M4 (kMBitsV; 0..255).
+constexpr int kMBitsM = 3;
+constexpr int kMBitsV = 4;
+constexpr float kScaleFloor = 2.35098870164457501594e-38f;  // 2^-125: smaller blocks -> zeros
+// 1 / val(127) and 1 / val(255) rounded down (so that top * (1/top) <= 1 - 2^-24: the
+// block's largest value decodes to at most itself, and FLT_MAX stays finite)
+constexpr float kInvTopM = 0x1.111110p-1f;   // 0.53333330 < 1 / 1.875
+constexpr float kInvTopV = 0x1.08420ep-1f;   // 0.51612896 < 1 / 1.9375
+constexpr float k2m14 = 6.103515625e-05f;                 // 2^-14: the smallest normal code
 constexpr float kFltMax = 3.40282346638528859812e+38f;
 constexpr float k2m24 = 5.9604644775390625e-08f;         // 2^-24
 
@@ -263,58 +267,84 @@ SS_HD uint16_t float_to_bf16_sr(float f, uint32_t h) {
 
 SS_HD float ss_absf(float x) { return bits_to_float(float_to_bits(x) & 0x7fffffffu); }
 
-// Decoding: exp_avg = sign(c) (c/127)^2 scale; exp_avg_sq = (c/255)^4 scale.
-SS_HD float decode_m8(int8_t c, float scale) {
-  const float cf = static_cast<float>(c);
-  return ((cf * ss_absf(cf)) * kInvM2) * scale;
-}
-SS_HD float decode_v8(uint8_t c, float scale) {
-  const float cf = static_cast<float>(c);
-  const float q = (cf * cf) * kInvV2;
-  return (q * q) * scale;
+// The 8-bit float with MB mantissa bits: val(k), k = e * 2^MB + f, is 2^(e-15) (1 + f/2^MB)
+// for e >= 1 and f * 2^-(14+MB) for e = 0 (continuous at k = 2^MB: 2^-14). Exact in float.
+template <int MB>
+SS_HD float f8_val(uint32_t k) {
+  constexpr float kSubStep = 1.0f / static_cast<float>(1u << (14 + MB));
+  return k < (1u << MB) ? static_cast<float>(k) * kSubStep
+                        : bits_to_float((k + ((127u - 15u) << MB)) << (23 - MB));
 }
 
-// A block's stored scale and the factors its codes are computed with (inv = 1/scale for
-// exp_avg, sinv = 1/sqrt(scale) for exp_avg_sq, which is encoded from sqrt(v), the root the
-// update computes anyway), from the largest finite magnitude of its new values and whether
-// all were finite: a non-finite block gets scale NaN, a block below 2^-126 scale 0; both then
-// get codes 0 (encode_block_ok false).
+// Code of a ratio r >= 0 (finite): nearest (round half to even on r's mantissa; below 2^-14,
+// floor(r 2^(14+MB) + 0.5)) or stochastic (the top 23-MB bits of h added below the kept
+// mantissa bits, then truncated; below 2^-14, floor(r 2^(14+MB) + ss_uniform(h))); clamped
+// to the largest code.
+template <int MB>
+SS_HD uint32_t f8_code(float r, uint32_t h, bool stochastic) {
+  constexpr int kDrop = 23 - MB;
+  constexpr uint32_t kKMax = (1u << (MB + 4)) - 1u;
+  constexpr float kSubMul = static_cast<float>(1u << (14 + MB));
+  uint32_t k;
+  if (r < k2m14) {
+    const float u = stochastic ? ss_uniform(h) : 0.5f;
+    k = static_cast<uint32_t>(static_cast<int>(floorf(r * kSubMul + u)));
+  } else {
+    const uint32_t bits = float_to_bits(r);
+    const uint32_t add = stochastic ? (h >> (32 - kDrop))
+                                    : ((1u << (kDrop - 1)) - 1u + ((bits >> kDrop) & 1u));
+    k = ((bits + add) >> kDrop) - ((127u - 15u) << MB);
+  }
+  return k > kKMax ? kKMax : k;
+}
+
+// Decoding: exp_avg = sign(c) val_E4M3(|c|) scale; exp_avg_sq = (val_E4M4(c) scale)^2.
+SS_HD float decode_m8(int8_t c, float scale) {
+  const int ci = static_cast<int>(c);
+  const float v = f8_val<kMBitsM>(static_cast<uint32_t>(ci < 0 ? -ci : ci)) * scale;
+  return ci < 0 ? -v : v;
+}
+SS_HD float decode_v8(uint8_t c, float scale) {
+  const float t = f8_val<kMBitsV>(c) * scale;
+  return t * t;
+}
+
+// A block's stored scale and its reciprocal the codes are computed with, from the largest
+// finite magnitude of its new values (exp_avg; for exp_avg_sq, of their square roots) and
+// whether all were finite: a non-finite block gets scale NaN, a block below 2^-125 scale 0;
+// both then get codes 0 (encode_block_ok false).
 struct QScale {
   float scale;
   float inv;
-  float sinv;
 };
-SS_HD QScale make_qscale(float absmax, bool finite) {
+SS_HD QScale make_qscale(float absmax, bool finite, float inv_top) {
   QScale q;
   if (!finite) {
     q.scale = bits_to_float(0x7fc00000u);
   } else {
-    q.scale = absmax < kFltMin ? 0.0f : absmax;
+    q.scale = absmax < kScaleFloor ? 0.0f : absmax * inv_top;
   }
   q.inv = q.scale > 0.0f ? 1.0f / q.scale : 0.0f;
-  q.sinv = q.scale > 0.0f ? 1.0f / sqrtf(q.scale) : 0.0f;
   return q;
+}
+SS_HD QScale make_qscale_m(float absmax, bool finite) {
+  return make_qscale(absmax, finite, kInvTopM);
+}
+// absmax_v: the block's largest exp_avg_sq (its square root is the largest sqrt: sqrt is
+// monotonic and correctly rounded)
+SS_HD QScale make_qscale_v(float absmax_v, bool finite) {
+  return make_qscale(sqrtf(absmax_v), finite, kInvTopV);
 }
 SS_HD bool encode_block_ok(const QScale& q) { return q.scale > 0.0f; }
 
-// Codes, for a block with encode_block_ok; u: ss_uniform(hash) (stochastic) or 0.5 (nearest).
-SS_HD int8_t encode_m8(float x, float inv, float u) {
-  const float r = ss_absf(x) * inv;
-  float y = sqrtf(r) * kMLevels;
-  y = y + u;
-  float c = floorf(y);
-  c = c > kMLevels ? kMLevels : c;
-  const int ci = static_cast<int>(c);
-  return static_cast<int8_t>(x < 0.0f ? -ci : ci);
+// Codes, for a block with encode_block_ok; h: the element's hash (used when stochastic).
+SS_HD int8_t encode_m8(float x, float inv, uint32_t h, bool stochastic) {
+  const int k = static_cast<int>(f8_code<kMBitsM>(ss_absf(x) * inv, h, stochastic));
+  return static_cast<int8_t>(x < 0.0f ? -k : k);
 }
-// exp_avg_sq from sv = sqrt(v): y = 255 sqrt(sqrt(v) / sqrt(scale)), the quarter-power map.
-SS_HD uint8_t encode_v8(float sv, float sinv, float u) {
-  const float r = ss_absf(sv) * sinv;
-  float y = sqrtf(r) * kVLevels;
-  y = y + u;
-  float c = floorf(y);
-  c = c > kVLevels ? kVLevels : c;
-  return static_cast<uint8_t>(static_cast<int>(c));
+// exp_avg_sq from sv = sqrt(v), the root the update computes anyway.
+SS_HD uint8_t encode_v8(float sv, float inv, uint32_t h, bool stochastic) {
+  return static_cast<uint8_t>(f8_code<kMBitsV>(ss_absf(sv) * inv, h, stochastic));
 }
 
 // Magnitude bookkeeping of a block's new values: the largest finite magnitude (NaN never
@@ -390,10 +420,12 @@ SS_HD void adam_element_int8_update(int64_t i, const MomentTensorArgs& a, float 
 SS_HD void encode_element_int8(int64_t i, const MomentTensorArgs& a, const QScale& qm,
                                const QScale& qv, float mn, float sv) {
   const uint32_t idx = static_cast<uint32_t>(a.offset + i);
-  const float um = a.stochastic ? ss_uniform(ss_hash32(a.seed_m, idx)) : 0.5f;
-  const float uv = a.stochastic ? ss_uniform(ss_hash32(a.seed_v, idx)) : 0.5f;
-  static_cast<int8_t*>(a.m)[i] = encode_block_ok(qm) ? encode_m8(mn, qm.inv, um) : int8_t(0);
-  static_cast<uint8_t*>(a.v)[i] = encode_block_ok(qv) ? encode_v8(sv, qv.sinv, uv) : uint8_t(0);
+  const uint32_t hm = a.stochastic ? ss_hash32(a.seed_m, idx) : 0u;
+  const uint32_t hv = a.stochastic ? ss_hash32(a.seed_v, idx) : 0u;
+  static_cast<int8_t*>(a.m)[i] =
+      encode_block_ok(qm) ? encode_m8(mn, qm.inv, hm, a.stochastic) : int8_t(0);
+  static_cast<uint8_t*>(a.v)[i] =
+      encode_block_ok(qv) ? encode_v8(sv, qv.inv, hv, a.stochastic) : uint8_t(0);
 }
 
 // One whole int8 block [b, e) (e - b <= kQBlock, b a multiple of kQBlock), sequentially:
@@ -411,7 +443,7 @@ SS_HD void adam_block_int8(const MomentTensorArgs& a, int64_t b, int64_t e, floa
     absmax_step(vt[i - b], av, fv);
     vt[i - b] = sqrtf(vt[i - b]);
   }
-  const QScale qm = make_qscale(am, fm), qv = make_qscale(av, fv);
+  const QScale qm = make_qscale_m(am, fm), qv = make_qscale_v(av, fv);
   a.m_scale[blk] = qm.scale;
   a.v_scale[blk] = qv.scale;
   for (int64_t i = b; i < e; ++i) encode_element_int8(i, a, qm, qv, mt[i - b], vt[i - b]);

@@ -14,7 +14,15 @@ and the output says so.
     benchmarks/.venv-peers/bin/python examples/gpt2_offload.py --steps 5 --dir /nvme/tmp
     benchmarks/.venv-peers/bin/python examples/gpt2_offload.py --fractions 1.0+,1.0+:bf16,1.0+:int8
 
-A ``:bf16`` / ``:int8`` suffix sets ``moment_dtype`` (compressed Adam moments in the store).
+A ``:bf16`` / ``:int8`` suffix sets ``moment_dtype`` (compressed Adam moments in the store);
+``--moment-dtype fp32,bf16,int8`` runs every fraction without a suffix once per moment dtype
+and adds a table of each offloaded step against the fp32-moment step of the same fraction;
+``--param-dtype bf16`` trains bf16 parameters (fp32 masters in the store, the case the
+compressed moments are for: 12 bytes a parameter each way with fp32 moments, 8 with bf16,
+6 with int8):
+
+    benchmarks/.venv-peers/bin/python examples/gpt2_offload.py --fractions 1.0 \
+        --moment-dtype fp32,bf16,int8 --param-dtype bf16 --rounds 3
 """
 from __future__ import annotations
 
@@ -102,7 +110,7 @@ def _model():
 
 
 def train(fraction: float, steps: int, directory: str, in_backward: bool = False,
-          moment_dtype: str = "fp32") -> dict:
+          moment_dtype: str = "fp32", param_dtype: str = "fp32") -> dict:
     import torch
     from torch import nn
 
@@ -110,6 +118,9 @@ def train(fraction: float, steps: int, directory: str, in_backward: bool = False
 
     torch.manual_seed(0)
     model, vocab, what = _model()
+    if param_dtype == "bf16":
+        model = model.to(torch.bfloat16)
+        what += ", bf16 parameters (fp32 masters in the store)"
     loss_fn = nn.CrossEntropyLoss()
     opt = HybridAdam(model.parameters(), nvme_offload_fraction=fraction,
                      nvme_offload_dir=directory if fraction > 0 else None,
@@ -124,7 +135,8 @@ def train(fraction: float, steps: int, directory: str, in_backward: bool = False
         t0 = time.perf_counter()
         ids = torch.randint(vocab, (4, 128))
         logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
-        loss = loss_fn(logits[..., :-1, :].reshape(-1, logits.shape[-1]), ids[..., 1:].reshape(-1))
+        loss = loss_fn(logits[..., :-1, :].float().reshape(-1, logits.shape[-1]),
+                       ids[..., 1:].reshape(-1))
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
@@ -151,6 +163,12 @@ def main() -> None:
     ap.add_argument("--fractions", default="0.0,1.0,1.0+",
                     help="comma-separated; a trailing + also sets update_in_backward=True, "
                          "a suffix :bf16 or :int8 the moment_dtype (e.g. 1.0+:int8)")
+    ap.add_argument("--moment-dtype", default=None,
+                    help="comma-separated moment dtypes (fp32,bf16,int8): each fraction without "
+                         "a :suffix runs once per moment dtype, and a table compares each "
+                         "step with the fp32-moment step")
+    ap.add_argument("--param-dtype", default="fp32", choices=["fp32", "bf16"],
+                    help="parameter dtype (bf16: fp32 masters kept in the store)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run the configurations this many times, interleaved (the disk and "
                          "the CPU here are noisy); the table gives medians over all rounds")
@@ -159,24 +177,33 @@ def main() -> None:
     if args.worker is not None:
         cfg = json.loads(args.worker)
         out = train(cfg["fraction"], cfg["steps"], cfg["dir"], cfg["in_backward"],
-                    cfg.get("moment_dtype", "fp32"))
+                    cfg.get("moment_dtype", "fp32"), cfg.get("param_dtype", "fp32"))
         print("@@JSON " + json.dumps(out), flush=True)
         return
     runs: dict = {}
+    specs = []
+    for spec in args.fractions.split(","):
+        if ":" in spec or not args.moment_dtype:
+            specs.append(spec)
+        else:
+            specs += [f"{spec}:{md}" for md in args.moment_dtype.split(",")]
+    moments_of = {}
     with tempfile.TemporaryDirectory(prefix="gpt2-offload-", dir=args.dir) as d:
         for rnd in range(args.rounds):
-            for spec in args.fractions.split(","):
+            for spec in specs:
                 spec, _, md = spec.partition(":")
                 md = md or "fp32"
                 f, plus = float(spec.rstrip("+")), spec.endswith("+")
                 name = f"{f}, update_in_backward" if plus else f"{f}"
                 if md != "fp32":
                     name += f", {md} moments"
+                moments_of[name] = (spec, md)
                 print(f"\n### nvme_offload_fraction={name}"
                       + (f" (round {rnd + 1}/{args.rounds})" if args.rounds > 1 else ""))
                 p = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker",
                                     json.dumps(dict(fraction=f, steps=args.steps, dir=d,
-                                                    in_backward=plus, moment_dtype=md))],
+                                                    in_backward=plus, moment_dtype=md,
+                                                    param_dtype=args.param_dtype))],
                                    capture_output=True, text=True)
                 for line in p.stdout.splitlines():
                     if line.startswith("@@JSON "):
@@ -209,6 +236,22 @@ def main() -> None:
               f"{r['rss_trimmed'] / 2**20:.1f} | {r['cache_growth'] / 2**20:.1f} |")
     if args.rounds > 1:
         print(f"(medians over {args.rounds} interleaved rounds)")
+    fp32_step = {moments_of[n][0]: r["step"] for n, r in results.items()
+                 if moments_of[n][1] == "fp32"}
+    fp32_opt = {moments_of[n][0]: r["phases"][2] for n, r in results.items()
+                if moments_of[n][1] == "fp32"}
+    cmp = [(n, r["phases"][2], fp32_opt[moments_of[n][0]], r["step"],
+            fp32_step[moments_of[n][0]]) for n, r in results.items()
+           if moments_of[n][1] != "fp32" and moments_of[n][0] in fp32_step]
+    if cmp:
+        print(f"\nOffloaded optimizer step (step(): the states' disk traffic and the update) and "
+              f"whole training step against fp32 moments ({args.param_dtype} parameters; target "
+              f"for compressed moments on disk: step() at most 0.7x):\n")
+        print("| configuration | step() (s) | fp32-moment step() (s) | vs fp32 moments "
+              "| whole step (s) | vs fp32 moments |")
+        print("|---|---|---|---|---|---|")
+        for n, ob, oa, sb, sa in cmp:
+            print(f"| {n} | {ob:.3f} | {oa:.3f} | {ob / oa:.2f}x | {sb:.3f} | {sb / sa:.2f}x |")
     if "0.0" in results:
         a = results["0.0"]
         sa = a["step"]

@@ -100,7 +100,8 @@ def test_cut_into_units_on_disk_same_bits(tmp_path, md):
 @pytest.mark.parametrize("pdtype", [torch.float32, torch.bfloat16], ids=str)
 def test_close_to_torch_adamw(md, pdtype):
     """A few steps of compressed moments stay near torch's fp32 AdamW (the encodings'
-    error, not float32 rounding: 2% of the parameter change)."""
+    error, not float32 rounding: 2% of the parameter change for bf16, 5% for int8, whose
+    E4M3 exp_avg keeps 1/16 relative error at every magnitude, not 1% at the block's top)."""
     params = make_params(dtype=pdtype)
     start = [p.detach().float().clone() for p in params]
     ref = [nn.Parameter(p.detach().float().clone()) for p in params]
@@ -111,7 +112,8 @@ def test_close_to_torch_adamw(md, pdtype):
     train(topt, ref, [[g.float() for g in gs] for gs in grads])
     for p, r, s in zip(params, ref, start):
         dp, dr = p.detach().float() - s, r.detach() - s
-        tol = 0.02 * dr.abs().max() + (0.01 if pdtype == torch.bfloat16 else 0)
+        tol = (0.05 if md == "int8" else 0.02) * dr.abs().max() + \
+            (0.01 if pdtype == torch.bfloat16 else 0)
         assert float((dp - dr).abs().max()) <= float(tol) + 1e-6
 
 
@@ -203,7 +205,10 @@ def test_checkpoint_resume_bit_identical_across_stores(tmp_path, md):
     man = ss.checkpoint.read_manifest(ck)
     meta = man.metadata
     meta = meta if "moment_dtype" in meta else json.loads(json.dumps(meta))
-    assert meta["moment_dtype"] == md and meta["moment_encoding"]["version"] == 1
+    assert meta["moment_dtype"] == md
+    assert meta["moment_encoding"]["version"] == (2 if md == "int8" else 1)
+    if md == "int8":
+        assert "e4m3" in meta["moment_encoding"]["exp_avg"]
     with ss.PinnedCPUStore() as pin:
         pin.load_checkpoint(ck)
         o = CPUAdam(named(run), lr=1e-2, state_store=pin, moment_dtype=md)
@@ -224,6 +229,31 @@ def test_resume_with_other_moment_dtype_raises(tmp_path, saved, resumed):
         st.load_checkpoint(str(tmp_path / "ck"))
         with pytest.raises(CheckpointMismatchError, match="moment_dtype"):
             CPUAdam(named(params), state_store=st, moment_dtype=resumed)
+
+
+def test_int8_checkpoint_of_encoding_version_1_is_refused_by_name(tmp_path):
+    """A checkpoint of the version-1 int8 encoding (the power maps of earlier releases): an
+    int8 optimizer refuses to step it, naming the encoding and the way to convert; its
+    moments still decode with the version-1 maps (what statestore convert uses)."""
+    from statestore.optim._moments import MomentFormat
+    params = make_params()
+    with ss.DeviceStore("cpu") as st:
+        o = CPUAdam(named(params), state_store=st, moment_dtype="int8")
+        train(o, params, grads_for(params, 1))
+        st.save_checkpoint(str(tmp_path / "ck"))
+    with ss.DeviceStore("cpu") as st:
+        st.load_checkpoint(str(tmp_path / "ck"))
+        meta = st.loaded_metadata
+        meta["moment_encoding"] = {"version": 1, "exp_avg": "int8 sign(c)*(c/127)^2*scale",
+                                   "exp_avg_sq": "uint8 (c/255)^4*scale"}
+        with pytest.raises(CheckpointMismatchError, match=r"encoding version 1.*convert"):
+            CPUAdam(named(params), state_store=st, moment_dtype="int8")
+    old = MomentFormat("int8", encoding={"version": 1})
+    codes = torch.tensor([127, -64, 0], dtype=torch.int8)
+    got = old.to_fp32("exp_avg", codes, torch.tensor([3.0]))
+    assert torch.allclose(got, torch.tensor([3.0, -3.0 * 64 * 64 / 127 ** 2, 0.0]))
+    assert not torch.allclose(MomentFormat("int8").to_fp32("exp_avg", codes, torch.tensor([3.0])),
+                              got)
 
 
 @pytest.mark.parametrize("bad", ["fp16", "int4", 3, None])

@@ -55,6 +55,17 @@ struct Avx2Ops {
   static I iota() { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
   static F cvt_i2f(I a) { return _mm256_cvtepi32_ps(a); }
   static I cvtt_f2i(F a) { return _mm256_cvttps_epi32(a); }
+  static I castf(F a) { return _mm256_castps_si256(a); }
+  static F casti(I a) { return _mm256_castsi256_ps(a); }
+  template <int N> static I slli(I a) { return _mm256_slli_epi32(a, N); }
+  static I subi(I a, I b) { return _mm256_sub_epi32(a, b); }
+  static I andi(I a, I b) { return _mm256_and_si256(a, b); }
+  static I minu(I a, I b) { return _mm256_min_epu32(a, b); }
+  // per lane: a < b ? x : y (ordered: false for NaN)
+  static I select_lt_i(F a, F b, I x, I y) {
+    return _mm256_blendv_epi8(y, x, _mm256_castps_si256(_mm256_cmp_ps(a, b, _CMP_LT_OQ)));
+  }
+  static F select_lt(F a, F b, F x, F y) { return _mm256_blendv_ps(y, x, _mm256_cmp_ps(a, b, _CMP_LT_OQ)); }
   static F floor(F a) { return _mm256_floor_ps(a); }
   // minps: a < b ? a : b
   static F min(F a, F b) { return _mm256_min_ps(a, b); }

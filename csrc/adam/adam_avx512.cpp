@@ -56,6 +56,17 @@ struct Avx512Ops {
   static I iota() { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
   static F cvt_i2f(I a) { return _mm512_cvtepi32_ps(a); }
   static I cvtt_f2i(F a) { return _mm512_cvttps_epi32(a); }
+  static I castf(F a) { return _mm512_castps_si512(a); }
+  static F casti(I a) { return _mm512_castsi512_ps(a); }
+  template <int N> static I slli(I a) { return _mm512_slli_epi32(a, N); }
+  static I subi(I a, I b) { return _mm512_sub_epi32(a, b); }
+  static I andi(I a, I b) { return _mm512_and_si512(a, b); }
+  static I minu(I a, I b) { return _mm512_min_epu32(a, b); }
+  // per lane: a < b ? x : y (ordered: false for NaN)
+  static I select_lt_i(F a, F b, I x, I y) {
+    return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(a, b, _CMP_LT_OQ), y, x);
+  }
+  static F select_lt(F a, F b, F x, F y) { return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_LT_OQ), y, x); }
   static F floor(F a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
   // vminps: a < b ? a : b
   static F min(F a, F b) { return _mm512_min_ps(a, b); }

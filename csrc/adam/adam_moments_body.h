@@ -3,7 +3,8 @@
 // translation unit, after adam_simd_body.h, inside its anonymous namespace (see there).
 //
 // Every vector operation mirrors the scalar functions of csrc/adam_math.h (decode_m8,
-// decode_v8, adam_update, make_qscale, encode_m8, encode_v8, float_to_bf16_sr, ss_hash32)
+// decode_v8 (f8_val), adam_update, make_qscale_m/_v, encode_m8, encode_v8 (f8_code),
+// float_to_bf16_sr, ss_hash32)
 // operation by operation; the elements that do not fill a vector call those functions, so
 // an element gets the same bits on every path. int8 works block by block: pass 1 decodes with
 // the block's old scales, updates, writes w and keeps the new fp32 moments of the block (256
@@ -32,6 +33,36 @@ struct VecHash {
   // statestore::ss_uniform
   static typename V::F uniform(I h) {
     return V::mul(V::cvt_i2f(V::template srli<8>(h)), V::set1(statestore::k2m24));
+  }
+};
+
+// The 8-bit floats of int8 moments on W lanes (statestore::f8_val, statestore::f8_code).
+template <class V>
+struct VecF8 {
+  using F = typename V::F;
+  using I = typename V::I;
+  // val(k) of codes k, given as floats cf (0 .. 2^(MB+4) - 1, exact)
+  template <int MB>
+  static F val(F cf) {
+    const I k = V::cvtt_f2i(cf);
+    const F normal = V::casti(V::template slli<23 - MB>(V::addi(k, V::seti((127u - 15u) << MB))));
+    const F sub = V::mul(cf, V::set1(1.0f / static_cast<float>(1u << (14 + MB))));
+    return V::select_lt(cf, V::set1(static_cast<float>(1u << MB)), sub, normal);
+  }
+  // codes of ratios r >= 0; h: the lanes' hashes (read when stochastic)
+  template <int MB>
+  static I code(F r, I h, bool stochastic) {
+    constexpr int kDrop = 23 - MB;
+    const I bits = V::castf(r);
+    const I add = stochastic
+        ? V::template srli<32 - kDrop>(h)
+        : V::addi(V::seti((1u << (kDrop - 1)) - 1u), V::andi(V::template srli<kDrop>(bits), V::seti(1u)));
+    const I kn = V::subi(V::template srli<kDrop>(V::addi(bits, add)), V::seti((127u - 15u) << MB));
+    const F u = stochastic ? VecHash<V>::uniform(h) : V::set1(0.5f);
+    const F y = V::add(V::mul(r, V::set1(static_cast<float>(1u << (14 + MB)))), u);
+    const I ks = V::cvtt_f2i(V::floor(y));
+    const I k = V::select_lt_i(r, V::set1(statestore::k2m14), ks, kn);
+    return V::minu(k, V::seti((1u << (MB + 4)) - 1u));
   }
 };
 
@@ -96,7 +127,7 @@ struct SimdMoments {
     const int8_t* const mc = static_cast<const int8_t*>(a.m);
     const uint8_t* const vc = static_cast<const uint8_t*>(a.v);
     const F smv = V::set1(sm), svv = V::set1(sv);
-    const F inv_m2 = V::set1(statestore::kInvM2), inv_v2 = V::set1(statestore::kInvV2);
+    const I sign = V::seti(0x80000000u);
     const F fmax = V::set1(statestore::kFltMax);
     F am = V::set1(0.0f), av = V::set1(0.0f);
     bool fm = true, fv = true;
@@ -106,10 +137,11 @@ struct SimdMoments {
       F w = V::load(a.w + i);
       F g = VecIO<V, GD>::load(a.g, i);
       const F cm = V::load_i8(mc + i);
-      F m = V::mul(V::mul(V::mul(cm, V::abs(cm)), inv_m2), smv);
+      F m = V::mul(VecF8<V>::template val<statestore::kMBitsM>(V::abs(cm)), smv);
+      m = V::casti(V::xori(V::castf(m), V::andi(V::castf(cm), sign)));   // -m where c < 0
       const F cv = V::load_u8(vc + i);
-      const F q = V::mul(V::mul(cv, cv), inv_v2);
-      F v = V::mul(V::mul(q, q), svv);
+      const F t = V::mul(VecF8<V>::template val<statestore::kMBitsV>(cv), svv);
+      F v = V::mul(t, t);
       F sv;
       c.template update<kAmsgrad>(w, g, m, v, kAmsgrad ? a.vmax + i : nullptr, &sv);
       V::store(a.w + i, w);
@@ -129,35 +161,31 @@ struct SimdMoments {
       statestore::absmax_step(vt[i - b], avx, fv);
       vt[i - b] = sqrtf(vt[i - b]);
     }
-    const QScale qm = statestore::make_qscale(amx, fm), qv = statestore::make_qscale(avx, fv);
+    const QScale qm = statestore::make_qscale_m(amx, fm), qv = statestore::make_qscale_v(avx, fv);
     a.m_scale[blk] = qm.scale;
     a.v_scale[blk] = qv.scale;
     // pass 2: codes
     int8_t* const mo = static_cast<int8_t*>(a.m);
     uint8_t* const vo = static_cast<uint8_t*>(a.v);
     const bool okm = statestore::encode_block_ok(qm), okv = statestore::encode_block_ok(qv);
-    const F invm = V::set1(qm.inv), sinvv = V::set1(qv.sinv);
-    const F lm = V::set1(statestore::kMLevels), lv = V::set1(statestore::kVLevels);
-    const F half = V::set1(0.5f);
+    const F invm = V::set1(qm.inv), invv = V::set1(qv.inv);
+    const I zero = V::seti(0u);
     for (i = b; i + W <= e; i += W) {
       const uint32_t first = static_cast<uint32_t>(a.offset + i);
       const F m = V::load(mt + (i - b));
       const F v = V::load(vt + (i - b));     // sqrt of the new exp_avg_sq
       if (okm) {
-        const F u = a.stochastic ? VecHash<V>::uniform(VecHash<V>::lanes(a.seed_m, first)) : half;
-        F y = V::mul(V::sqrt(V::mul(V::abs(m), invm)), lm);
-        y = V::add(y, u);
-        const F cf = V::min(V::floor(y), lm);
-        V::store_i8(mo + i, V::neg_if_neg(V::cvtt_f2i(cf), m));
+        const I h = a.stochastic ? VecHash<V>::lanes(a.seed_m, first) : zero;
+        const I k = VecF8<V>::template code<statestore::kMBitsM>(V::mul(V::abs(m), invm), h,
+                                                                   a.stochastic);
+        V::store_i8(mo + i, V::neg_if_neg(k, m));
       } else {
         std::memset(mo + i, 0, static_cast<size_t>(W));
       }
       if (okv) {
-        const F u = a.stochastic ? VecHash<V>::uniform(VecHash<V>::lanes(a.seed_v, first)) : half;
-        F y = V::mul(V::sqrt(V::mul(V::abs(v), sinvv)), lv);
-        y = V::add(y, u);
-        const F cf = V::min(V::floor(y), lv);
-        V::store_u8(vo + i, V::cvtt_f2i(cf));
+        const I h = a.stochastic ? VecHash<V>::lanes(a.seed_v, first) : zero;
+        V::store_u8(vo + i, VecF8<V>::template code<statestore::kMBitsV>(V::mul(V::abs(v), invv),
+                                                                         h, a.stochastic));
       } else {
         std::memset(vo + i, 0, static_cast<size_t>(W));
       }

@@ -1,5 +1,5 @@
 // Fused multi-tensor CUDA Adam over compressed moments. Element math: csrc/adam_math.h
-// (adam_element_bf16m; adam_element_int8_update, make_qscale and encode_element_int8), the
+// (adam_element_bf16m; adam_element_int8_update, make_qscale_m/_v and encode_element_int8), the
 // functions the CPU kernels use. An int8 block of kQBlock elements is one thread block of
 // kQBlock threads: each thread decodes and updates its element (keeping the new moments in
 // registers), the block's largest magnitudes come from a warp-shuffle and shared-memory
@@ -56,7 +56,7 @@ __device__ __forceinline__ void int8_chunk(const MomentTensorArgs& t, int64_t b,
     AM = fmaxf(AM, red_m[w]);
     AV = fmaxf(AV, red_v[w]);
   }
-  const QScale qm = make_qscale(AM, all_fm), qv = make_qscale(AV, all_fv);
+  const QScale qm = make_qscale_m(AM, all_fm), qv = make_qscale_v(AV, all_fv);
   if (threadIdx.x == 0) {
     t.m_scale[blk] = qm.scale;
     t.v_scale[blk] = qv.scale;

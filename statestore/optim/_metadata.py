@@ -335,6 +335,8 @@ def resume(store, table: ParamTable, param_groups: List[dict], fmt, *, sharded: 
     if stored_params and saved_fmt is not None and saved_fmt != fmt.name:
         report.add("states", f"moment_dtype {fmt.name!r} in the optimizer, {saved_fmt!r} in "
                    f"the store's metadata (load the states through state_dict() to convert)")
+    elif stored_params and fmt.encoding_mismatch(meta):
+        report.add("states", fmt.encoding_mismatch(meta))
     for name, p in ours.items():
         if name in stored_params:       # else a new parameter: its states start fresh
             _check_states(report, name, p, stored_params[name], groups[p], fmt)

@@ -27,7 +27,8 @@ import torch
 from torch import Tensor
 
 from ..errors import StateStoreValueError
-from ..kernels._quant import BLOCK, ROUNDINGS, decode, encode, moment_seed, nblocks
+from ..kernels._quant import (BLOCK, INT8_ENCODING, ROUNDINGS, decode, encode, moment_seed,
+                              nblocks)
 
 __all__ = ["MOMENT_DTYPES", "MomentFormat", "SCALE_OF", "export_fp32"]
 
@@ -38,13 +39,17 @@ _SCALES = tuple(SCALE_OF.values())
 _DEFAULT_ROUNDING = {"fp32": "nearest", "bf16": "stochastic", "int8": "nearest"}
 _DTYPES = {"fp32": (torch.float32, torch.float32), "bf16": (torch.bfloat16, torch.bfloat16),
            "int8": (torch.int8, torch.uint8)}
+#: version of the bf16 encoding recorded in checkpoints; int8's is INT8_ENCODING["version"]
 FORMAT_VERSION = 1
 
 
 class MomentFormat:
     """``moment_dtype`` (and its rounding) of one optimizer."""
 
-    def __init__(self, moment_dtype: str = "fp32", rounding: Optional[str] = None):
+    def __init__(self, moment_dtype: str = "fp32", rounding: Optional[str] = None,
+                 encoding: Optional[dict] = None):
+        """``encoding``: a checkpoint's ``moment_encoding`` metadata, to decode the moments
+        it holds (:meth:`to_fp32`; int8 version 1 decodes, see :meth:`encoding_mismatch`)."""
         if isinstance(moment_dtype, torch.dtype):
             moment_dtype = {torch.float32: "fp32", torch.bfloat16: "bf16",
                             torch.int8: "int8"}.get(moment_dtype, str(moment_dtype))
@@ -61,6 +66,7 @@ class MomentFormat:
                                        f"None), got {rounding!r}")
         self.name = moment_dtype
         self.rounding = rounding
+        self.version = _encoding_version(moment_dtype, encoding)
 
     @property
     def compressed(self) -> bool:
@@ -135,9 +141,27 @@ class MomentFormat:
         if self.name == "bf16":
             enc.update(exp_avg="bf16", exp_avg_sq="bf16")
         else:
-            enc.update(block=BLOCK, exp_avg="int8 sign(c)*(c/127)^2*scale",
-                       exp_avg_sq="uint8 (c/255)^4*scale", scales=dict(SCALE_OF))
+            enc.update(INT8_ENCODING, block=BLOCK, scales=dict(SCALE_OF))
         return {"moment_dtype": self.name, "moment_encoding": enc}
+
+    def encoding_mismatch(self, meta: dict) -> Optional[str]:
+        """Why this optimizer cannot step the moments a store's (checkpoint's) metadata
+        ``meta`` describes, or None: int8 moments of another encoding version (version 1, the
+        power maps of earlier releases) are refused by name; ``statestore convert`` still
+        reads them, and loading that state dict re-quantizes."""
+        if self.name != "int8" or meta.get("moment_dtype") != "int8":
+            return None
+        enc = meta.get("moment_encoding")
+        ver = _encoding_version("int8", enc if isinstance(enc, dict) else None)
+        if ver == INT8_ENCODING["version"]:
+            return None
+        old = enc if isinstance(enc, dict) else {}
+        return (f"int8 moments of encoding version {ver} (exp_avg {old.get('exp_avg')!r}, "
+                f"exp_avg_sq {old.get('exp_avg_sq')!r}) in the store's metadata; this "
+                f"version of statestore steps int8 encoding version "
+                f"{INT8_ENCODING['version']} (exp_avg {INT8_ENCODING['exp_avg']!r}): "
+                f"convert the checkpoint (python -m statestore convert CKPT --to torch) and "
+                f"load that state dict into the optimizer, which re-quantizes")
 
     # ------------------------------------------------------------------ conversions
     def to_fp32(self, name: str, codes: Tensor, scales: Optional[Tensor]) -> Tensor:
@@ -146,7 +170,8 @@ class MomentFormat:
             return codes.reshape(-1).float()
         which = 0 if name == "exp_avg" else 1
         return decode(self.name, which, codes.reshape(-1).cpu(),
-                        None if scales is None else scales.reshape(-1).cpu()).to(codes.device)
+                        None if scales is None else scales.reshape(-1).cpu(),
+                        version=self.version).to(codes.device)
 
     def from_fp32(self, name: str, x: Tensor) -> Dict[str, Tensor]:
         """Store states (flat, on the CPU) encoding fp32 moment ``name``: ``{name: codes}``
@@ -166,6 +191,20 @@ class MomentFormat:
         """Seeds of the random bits of (exp_avg, exp_avg_sq) of parameter ``key`` at step
         count ``step`` (after the update)."""
         return moment_seed(key, 0, step), moment_seed(key, 1, step)
+
+
+def _encoding_version(moment_dtype: str, encoding: Optional[dict]) -> int:
+    """The encoding version of ``moment_dtype`` a checkpoint's ``moment_encoding`` names
+    (None: the current one)."""
+    if moment_dtype != "int8":
+        return FORMAT_VERSION
+    if encoding is None:
+        return INT8_ENCODING["version"]
+    try:
+        return int(encoding.get("version", 1))
+    except (TypeError, ValueError):
+        raise StateStoreValueError(f"moment_encoding version {encoding.get('version')!r} is "
+                                   f"not an integer") from None
 
 
 def _lcm(a: int, b: int) -> int:

@@ -300,7 +300,7 @@ def checkpoint_states(path: str, metadata: Dict[str, Any], index: Dict[str, int]
         entry[r.state] = open_tensor(r)
     moment_dtype = metadata.get("moment_dtype", "fp32")
     if moment_dtype != "fp32":      # compressed moments: torch's fp32 exp_avg / exp_avg_sq
-        fmt = MomentFormat(moment_dtype)
+        fmt = MomentFormat(moment_dtype, encoding=metadata.get("moment_encoding"))
         for entry in state.values():
             for n, sn in SCALE_OF.items():
                 if n in entry:
