@@ -1,8 +1,8 @@
 """Whole states streamed through a store's pipeline, chunk by chunk, in bounded RAM.
 
 The two loops every checkpoint byte goes through: :func:`read_states` (save, verification of
-linked shards) and :func:`write_state` (load). Each cuts a state into the store's chunks and
-runs one pipeline over them; nothing else in the package touches a store's pipeline.
+linked shards) and :func:`write_state` (load), both on the store's public
+:meth:`~statestore.StateStore.stream`; nothing else in the package moves a store's states.
 :func:`check_store` checks the store argument of the public functions.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Callable, Iterator, List, Tuple
 
 import torch
 
-from .._types import Slice, StateKey, StateSpec
+from .._types import StateKey, StateSpec
 from ..errors import StateStoreValueError
 
 __all__ = ["read_states", "write_state", "check_store"]
@@ -19,8 +19,9 @@ __all__ = ["read_states", "write_state", "check_store"]
 
 def read_states(store, keys: List[StateKey]) -> Iterator[Tuple[StateKey, memoryview]]:
     """Yield ``(key, bytes)`` of the states ``keys``, in order, chunk by chunk, through ONE
-    pipeline of the store: non-resident stores read ahead across tensors within their RAM
-    budget (chunks of a quarter of it) while the caller hashes and writes.
+    stream of the store: streaming stores read ahead across tensors within their RAM
+    budget (chunks of :attr:`~statestore.StateStore.unit_bytes`, a quarter of it) while the
+    caller hashes and writes.
 
     Args:
         store: the :class:`~statestore.StateStore` holding ``keys``.
@@ -29,17 +30,11 @@ def read_states(store, keys: List[StateKey]) -> Iterator[Tuple[StateKey, memoryv
     Returns:
         An iterator of ``(key, memoryview)``: each view is valid until the next item.
     """
-    units = []
-    for k in keys:
-        spec = store.spec(k)
-        if spec.nbytes == 0:
-            continue
-        chunks = store._chunks(spec, None if store.resident else store.unit_bytes)
-        units += [[Slice(k, a, b)] for a, b in chunks]
-    if not units:
+    keys = [k for k in keys if store.spec(k).nbytes]
+    if not keys:
         return
-    with store.pipeline(units, mode="r") as pipe:
-        for (s,), (t,) in zip(units, pipe):
+    with store.stream(keys, "r", chunk_bytes=store.unit_bytes) as chunks:
+        for s, t in chunks:
             if t.device.type != "cpu":
                 t = t.cpu()
             yield s.key, memoryview(t.contiguous().view(-1).view(torch.uint8).numpy())
@@ -47,7 +42,7 @@ def read_states(store, keys: List[StateKey]) -> Iterator[Tuple[StateKey, memoryv
 
 def write_state(store, key: StateKey, spec: StateSpec,
                 fill: Callable[[memoryview], None]) -> None:
-    """Write the whole state ``key`` (already created, of ``spec``) through one pipeline of
+    """Write the whole state ``key`` (already created, of ``spec``) through one stream of
     ``store``: ``fill(view)`` is called for each chunk in order and fills its bytes.
 
     Args:
@@ -59,9 +54,8 @@ def write_state(store, key: StateKey, spec: StateSpec,
     """
     if not spec.nbytes:
         return
-    chunks = store._chunks(spec)
-    with store.pipeline([[Slice(key, a, b)] for a, b in chunks], mode="w") as pipe:
-        for (t,) in pipe:
+    with store.stream(key, "w") as chunks:
+        for _, t in chunks:
             if t.device.type == "cpu" and t.is_contiguous():
                 fill(memoryview(t.view(-1).view(torch.uint8).numpy()))
             else:

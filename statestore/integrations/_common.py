@@ -33,10 +33,10 @@ def find_store_optimizer(optimizer: Any):
     """The statestore optimizer (``CPUAdam``/``HybridAdam``) inside ``optimizer``, unwrapping
     framework wrappers (accelerate's ``AcceleratedOptimizer.optimizer``, Lightning's
     ``LightningOptimizer._optimizer``); None when there is none."""
-    from ..optim.adam import _StoreAdam
+    from ..optim import CPUAdam, HybridAdam
     seen = set()
     while optimizer is not None and id(optimizer) not in seen:
-        if isinstance(optimizer, _StoreAdam):
+        if isinstance(optimizer, (CPUAdam, HybridAdam)):
             return optimizer
         seen.add(id(optimizer))
         inner = None
