@@ -40,7 +40,7 @@ class Backend:
     Attributes:
         name: the test id.
         make: ``make(directory, **options)``: a fresh, open store whose files (if any) live
-            in ``directory`` (created by the store). Options a store takes: ``budget_bytes``
+            in ``directory`` (created by the store; None: a temporary directory). Options a store takes: ``budget_bytes``
             (every line but the resident ones, which ignore it) and ``engine`` (lines with
             ``engines``).
         cuda: needs a CUDA device (its tests are marked ``cuda``).
@@ -120,7 +120,7 @@ def make(name: str, directory, **options) -> ss.StateStore:
         backend = BY_NAME[name]
     except KeyError:
         raise ValueError(f"unknown store kind {name!r}") from None
-    return backend.make(str(directory), **options)
+    return backend.make(None if directory is None else str(directory), **options)
 
 
 def names(*, cuda: bool = True, disk: bool = False) -> List[str]:

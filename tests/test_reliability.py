@@ -26,7 +26,7 @@ def zygote():
 
 
 # ------------------------------------------------------------ 18.1 / 20.2: disk space
-@pytest.mark.parametrize("kind,fs", [("nvme", "tmpfs"), ("tiered", "tmpfs"), ("nvme", "ext4")])
+@pytest.mark.parametrize("kind,fs", [("nvme", "tmpfs"), ("tiered-nvme", "tmpfs"), ("nvme", "ext4")])
 def test_full_disk_after_linked_save(kind, fs, tmp_path, zygote):
     """After a linked save the disk fills (a private tmpfs, or an ext4 loop mount, made for
     real): the next step fails before it changes anything, naming bytes needed and free, and
