@@ -56,4 +56,3 @@ class LinkSeam:
             self._in_flight.repaired(k)
         return True
 
-    _adopt_file = adopt_file        # (the checkpoint package's name for it until it moves)

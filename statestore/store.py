@@ -278,10 +278,6 @@ class StateStore(PipelineAccess, LinkSeam, ABC):
         check_value(k, spec, value)
         return k, spec
 
-    def _check_damaged(self, key: StateKey) -> None:
-        # (checkpoint saves call it; in_flight.check_damaged is the method)
-        self._in_flight.check_damaged(key)
-
     def sync(self) -> None:
         """Wait for every background write, make it durable (e.g. fsync), and raise the first
         error. A no-op on a closed store.
@@ -496,9 +492,16 @@ class StateStore(PipelineAccess, LinkSeam, ABC):
     def closed(self) -> bool:
         return self._closed
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
+        """Raise unless the store is open: what every call that uses the store checks first.
+
+        Raises:
+            StateStoreClosedError: the store was closed.
+        """
         if self._closed:
             raise StateStoreClosedError(f"{type(self).__name__} is closed")
+
+    _check_open = check_open        # the store's own methods and backends call it by this name
 
     def close(self) -> None:
         """Wait for pending writes, then release memory, descriptors and temporary files.

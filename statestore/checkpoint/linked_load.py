@@ -1,6 +1,6 @@
 """Loading a checkpoint by linking its shards instead of copying them.
 
-Where a store can take a shard file as its own (:meth:`StateStore._adopt_file`: an
+Where a store can take a shard file as its own (:meth:`StateStore.adopt_file`: an
 :class:`~statestore.NVMeStore` on the checkpoint's filesystem, for shards whose tensors are
 laid out for direct I/O, as those of a linked save are), :func:`link_shards` hard-links it
 into the store, frozen: the store never writes it (writes of its states go to a new file,
@@ -49,7 +49,7 @@ def link_shards(store, m: Manifest,
         except (OSError, ValueError, struct.error, RecursionError):
             continue                    # copied (and its problem reported) by the caller
         rows = [(r.state_key, r.spec, r.offset, r.checksum) for r in rs]
-        if store._adopt_file(fpath, rows, names):
+        if store.adopt_file(fpath, rows, names):
             linked[name] = rs
     return linked
 

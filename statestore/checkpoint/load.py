@@ -89,7 +89,7 @@ def load_checkpoint(store, path: str, *, progress: Optional[bool] = None,
     if not isinstance(link, bool):
         raise StateStoreValueError(f"link must be True or False, got {link!r}")
     check_store(store)
-    store._check_open()
+    store.check_open()
     # The store's states are replaced (or, on failure, removed): the metadata of the optimizer
     # that used them no longer describes them. Detached, an optimizer built next takes its
     # step counts from this checkpoint, not from the optimizer the store had before.

@@ -63,7 +63,7 @@ def save_checkpoint(store, path: str, *, shard_bytes: int = DEFAULT_SHARD_BYTES,
     if metadata is not None and not isinstance(metadata, dict):
         raise StateStoreValueError(f"metadata must be a dict or None, got "
                                    f"{type(metadata).__name__}")
-    store._check_open()
+    store.check_open()
     group = store.process_group if isinstance(process_group, str) and process_group == "auto" \
         else process_group
     if group is not None:

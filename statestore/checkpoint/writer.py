@@ -79,9 +79,9 @@ def write_shards(store, fs, root: str, keys: List[StateKey], stem: str, shard_by
     order = None
     if link and is_local(fs):
         for k in keys:
-            store._check_damaged(k)     # as reading it to copy would: no stale state saved
+            store.in_flight.check_damaged(k)     # as reading it to copy would: no stale state saved
         linked = set()
-        for lf in store._linkable(keys, root, shard_bytes):
+        for lf in store.linkable_files(keys, root, shard_bytes):
             name = f"{stem}-{n:05d}.safetensors"
             final, tmp = join(root, name), join(root, f".{name}.tmp")
             try:

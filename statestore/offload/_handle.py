@@ -106,7 +106,7 @@ class OffloadHandle(ModuleHooks, ReadAhead):
         if not isinstance(store, StateStore):
             raise StateStoreValueError(f"offload_parameters: store must be a "
                                        f"statestore.StateStore, got {type(store).__name__}")
-        store._check_open()
+        store.check_open()
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise StateStoreValueError(f"offload_parameters: prefetch must be an int >= 0, "
                                        f"got {prefetch!r}")

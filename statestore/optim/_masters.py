@@ -25,21 +25,24 @@ __all__ = ["master_weights", "save_master_weights"]
 _CHUNK = 16 << 20
 
 
-def _sources(opt) -> List[Tuple[str, Tensor, object]]:
-    """``(key, parameter, store or None)`` for every parameter this rank keeps: the store
-    when it holds the parameter's master."""
+def _sources(table) -> List[Tuple[str, Tensor, object]]:
+    """``(key, parameter, store or None)`` for every parameter this rank keeps (of the
+    optimizer's :class:`~statestore.optim._table.ParamTable`): the store when it holds the
+    parameter's master."""
     out = []
-    for p in opt._params:
-        if p not in opt._stores:             # another rank's shard
+    for p in table.params:
+        if p not in table.stores:            # another rank's shard
             continue
-        key, store = opt._keys[p], opt._stores[p]
+        key, store = table.keys[p], table.stores[p]
         out.append((key, p, store if StateKey(key, "master") in store else None))
     return out
 
 
-def master_weights(opt) -> Dict[str, Tensor]:
+def master_weights(table) -> Dict[str, Tensor]:
+    """``{parameter key: fp32 tensor}`` of the optimizer's ``table`` (see
+    :meth:`CPUAdam.master_weights <statestore.optim.CPUAdam.master_weights>`)."""
     out: Dict[str, Tensor] = {}
-    for key, p, store in _sources(opt):
+    for key, p, store in _sources(table):
         if store is None:
             out[key] = p.detach().to("cpu", torch.float32, copy=True)
         else:
@@ -48,7 +51,7 @@ def master_weights(opt) -> Dict[str, Tensor]:
     return out
 
 
-def _chunks(opt, key: str, p: Tensor, store):
+def _chunks(key: str, p: Tensor, store):
     """The fp32 values of ``key``, flat, a chunk at a time."""
     if store is None:
         flat = p.detach().reshape(-1)
@@ -65,10 +68,12 @@ def _chunks(opt, key: str, p: Tensor, store):
             yield t
 
 
-def save_master_weights(opt, path: str) -> None:
+def save_master_weights(table, path: str) -> None:
+    """Stream :func:`master_weights` of the optimizer's ``table`` into one safetensors file
+    at ``path`` (local or fsspec), written to a temporary name and moved into place."""
     import fsspec
     fs, root = fsspec.core.url_to_fs(os.fspath(path))
-    items = _sources(opt)
+    items = _sources(table)
     lay = layout([(key, torch.float32, tuple(p.shape)) for key, p, _ in items],
                  metadata={"format": "pt", "statestore": "fp32 master weights"})
     parent = root.rsplit("/", 1)[0] if "/" in root else ""
@@ -77,7 +82,7 @@ def save_master_weights(opt, path: str) -> None:
         with fs.open(tmp, "wb") as f:
             f.write(lay.header)
             for key, p, store in items:
-                for chunk in _chunks(opt, key, p, store):
+                for chunk in _chunks(key, p, store):
                     f.write(chunk.contiguous().view(torch.uint8).numpy().tobytes())
         fs.mv(tmp, root)
     except BaseException:

@@ -510,7 +510,7 @@ class _StoreAdam(torch.optim.Optimizer):
             StateStoreIOError: a disk store failed to read a master.
         """
         from ._masters import master_weights
-        return master_weights(self)
+        return master_weights(self._table)
 
     def save_master_weights(self, path: str) -> None:
         """Write :meth:`master_weights` to one safetensors file, streaming a chunk at a time
@@ -526,7 +526,7 @@ class _StoreAdam(torch.optim.Optimizer):
             OSError: writing the file failed (the temporary file is removed).
         """
         from ._masters import save_master_weights
-        save_master_weights(self, path)
+        save_master_weights(self._table, path)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients of every parameter, as ``torch.optim.Optimizer.zero_grad``.
