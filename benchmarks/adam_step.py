@@ -305,7 +305,7 @@ def main():
     import torch
     sys.path.insert(0, REPO)
     from statestore.kernels import kernels_info
-    from statestore.kernels._dispatch import _load
+    from statestore.kernels._dispatch import load_extension as _load
     ext = _load()
     if ext is None:
         sys.exit("statestore._C_adam is not built: STATESTORE_EXT=adam python setup.py build_ext --inplace")

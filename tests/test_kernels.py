@@ -21,7 +21,7 @@ import statestore.kernels as K
 from statestore.kernels import _dispatch
 from statestore.kernels._reference import adam_step_reference
 
-ext = _dispatch._load()
+ext = _dispatch.load_extension()
 needs_ext = pytest.mark.skipif(ext is None, reason=f"statestore._C_adam missing: {_dispatch._state['reason']}")
 SUPPORTED = list(ext.simd_supported()) if ext is not None else []
 ALL_PATHS = ["avx512", "avx2", "scalar"]

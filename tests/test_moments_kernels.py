@@ -20,7 +20,7 @@ from statestore.kernels import _dispatch, _quant as Q
 from statestore.kernels._moments import _unfused, adam_step_moments
 from statestore.kernels._reference import adam_step_reference
 
-ext = _dispatch._load()
+ext = _dispatch.load_extension()
 SUPPORTED = list(ext.simd_supported()) if ext is not None else []
 PATHS = ["avx512", "avx2", "scalar"]
 SIZES = [1, 7, 15, 17, 255, 256, 257, 1000 + 3, 3 * 16384 + 5]

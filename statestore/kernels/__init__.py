@@ -7,9 +7,12 @@ stores. :func:`stream_copy_` is the copy stores use to fill a ring buffer bound 
 """
 from __future__ import annotations
 
-from ._dispatch import _set_simd, adam_step, grads_finite, kernels_info, stream_copy_
+from ._dispatch import adam_step, grads_finite, kernels_info, set_simd, stream_copy_
 from ._moments import adam_step_moments
 from ._reference import adam_step_reference
 
 __all__ = ["adam_step", "adam_step_moments", "adam_step_reference", "grads_finite",
-           "kernels_info", "stream_copy_"]
+           "kernels_info", "set_simd", "stream_copy_"]
+
+#: the name the kernel tests and benchmarks have used for :func:`set_simd`
+_set_simd = set_simd

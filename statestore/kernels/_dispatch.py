@@ -1,7 +1,7 @@
 """Dispatch of :func:`adam_step` and :func:`grads_finite` to the compiled kernels.
 
 * CPU tensors: the C++ SIMD kernel of ``statestore._C_adam`` (AVX-512, AVX2 or scalar, chosen
-  at run time; ``STATESTORE_SIMD`` or :func:`_set_simd` forces one).
+  at run time; ``STATESTORE_SIMD`` or :func:`set_simd` forces one).
 * CUDA tensors: the fused multi-tensor CUDA kernel of the same extension when it was built
   with CUDA; otherwise torch's own fused Adam (``torch._fused_adamw_`` / ``_fused_adam_``).
 * Anything else, a missing extension, or ``STATESTORE_FORCE_REFERENCE=1``: the vectorized torch
@@ -25,14 +25,14 @@ from torch import Tensor
 
 from ._reference import adam_step_reference
 
-__all__ = ["adam_step", "grads_finite", "kernels_info", "stream_copy_", "_set_simd"]
+__all__ = ["adam_step", "grads_finite", "kernels_info", "stream_copy_", "set_simd"]
 
 _SIMD_NAMES = ("avx512", "avx2", "scalar", "auto")
 _KERNEL_GRAD_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 _lock = threading.Lock()
 _state = {
-    "loaded": False,     # _load() ran
+    "loaded": False,     # load_extension() ran
     "ext": None,         # the module statestore._C_adam, or None
     "reason": None,      # why the reference path is used on CPU (str), or None
     "error": None,       # the ImportError, kept
@@ -40,7 +40,7 @@ _state = {
 }
 
 
-def _force_reference() -> bool:
+def force_reference() -> bool:
     return os.environ.get("STATESTORE_FORCE_REFERENCE", "") not in ("", "0")
 
 
@@ -84,7 +84,7 @@ def _register_fake() -> None:
         pass
 
 
-def _load():
+def load_extension():
     """Imports the extension once; returns it or None."""
     if _state["loaded"]:
         return _state["ext"]
@@ -109,13 +109,13 @@ def _load():
         return ext
 
 
-def _set_simd(name: str) -> str:
+def set_simd(name: str) -> str:
     """Selects the CPU path for this process: ``"avx512"``, ``"avx2"``, ``"scalar"`` or
     ``"auto"``. Raises :class:`RuntimeError` where the processor lacks the path or the
     extension is missing, :class:`ValueError` for an unknown name. Returns the path now used."""
     if name not in _SIMD_NAMES:
         raise ValueError(f"simd: unknown path {name!r}; expected one of {', '.join(_SIMD_NAMES)}")
-    ext = _load()
+    ext = load_extension()
     if ext is None:
         raise RuntimeError(f"simd: the C++ kernels are unavailable ({_state['reason']})")
     return ext.set_simd(name)
@@ -126,8 +126,8 @@ def kernels_info() -> dict:
     (path name), ``simd_width`` (bits), ``simd_supported``, ``cuda`` ("fused-cuda",
     "torch-fused", "reference" or "unavailable"), ``threads`` and ``reason`` (why a fallback
     is in use, else None)."""
-    ext = _load()
-    forced = _force_reference()
+    ext = load_extension()
+    forced = force_reference()
     info = {"extension": ext is not None, "threads": torch.get_num_threads(),
             "reason": _state["reason"], "simd": None, "simd_width": None, "simd_supported": []}
     if ext is not None:
@@ -147,7 +147,7 @@ def kernels_info() -> dict:
     return info
 
 
-def _bias_terms(steps, lr, beta1, beta2):
+def bias_terms(steps, lr, beta1, beta2):
     step_sizes, bc2_sqrts = [], []
     for i, s in enumerate(steps):
         s = int(s)
@@ -256,8 +256,8 @@ def adam_step(
     kw = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
               adamw_mode=adamw_mode, maximize=maximize, grad_scale=grad_scale)
     device = params[0].device
-    ext = None if _force_reference() else _load()
-    if _force_reference():
+    ext = None if force_reference() else load_extension()
+    if force_reference():
         _warn_once("forced", "statestore: STATESTORE_FORCE_REFERENCE is set; Adam steps use the "
                              "vectorized torch reference path")
     elif device.type == "cpu" and ext is None:
@@ -287,7 +287,7 @@ def adam_step(
     with torch.no_grad():
         if fast:
             sel = (lambda lst: [lst[i] for i in fast]) if slow else (lambda lst: list(lst))
-            step_sizes, bc2_sqrts = _bias_terms(sel(steps), lr, beta1, beta2)
+            step_sizes, bc2_sqrts = bias_terms(sel(steps), lr, beta1, beta2)
             torch.ops.statestore.adam_step_(
                 sel(params), sel(grads), sel(exp_avgs), sel(exp_avg_sqs),
                 sel(max_exp_avg_sqs) if amsgrad else [],
@@ -307,7 +307,7 @@ def grads_finite(grads: Sequence[Tensor]) -> bool:
     otherwise. One pass over each gradient, multi-threaded and vectorized on CPU."""
     if len(grads) == 0:
         return True
-    ext = None if _force_reference() else _load()
+    ext = None if force_reference() else load_extension()
     cpu = [g for g in grads if g.device.type == "cpu"]
     other = [g for g in grads if g.device.type != "cpu"]
     if cpu:
@@ -333,7 +333,7 @@ def stream_copy_(dst: Tensor, src: Tensor) -> Tensor:
     ``dst.copy_(src)`` (with its conversions and broadcasting) unless both are contiguous CPU
     tensors of one dtype and size, at least ``STREAM_COPY_MIN_BYTES``, and the extension is
     available. Returns ``dst``."""
-    ext = _load()
+    ext = load_extension()
     if (ext is not None and dst.dtype == src.dtype and dst.shape == src.shape
             and dst.device.type == "cpu" and src.device.type == "cpu"
             and dst.is_contiguous() and src.is_contiguous()

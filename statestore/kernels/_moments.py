@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from . import _quant as Q
-from ._dispatch import _bias_terms, _force_reference, _load, adam_step
+from ._dispatch import adam_step, bias_terms, force_reference, load_extension
 
 __all__ = ["adam_step_moments", "MOMENT_KINDS"]
 
@@ -125,7 +125,7 @@ def adam_step_moments(
     vs_l = list(exp_avg_sq_scales) if exp_avg_sq_scales is not None else [None] * n
     vmax_l = list(max_exp_avg_sqs) if amsgrad else [None] * n
     mas_l = list(masters) if masters is not None else [None] * n
-    ext = None if _force_reference() else _load()
+    ext = None if force_reference() else load_extension()
     if ext is not None:
         _register_fake()
     fused, slow = [], []
@@ -141,7 +141,7 @@ def adam_step_moments(
     with torch.no_grad():
         if fused:
             pick = lambda lst: [lst[i] for i in fused]  # noqa: E731
-            step_sizes, bc2_sqrts = _bias_terms(pick(steps), lr, beta1, beta2)
+            step_sizes, bc2_sqrts = bias_terms(pick(steps), lr, beta1, beta2)
             torch.ops.statestore.adam_step_moments_(
                 pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs),
                 pick(ms_l) if kind == "int8" else [], pick(vs_l) if kind == "int8" else [],
