@@ -16,7 +16,8 @@ from typing import Dict, List, Optional, Sequence
 import torch
 from torch import Tensor
 
-from .._types import Slice
+from .._stream import chunk_ranges
+from .._types import Slice, StateSpec
 
 __all__ = ["ReadAhead", "Run", "Window", "round_up"]
 
@@ -85,12 +86,12 @@ class ReadAhead:
     def _slices_of(self, p: Tensor) -> List[Slice]:
         s = self._slices.get(p)
         if s is None:
-            n, size = p.numel(), p.dtype.itemsize
-            limit = self.store.unit_bytes or max(n * size, 1)
-            align = max(1, self.store.cut_alignment(limit) // size)
-            step = max(align, (limit // size) // align * align)
+            n = p.numel()
+            limit = self.store.unit_bytes or max(n * p.dtype.itemsize, 1)
             k = self._key[p]
-            s = [Slice(k, a, min(a + step, n)) for a in range(0, n, step)]
+            spec = StateSpec(tuple(p.shape), p.dtype)
+            s = [Slice(k, a, b) for a, b in
+                 chunk_ranges(spec, limit, self.store.cut_alignment(limit))] if n else []
             self._slices[p] = s
         return s
 

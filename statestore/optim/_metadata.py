@@ -36,7 +36,7 @@ from torch import Tensor
 
 from ..checkpoint.metadata import optimizer_metadata_problem
 from ..errors import CheckpointMismatchError, StateStoreError
-from ..offload._handle import PARAM_STATE
+from ..offload._seam import PARAM_STATE
 from ._args import validate_hyper
 from ._moments import SCALE_OF
 from ._table import ParamTable

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from .._types import StateKey
 from ..errors import CheckpointError, CheckpointMismatchError
-from ..offload._handle import param_value
+from ..offload._seam import param_value
 from ._args import is_real, validate_hyper
 from ._metadata import ALL_STATE_NAMES, MismatchReport, saved_group_hyper, short_names, state_names
 from ._moments import SCALE_OF, MomentFormat, export_fp32

@@ -15,7 +15,7 @@ from .._types import Slice, StateKey
 from ..errors import StateStoreValueError
 from ..kernels import adam_step
 from ..kernels._moments import adam_step_moments
-from ..offload._handle import is_offloaded, param_value
+from ..offload._seam import is_offloaded, param_value
 from ..pipeline import plan_units
 from ._metadata import state_names
 

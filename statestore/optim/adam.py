@@ -25,7 +25,7 @@ from torch import Tensor
 
 from ..errors import StateStoreError
 from ..kernels import grads_finite
-from ..offload._handle import update_begin, update_end
+from ..offload._seam import update_begin, update_end
 from ..store import StateStore
 from ._args import check_arguments, check_params, is_real, validate_hyper
 from ._in_backward import BackwardStepper, backward_hook
