@@ -34,7 +34,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from moments_training import batches, corpus, make_model, windows  # noqa: E402
+from moments_training import (add_training_args, batches, corpus, make_model,  # noqa: E402
+                              windows)
 
 from statestore.kernels import _quant as Q  # noqa: E402
 
@@ -160,16 +161,7 @@ def main():
     ap.add_argument("--runs", default="fp32,v1+v1,dyn+v1,f8+f8",
                     help="comma-separated: fp32 or <exp_avg map>+<exp_avg_sq map> of "
                          f"{sorted(MAPS)}")
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--ctx", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--wd", type=float, default=0.1)
-    ap.add_argument("--window", type=int, default=20)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=2)
+    add_training_args(ap, ctx=64)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     data = corpus(4 << 20)

@@ -112,18 +112,23 @@ def windows(xs, w):
     return [statistics.fmean(xs[i:i + w]) for i in range(0, len(xs), w)]
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_training_args(ap, ctx: int) -> None:
+    """The training run's options (model, batches, schedule), shared with moment_maps.py."""
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--ctx", type=int, default=128)
+    ap.add_argument("--ctx", type=int, default=ctx)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--wd", type=float, default=0.1)
     ap.add_argument("--window", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_training_args(ap, ctx=128)
     ap.add_argument("--all-roundings", action="store_true",
                     help="also bf16 with nearest and int8 with stochastic rounding")
     ap.add_argument("--peers", action="store_true",
