@@ -19,7 +19,7 @@ from .kernels import kernels_info
 from .offload import OffloadHandle, offload_parameters
 from .store import DEFAULT_BUDGET_BYTES, StateStore
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = ["StateStore", "ResidentStore", "StreamingStore", "StateKey", "StateSpec", "Slice", "DEFAULT_BUDGET_BYTES",
            "DeviceStore", "PinnedCPUStore", "FileStore", "kernels_info",

@@ -6,8 +6,7 @@ from typing import Any, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from .checkpoint.parquet_guard import MAX_NDIM
-from ._types import StateKey, StateSpec, as_key
+from ._types import MAX_NDIM, StateKey, StateSpec, as_key
 from .errors import StateKeyError, StateStoreValueError
 
 __all__ = ["SUPPORTED_DTYPES", "check_entries", "check_value", "data_problem"]

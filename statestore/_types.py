@@ -8,7 +8,10 @@ import torch
 
 from .errors import StateStoreValueError
 
-__all__ = ["StateKey", "StateSpec", "Slice", "LinkableFile", "as_key", "DTYPE_NAMES",
+#: Most dimensions a state's shape may have (stores and checkpoint manifests alike).
+MAX_NDIM = 64
+
+__all__ = ["StateKey", "StateSpec", "Slice", "LinkableFile", "as_key", "DTYPE_NAMES", "MAX_NDIM",
            "dtype_from_name", "dtype_name"]
 
 

@@ -14,6 +14,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import pyarrow as pa
 
 from .._types import StateKey, StateSpec, dtype_from_name, dtype_name
+from .._version import __version__
 from ..errors import CheckpointCorruptError
 from .parquet_guard import MAX_NDIM
 
@@ -40,7 +41,6 @@ STRING_COLUMNS = ("key", "param", "state", "file", "dtype", "checksum")
 
 def statestore_version() -> str:
     """The running statestore's version (written into every manifest)."""
-    from .. import __version__
     return __version__
 
 

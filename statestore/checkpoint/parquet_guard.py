@@ -26,11 +26,11 @@ from __future__ import annotations
 
 from typing import Dict, Tuple
 
+from .._types import MAX_NDIM
+
 __all__ = ["check_parquet_bounds", "ParquetBoundsError", "MAX_NDIM", "MIN_ROW_BYTES",
            "MAX_EXPANSION"]
 
-#: Most dimensions a state's shape may have (stores and manifests alike).
-MAX_NDIM = 64
 #: A manifest declaring more rows than ``size // MIN_ROW_BYTES`` is refused (real manifests
 #: use about 20 bytes per row).
 MIN_ROW_BYTES = 4

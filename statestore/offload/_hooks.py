@@ -19,7 +19,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..errors import StateStoreValueError
 from ._readahead import Run
-from ._seam import HANDLE_ATTR
+from ._seam import HANDLE_ATTR, updates_offloaded
 
 __all__ = ["ModuleHooks", "FetchMode", "Saved", "graph_task", "tensors_in",
            "METADATA_FUNCTIONS"]
@@ -327,8 +327,7 @@ class ModuleHooks:
                 if getattr(p, HANDLE_ATTR, None) is self]
 
     def _before_step(self, optimizer, args, kwargs) -> None:
-        from ..optim import CPUAdam, HybridAdam
-        if isinstance(optimizer, (CPUAdam, HybridAdam)):
+        if updates_offloaded(optimizer):
             if self._io and getattr(optimizer, "state_store", None) is self.store \
                     and self._ours(optimizer):
                 raise StateStoreValueError(

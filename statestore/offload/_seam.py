@@ -12,13 +12,22 @@ from typing import Any, Dict, Optional
 
 from torch import Tensor
 
-__all__ = ["PARAM_STATE", "HANDLE_ATTR", "is_offloaded", "param_value", "update_begin",
-           "update_end"]
+__all__ = ["PARAM_STATE", "HANDLE_ATTR", "UPDATES_OFFLOADED", "is_offloaded", "param_value",
+           "update_begin", "update_end", "updates_offloaded"]
 
 #: State name under which a parameter's data is kept in the store: ``(name, "param")``.
 PARAM_STATE = "param"
 #: Attribute set on every offloaded Parameter: its handle.
 HANDLE_ATTR = "_statestore_offload"
+#: Class attribute, True on an optimizer that updates offloaded parameters a unit at a time
+#: through :func:`update_begin`/:func:`update_end` (statestore's own); any other optimizer
+#: gets every parameter it holds materialized around its ``step()``.
+UPDATES_OFFLOADED = "updates_offloaded_parameters"
+
+
+def updates_offloaded(optimizer: Any) -> bool:
+    """True when ``optimizer`` updates offloaded parameters through this seam."""
+    return getattr(type(optimizer), UPDATES_OFFLOADED, False) is True
 
 
 def is_offloaded(p: Tensor) -> bool:

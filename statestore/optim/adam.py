@@ -113,6 +113,10 @@ class _StoreAdam(torch.optim.Optimizer):
             None (default): stochastic for bf16, nearest for int8 (the measured choice).
     """
 
+    #: parameter offload's seam (``statestore/offload/_seam.py``): this optimizer updates
+    #: offloaded parameters a unit at a time through ``update_begin``/``update_end``
+    updates_offloaded_parameters = True
+
     def __init__(self, params, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, *,
                  adamw_mode: bool = True, state_store: Optional[StateStore] = None,
