@@ -62,3 +62,15 @@ def test_gpu_step_prints_both_tables(tmp_path):
     assert re.search(r"^\| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \| -?[0-9.]+ \|$", res.stdout,
                      re.M), res.stdout          # table 3: overlap with backward
     assert os.listdir(tmp_path) == []       # the NVMe directories are removed
+
+
+def test_optimizer_probe_prints_a_ratio_per_round():
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "optimizer_probe.py"), "--size-m",
+           "0.25", "--rounds", "2", "--steps", "2", "--threads", "1"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = re.findall(r"^\| \d+ \| ([0-9.]+) \| ([0-9.]+) \| [0-9.]+ \| [0-9.]+ \| ([0-9.]+)x \|$",
+                      res.stdout, re.M)
+    assert len(rows) == 2, res.stdout
+    assert all(float(a) > 0 and float(b) > 0 and float(r) > 0 for a, b, r in rows)
+    assert re.search(r"median [0-9.]+x, range [0-9.]+-[0-9.]+x over 2 rounds", res.stdout)
