@@ -215,16 +215,10 @@ def _lcm(a: int, b: int) -> int:
 def _temp_mapped(store, nbytes: int) -> Tensor:
     """A uint8 tensor of ``nbytes`` mapped from an unlinked temporary file (next to the
     store's files where it has a directory): pages load on access and may be evicted."""
-    import os
     import tempfile
-    directory = getattr(store, "dir", None) or tempfile.gettempdir()
-    fd, path = tempfile.mkstemp(prefix=".state_dict-", dir=directory)
-    try:
-        os.ftruncate(fd, max(nbytes, 1))
-        return torch.from_file(path, shared=True, size=max(nbytes, 1), dtype=torch.uint8)
-    finally:
-        os.close(fd)
-        os.unlink(path)
+    from .._snapshot import unlinked_buffer
+    return unlinked_buffer(nbytes, getattr(store, "dir", None) or tempfile.gettempdir(),
+                           ".state_dict-")
 
 
 def export_fp32(store, fmt: MomentFormat, params: Sequence[Tuple[str, Tuple[int, ...]]]
