@@ -20,6 +20,7 @@ import statestore as ss
 from statestore.offload import PARAM_STATE
 from statestore.optim import HybridAdam
 
+import backend_registry
 from conftest import BACKEND_NAMES, make_store
 
 VOCAB = 97
@@ -84,12 +85,15 @@ def _store(backend, path):
     return make_store(backend, path)
 
 
-def _train(backend, tmp, offload, steps=3, uib=False, **kw):
+def _train(backend, tmp, offload, steps=3, uib=False, release=False, opt_budget=None, **kw):
     model = Net(**kw)
     handle = ss.offload_parameters(model, _store(backend, tmp / "p"), prefetch=2) if offload else None
-    opt_store = _store(backend, tmp / "o")
+    if opt_budget is None:
+        opt_store = _store(backend, tmp / "o")
+    else:   # smaller than the gradients: the first step applies them during backward too
+        opt_store = backend_registry.make(backend, tmp / "o", budget_bytes=opt_budget)
     opt = HybridAdam(model.named_parameters(), lr=1e-2, weight_decay=0.1, state_store=opt_store,
-                     update_in_backward=uib)
+                     update_in_backward=uib, release_grads=release)
     for step in range(steps):
         _loss(model, step).backward()
         opt.step()
@@ -111,6 +115,10 @@ CONFIGS = {
     "ckpt-reentrant": dict(ckpt="reentrant"),
     "uib": dict(uib=True),
     "uib-bf16-ckpt": dict(uib=True, dtype=torch.bfloat16, ckpt="nonreentrant"),
+    "uib-release-small-budget": dict(uib=True, release=True, opt_budget=16 << 10, d=64,
+                                     layers=4),
+    "uib-release-bf16-frozen": dict(uib=True, release=True, opt_budget=16 << 10,
+                                    dtype=torch.bfloat16, frozen=True, d=64, layers=4),
 }
 
 

@@ -35,17 +35,17 @@ class _Stack(torch.nn.Module):
         return x
 
 
-def _batch(step, dtype):
+def _batch(step, dtype, d=96):
     g = torch.Generator().manual_seed(step)
-    return torch.randn(8, 96, generator=g).to(dtype)
+    return torch.randn(8, d, generator=g).to(dtype)
 
 
-def _train(store, dtype, steps=4, seen=None, **kw):
-    model = _Stack(dtype)
+def _train(store, dtype, steps=4, seen=None, n=6, d=96, **kw):
+    model = _Stack(dtype, n=n, d=d)
     opt = HybridAdam(model.named_parameters(), lr=1e-2, weight_decay=0.1, state_store=store,
                      **kw)
     for step in range(steps):
-        model(_batch(step, dtype)).float().pow(2).mean().backward()
+        model(_batch(step, dtype, d)).float().pow(2).mean().backward()
         if seen is not None:
             seen.append(sum(p.grad is not None for p in model.parameters()))
         opt.step()
@@ -98,6 +98,57 @@ def test_release_grads_waits_for_the_disk_instead_of_holding_gradients(tmp_path)
     assert max(held) <= (64 << 10) + 2 * layer, held
     for h in hooks:
         h.remove()
+    store.close()
+
+
+_BUDGETED = {"nvme": lambda d, b: ss.NVMeStore(str(d), budget_bytes=b),
+             "device-cpu": lambda d, b: ss.DeviceStore("cpu", budget_bytes=b),
+             "file": lambda d, b: ss.FileStore(str(d), budget_bytes=b)}
+
+
+@pytest.mark.parametrize("backend", sorted(_BUDGETED))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_release_grads_bounds_the_first_step_too(backend, dtype, tmp_path):
+    """No plan exists in the first step (nor in the first after a resume): with a budget
+    smaller than the model's gradients, backward applies the gradients it holds beyond the
+    budget then and there (creating their states), so the first step holds about a budget
+    of them, not all; parameters and states equal those of update_in_backward=False."""
+    budget, d, n = 32 << 10, 128, 16
+    layer = (d * d + d) * dtype.itemsize
+    make = _BUDGETED[backend]
+    want = _train(make(tmp_path / "a", budget), dtype, steps=3, n=n, d=d)
+    store = make(tmp_path / "b", budget)
+    held = []
+    seen = []
+    model = _Stack(dtype, n=n, d=d)
+
+    def count(_):
+        held[-1] = max(held[-1], sum(p.grad.numel() * p.grad.element_size()
+                                     for p in model.parameters() if p.grad is not None))
+    hooks = [p.register_post_accumulate_grad_hook(count) for p in model.parameters()]
+    opt = HybridAdam(model.named_parameters(), lr=1e-2, weight_decay=0.1, state_store=store,
+                     update_in_backward=True, release_grads=True)
+    for step in range(3):
+        held.append(0)
+        model(_batch(step, dtype, d)).float().pow(2).mean().backward()
+        seen.append(sum(p.grad is not None for p in model.parameters()))
+        opt.step()
+        opt.zero_grad()
+    for h in hooks:
+        h.remove()
+    total = sum(p.numel() * dtype.itemsize for p in model.parameters())
+    assert total > 4 * (budget + 2 * layer)
+    assert held[0] <= budget + 2 * layer, (held, total)
+    assert seen[0] < 2 * n, seen           # the first backward released most of its gradients
+    got = {k: v.clone() for k, v in model.state_dict().items()}
+    assert got.keys() == want[0].keys()
+    for k in got:
+        assert torch.equal(got[k], want[0][k]), k
+    states = {str(k): store.get(k).clone() for k in store.keys()}
+    assert states.keys() == want[1].keys()
+    for k in states:
+        assert torch.equal(states[k], want[1][k]), k
+    assert dict(opt._steps) == want[2]
     store.close()
 
 

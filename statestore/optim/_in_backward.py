@@ -148,6 +148,11 @@ class BackwardStepper:
         #: parameters backward updated, with the gradient (and its version) it used
         self.early_done: Dict[Tensor, Tuple[Optional[Tensor], int]] = {}
         self.passes: Optional[List[PassState]] = None
+        #: the optimizer's ``(params) -> {store: [(group, params)]}`` that creates the states
+        #: of ``params`` and groups them for a step (held weakly), used with
+        #: ``release_grads`` while no plan exists; None: gradients wait for ``step()``
+        self.unplanned: Optional[weakref.WeakMethod] = None
+        self._budget: Optional[int] = None
 
     @property
     def busy(self) -> bool:
@@ -185,15 +190,46 @@ class BackwardStepper:
             if self.release_grads:
                 self.held_grad_bytes += p.grad.numel() * p.grad.element_size()
         table = self.table
-        if table.failed or self.second_grad or (self.passes is None and not table.next_plans):
+        if table.failed or self.second_grad:
+            return
+        unplanned = self.passes is None and not table.next_plans
+        if unplanned and not (self.release_grads and self._unplanned_over_budget()):
             return
         try:
             with torch.no_grad():
-                self._open()
-                self._advance(block=False)
+                if unplanned:
+                    self._apply_unplanned()
+                else:
+                    self._open()
+                    self._advance(block=False)
         except BaseException as e:
             self.abort(e)
             raise
+
+    def _unplanned_over_budget(self) -> bool:
+        """No plan yet (the first step, the first after a resume or a change of mode):
+        more gradient bytes held than the smallest budget of the optimizer's stores."""
+        if self.unplanned is None:
+            return False
+        if self._budget is None:
+            self._budget = min((getattr(s, "budget_bytes", 0) or 0
+                                for s in set(self.table.stores.values())), default=0)
+        return self.held_grad_bytes > self._budget
+
+    def _apply_unplanned(self) -> None:
+        """``release_grads`` with no plan: update now, unit by unit and waiting for the
+        store, every parameter whose gradient is final and not yet applied (its states
+        created first), and release those gradients; so the first step holds at most about a
+        budget of gradients too, not all of them."""
+        unplanned = self.unplanned()
+        if unplanned is None:
+            return
+        pending = [p for p in self.ready if p not in self.early_done and p.grad is not None]
+        for store, items in unplanned(pending).items():
+            units, meta = plan_step(store, items, self.table.keys, self.fmt, self.ready)
+            with store.pipeline(units, mode="rw", wait=False) as pipe:
+                for tensors, (group, entries) in zip(pipe, meta):
+                    self._apply(tensors, group, entries, store.device, None)
 
     def _open(self) -> None:
         if self.passes is not None:
@@ -320,6 +356,7 @@ class BackwardStepper:
             self.passes = None
             covered = {e[0] for _, meta in table.next_plans.values() for _, es in meta
                        for e in es}
+            covered.update(self.released)       # applied and released during backward
             for store, items in work.items():
                 rest = [(g, [p for p in ps if p not in covered]) for g, ps in items]
                 rest = [(g, ps) for g, ps in rest if ps]
@@ -340,6 +377,7 @@ class BackwardStepper:
             self.second_grad = {}
             self.released = set()
             self.held_grad_bytes = 0
+            self._budget = None
         order, self.ready = self.ready, {}
         table.touched = False
         table.next_plans.clear()
@@ -358,4 +396,4 @@ class BackwardStepper:
             sp.close_refused(err)               # buffers back, nothing written
         self.passes = None
         self.ready, self.seen, self.second_grad, self.early_done = {}, {}, {}, {}
-        self.released, self.held_grad_bytes = set(), 0
+        self.released, self.held_grad_bytes, self._budget = set(), 0, None

@@ -177,6 +177,8 @@ class _StoreAdam(torch.optim.Optimizer):
         #: (docs/gpu.md); None while no parameter takes that path
         self._offload: Optional[OffloadPath] = attach_offload_path(None, self, self._params,
                                                                    self._stores)
+        if self._offload is None:
+            self._stepper.unplanned = weakref.WeakMethod(self._unplanned_work)
         self._register_pump_hooks(self._params)
         #: torch's ``optimizer.state``: a view of the store (statestore/optim/_state.py)
         self.state = OptimizerState(self, table)
@@ -382,6 +384,28 @@ class _StoreAdam(torch.optim.Optimizer):
                 store.sync()
             self._broadcast_params([p for p in self._params if p in grads])
         return loss
+
+    def _unplanned_work(self, params: Sequence[Tensor]) -> Dict[StateStore, list]:
+        """``update_in_backward`` with ``release_grads`` before a plan exists: ``params``
+        (gradients final) as a step's work ``{store: [(group, params)]}``, their states
+        created."""
+        if self._offload is not None:       # CUDA staging needs the whole step's gradients
+            return {}
+        chosen = {p for p in params if p in self._stores and self._owns(p)}
+        work: Dict[StateStore, list] = {}
+        group_of = {}
+        for group in self.param_groups:
+            per_store: Dict[StateStore, List[Tensor]] = {}
+            for p in group["params"]:
+                if p in chosen:
+                    per_store.setdefault(self._stores[p], []).append(p)
+                    group_of[p] = group
+            for store, ps in per_store.items():
+                work.setdefault(store, []).append((group, ps))
+        for store, items in work.items():
+            ensure_states(store, [p for _, ps in items for p in ps], self._keys, group_of,
+                          self._moments)
+        return work
 
     def _allreduce_grads(self, grads: Dict[Tensor, Tensor]) -> None:
         self._sharding.allreduce_grads(self._params, grads)
