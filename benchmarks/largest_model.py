@@ -229,8 +229,8 @@ def child_train(args) -> None:
                     for t in st.values() if t.dim())
         out["state_dict_bytes"] = n
         del sd
-    # else: state_dict() decodes compressed moments into new fp32 tensors in RAM (12 bytes
-    # a parameter): not bounded, so not part of this run
+    # else: state_dict() decodes compressed moments to fp32 into an unlinked temporary file
+    # beside the store (8 bytes a parameter of disk): not part of this run
     digests = []
     for i in range(args.check_steps if args.reference == "continue" else 0):
         step = args.steps + i
@@ -527,8 +527,8 @@ def report(args, c, tr, rs, w_bw, r_bw, disk_peak, disk_after_train, wall, ref=N
         print(f"built model: RSS {_gib(base)} (interpreter and torch; the weights are on disk); "
               f"largest module {_gib(tr['largest_module_bytes'])}; bound per phase over that: "
               f"largest module x (prefetch + 2) + both budgets + 1 GiB = {_gib(work)}, plus the "
-              f"gradients held after backward (every gradient in a first step: HybridAdam "
-              f"learns their order then)")
+              f"gradients held after backward (release_grads: about a budget of them, the "
+              f"first step included)")
         print(f"phases over the bound: {', '.join(over_bound) if over_bound else 'none'}; "
               f"checkpoint {_gb(tr['checkpoint_bytes'])}")
     else:
@@ -549,8 +549,8 @@ def report(args, c, tr, rs, w_bw, r_bw, disk_peak, disk_after_train, wall, ref=N
     if "state_dict_bytes" in tr:
         print(f"state_dict(): {tr['state_dict_bytes'] / 1e9:.2f} GB of tensors returned")
     else:
-        print(f"state_dict(): not run ({args.moments} moments are decoded into fp32 tensors "
-              f"in RAM)")
+        print(f"state_dict(): not run ({args.moments} moments are decoded to fp32 into an "
+              f"unlinked temporary file: 8 bytes a parameter of disk)")
     print(f"wall time {wall:.0f} s; {'OK' if same else 'MISMATCH'}")
     if args.json:
         with open(args.json, "w") as f:

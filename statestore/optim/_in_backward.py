@@ -16,7 +16,9 @@ interrupted: the misuse is explained at ``step()``:
 * when nothing was updated yet (the first step: no plan to update during backward exists yet,
   so any loop that clips or accumulates is caught there), ``step()`` changes nothing and
   raises; setting ``optimizer.update_in_backward = False`` and calling ``step()`` again makes
-  the step from the gradients as they are;
+  the step from the gradients as they are. With ``release_grads``, a first backward whose
+  gradients outgrow the states' budget applies them unit by unit as it goes (no plan, so it
+  waits for the store: :meth:`BackwardStepper._apply_unplanned`), and falls in the next case;
 * when backward already updated some parameters (a loop that starts clipping later),
   ``step()`` updates the others from their current gradients, so that every parameter makes
   the step exactly once and the optimizer stays consistent, then raises; the next step works

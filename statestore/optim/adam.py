@@ -99,9 +99,11 @@ class _StoreAdam(torch.optim.Optimizer):
             about its parameters plus a layer's gradients (and up to the store's
             ``budget_bytes`` of gradients waiting for their states, beyond which backward
             waits for the disk). The gradients are gone after backward (``step()`` still
-            finishes the step); the first step, and a step whose parameters with gradients
-            differ from the previous one's, keep every gradient until ``step()``. See
-            ``docs/scale.md``.
+            finishes the step). The first step (and the first after a resume) has no plan
+            yet: beyond the smallest ``budget_bytes`` of the optimizer's stores, backward
+            applies the gradients it holds unit by unit, waiting for the store; a step
+            whose parameters with gradients differ from the previous one's keeps the
+            gradients of the unplanned ones until ``step()``. See ``docs/scale.md``.
         moment_dtype: how ``exp_avg``/``exp_avg_sq`` are kept in the store: ``"fp32"``
             (torch's), ``"bf16"`` (half the bytes) or ``"int8"`` (a quarter, plus one fp32
             scale per block of 256 elements). The kernels decode, update and re-encode in one
