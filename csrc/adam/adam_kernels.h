@@ -57,20 +57,21 @@ struct SimdKernels {
 };
 
 // Software prefetch for the streaming loops: every 16 elements (one 64-byte line of fp32),
-// touch the lines kPrefetchElems elements ahead. With the hardware prefetchers alone one
-// thread cannot keep enough misses in flight; a standalone AVX2 Adam loop over 128M params
-// here ran 0.99-1.11 G/s without it, 1.08-1.19 G/s at 1 KiB ahead (0.93-1.07 at 4 KiB),
-// and the same within noise at 2 threads, where both saturate the memory bus.
+// touch the lines kPrefetchElems elements ahead, into L2 (prefetcht1), not L1. With the
+// hardware prefetchers alone one thread cannot keep enough misses in flight; a standalone
+// AVX2 Adam loop over 128M params here ran 0.99-1.11 G/s without it, 1.08-1.19 G/s at 1 KiB
+// ahead (0.93-1.07 at 4 KiB). Into L1 (prefetcht0, as first written) the prefetches held the
+// L1's miss buffers the demand loads need: the AVX-512 loop over 64M params, interleaved
+// with the same loop prefetching into L2, ran 4-7% slower at 1 and 2 threads, and slower
+// than without software prefetch at 2 threads (docs/kernels.md, "The user's quick probe").
+// The write hint is not used: without PRFCHW in the target it compiles to the same
+// instruction, and a load brings the line in exclusive anyway.
 // `static`: each ISA file gets its own copy, compiled for its instruction set (see below).
 constexpr int64_t kPrefetchElems = 256;
 template <int kBytesPerElem>
-static inline void prefetch_ahead(const void* base, int64_t i, bool write) {
+static inline void prefetch_ahead(const void* base, int64_t i) {
   const char* q = static_cast<const char*>(base) + (i + kPrefetchElems) * kBytesPerElem;
-  if (write) {
-    __builtin_prefetch(q, 1, 3);
-  } else {
-    __builtin_prefetch(q, 0, 3);
-  }
+  __builtin_prefetch(q, 0, 2);  // locality 2: prefetcht1
 }
 
 // The streaming copy; instantiated by each SIMD file inside its target region. V is the
@@ -110,10 +111,10 @@ static inline void prefetch_ahead(const void* base, int64_t i, bool write) {
     int64_t b = begin;                                                                       \
     for (; b + 16 <= end; b += 16) {                                                         \
       if (b + ::statestore::cpu::kPrefetchElems < end) {                                     \
-        ::statestore::cpu::prefetch_ahead<4>(p, b, true);                                    \
-        ::statestore::cpu::prefetch_ahead<4>(g, b, false);                                   \
-        ::statestore::cpu::prefetch_ahead<4>(m, b, true);                                    \
-        ::statestore::cpu::prefetch_ahead<4>(v, b, true);                                    \
+        ::statestore::cpu::prefetch_ahead<4>(p, b);                                          \
+        ::statestore::cpu::prefetch_ahead<4>(g, b);                                          \
+        ::statestore::cpu::prefetch_ahead<4>(m, b);                                          \
+        ::statestore::cpu::prefetch_ahead<4>(v, b);                                          \
       }                                                                                      \
       for (int64_t i = b; i < b + 16; ++i) { /* a fixed trip count: fully vectorized */      \
         const float gi = g[i];                                                               \

@@ -78,10 +78,10 @@ struct SimdAdam {
     int64_t i = begin;
     for (; i + W <= end; i += W) {
       if (((i - begin) & 15) == 0 && i + statestore::cpu::kPrefetchElems < end) {
-        statestore::cpu::prefetch_ahead<4>(wp, i, true);
-        statestore::cpu::prefetch_ahead<kGradBytes>(a.g, i, false);
-        statestore::cpu::prefetch_ahead<4>(mp, i, true);
-        statestore::cpu::prefetch_ahead<4>(vp, i, true);
+        statestore::cpu::prefetch_ahead<4>(wp, i);
+        statestore::cpu::prefetch_ahead<kGradBytes>(a.g, i);
+        statestore::cpu::prefetch_ahead<4>(mp, i);
+        statestore::cpu::prefetch_ahead<4>(vp, i);
       }
       F w = V::load(wp + i);
       F g = VecIO<V, GD>::load(a.g, i);
