@@ -1,0 +1,43 @@
+"""The kernel benchmarks' extra modes run end to end on tiny sizes (their figures are not
+checked: timing never decides a test; that each table comes out, with a number in every
+cell, is)."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from statestore.kernels import kernels_info
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+pytestmark = pytest.mark.skipif(kernels_info().get("simd") is None,
+                                reason="statestore._C_adam is not built")
+
+
+def _run(script, *args):
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", script), *args]
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return res.stdout
+
+
+def test_adam_step_cache_resident_prints_both_slopes():
+    out = _run("adam_step.py", "--cache-resident", "--cr-sizes", "256,4096", "--cr-calls", "20",
+               "--reps", "2", "--no-peers")
+    num = r"(-?[0-9.]+|\?)"
+    rows = re.findall(rf"^\| (statestore|torch fused AdamW) \| ([0-9.]+) \| ([0-9.]+) \| "
+                      rf"(-?[0-9.]+) \| {num} \| {num} \| {num}x? \|$", out, re.M)
+    assert [r[0] for r in rows] == ["statestore", "torch fused AdamW"], out
+    assert all(float(r[1]) > 0 and float(r[2]) > 0 for r in rows)
+    assert "slope between 256 and 4096 params" in out
+
+
+def test_adam_step_cache_resident_rejects_bad_sizes():
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "adam_step.py"), "--cache-resident",
+           "--cr-sizes", "4096,256", "--no-peers"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0
+    assert "--cr-sizes" in res.stderr
