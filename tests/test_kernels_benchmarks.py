@@ -41,3 +41,18 @@ def test_adam_step_cache_resident_rejects_bad_sizes():
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert res.returncode != 0
     assert "--cr-sizes" in res.stderr
+
+
+def test_optimizer_probe_layouts_prints_every_contestant_every_round():
+    out = _run("optimizer_probe.py", "--size-m", "0.25", "--rounds", "2", "--steps", "2",
+               "--threads", "1", "--layouts")
+    names = ["CPUAdam.step", "torch fused", "kernel, m v separate", "kernel, m v back to back",
+             "kernel, m v 4 KiB apart"]
+    assert "| round | " + " | ".join(names) + " |" in out, out
+    cell = r"[0-9.]+ \([0-9.]+x\)"
+    rows = re.findall(r"^\| \d+ \| " + r" \| ".join([cell] * len(names)) + r" \|$", out, re.M)
+    assert len(rows) == 2, out
+    for k in names:
+        if k != "torch fused":
+            assert re.search(re.escape(k) + r": median [0-9.]+x of torch fused, range "
+                             r"[0-9.]+-[0-9.]+x over 2 rounds", out), out
