@@ -21,6 +21,7 @@ the kernel's own speed from the speed of the memory layout it is given.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -107,6 +108,7 @@ def layouts_main(args, n: int, gbytes: float) -> int:
     ratios = {}
     for r in range(args.rounds):
         med = layouts_round(n, args.steps, args.weight_decay)
+        gc.collect()                # the optimizers' reference cycles: free the round's buffers
         if names is None:
             names = list(med)
             print("GB/s of each contestant (28 B a parameter), then its speed against torch's "
@@ -152,6 +154,7 @@ def main(argv=None) -> int:
     ratios = []
     for r in range(args.rounds):
         ta, tb = one_round(n, args.steps, args.weight_decay)
+        gc.collect()                # the optimizers' reference cycles: free the round's buffers
         ratios.append(tb / ta)
         print(f"| {r + 1} | {ta * 1e3:.1f} | {tb * 1e3:.1f} | {gbytes / ta:.1f} | "
               f"{gbytes / tb:.1f} | {tb / ta:.3f}x |")
