@@ -197,6 +197,14 @@ def test_op_errors_name_the_argument():
             [c["p"]], [c["g"]], [c["m"].view(torch.uint8)], [c["v"]], [c["ms"]], [c["vs"]], [],
             [], [1.0], [1.0], [1], [2], [0], 2, False, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, False,
             1.0)
+    with pytest.raises(RuntimeError, match=r"offsets\[0\] = 100 is not a multiple of 256"):
+        torch.ops.statestore.adam_step_moments_(
+            [c["p"]], [c["g"]], [c["m"]], [c["v"]], [c["ms"]], [c["vs"]], [], [],
+            [1.0], [1.0], [1], [2], [100], 2, False, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, False, 1.0)
+    with pytest.raises(RuntimeError, match=r"need one tensor per param \(1\), got 2, 1, 1"):
+        torch.ops.statestore.adam_step_moments_(
+            [c["p"]], [c["g"]] * 2, [c["m"]], [c["v"]], [c["ms"]], [c["vs"]], [], [],
+            [1.0], [1.0], [1], [2], [0], 2, False, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, False, 1.0)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or ext is None

@@ -89,7 +89,6 @@ pybind11::tuple simd_in_use() {
 
 using checks::check_f32;
 using checks::check_f32_tensor;
-using checks::check_tensor;
 using checks::storage_of;
 
 // Runs kernel(job, b, e) over every element range [b, e) of every job, in parallel over fixed
@@ -157,35 +156,18 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList e
                    double beta1, double beta2, double eps, double weight_decay, bool adamw_mode,
                    bool maximize, double grad_scale) {
   const size_t n = params.size();
-  TORCH_CHECK(grads.size() == n, "adam_step_: grads has ", grads.size(), " tensors, params has ", n);
-  TORCH_CHECK(exp_avgs.size() == n, "adam_step_: exp_avgs has ", exp_avgs.size(),
-              " tensors, params has ", n);
-  TORCH_CHECK(exp_avg_sqs.size() == n, "adam_step_: exp_avg_sqs has ", exp_avg_sqs.size(),
-              " tensors, params has ", n);
-  TORCH_CHECK(max_exp_avg_sqs.empty() || max_exp_avg_sqs.size() == n,
-              "adam_step_: max_exp_avg_sqs must be empty (no amsgrad) or have one tensor per "
-              "param, got ", max_exp_avg_sqs.size(), " for ", n, " params");
-  TORCH_CHECK(masters.empty() || masters.size() == n,
-              "adam_step_: masters must be empty or have one entry per param, got ",
-              masters.size(), " for ", n, " params");
-  TORCH_CHECK(step_sizes.size() == n && bc2_sqrts.size() == n,
-              "adam_step_: step_sizes and bc2_sqrts need one value per param (", n, "), got ",
-              step_sizes.size(), " and ", bc2_sqrts.size());
-  checks::check_grad_scale("adam_step_", grad_scale);
+  checks::check_adam_lists(n, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, step_sizes,
+                           bc2_sqrts, grad_scale);
   const bool amsgrad = !max_exp_avg_sqs.empty();
 
   std::vector<AdamTensorArgs> jobs;
   jobs.reserve(n);
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& p = params[i];
-    std::optional<at::Tensor> master;
-    if (!masters.empty()) master = masters.get(i);
-    const bool has_master = master.has_value() && master->defined();
+    const std::optional<at::Tensor> master = checks::master_of(masters, i);
+    const bool has_master = master.has_value();
     const int64_t numel = p.numel();
-    check_tensor(p, "params", i, numel);
-    check_tensor(grads[i], "grads", i, numel);
-    check_tensor(exp_avgs[i], "exp_avgs", i, numel);
-    check_tensor(exp_avg_sqs[i], "exp_avg_sqs", i, numel);
+    checks::check_param_tensors(p, grads[i], exp_avgs[i], exp_avg_sqs[i], i, numel);
     check_f32(exp_avgs[i], "exp_avgs", i);
     check_f32(exp_avg_sqs[i], "exp_avg_sqs", i);
     AdamTensorArgs a{};
@@ -208,11 +190,6 @@ void run_moments(const SimdKernels& k, const std::vector<MomentTensorArgs>& jobs
   run_chunked(jobs, k.adam_moments);
 }
 
-void check_dtype(const at::Tensor& t, at::ScalarType want, const char* name, size_t i) {
-  TORCH_CHECK(t.scalar_type() == want, "adam_step_moments_: ", name, "[", i, "] must be ",
-              want, ", got ", t.scalar_type());
-}
-
 // Adam over compressed moments: exp_avgs / exp_avg_sqs hold bf16 codes (kind 1) or int8 /
 // uint8 codes with one fp32 scale per block of kQBlock elements (kind 2).
 void adam_step_moments_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
@@ -228,10 +205,7 @@ void adam_step_moments_cpu(at::TensorList params, at::TensorList grads, at::Tens
   const size_t n = params.size();
   const MomentKind mk = checks::moment_kind(kind);
   const bool int8 = mk == MomentKind::kInt8;
-  TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n,
-              "adam_step_moments_: grads, exp_avgs and exp_avg_sqs need one tensor per param (",
-              n, ")");
-  checks::check_moment_lists(n, int8, exp_avg_scales, exp_avg_sq_scales, max_exp_avg_sqs,
+  checks::check_moment_lists(n, int8, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_scales, max_exp_avg_sqs,
                              masters, step_sizes, bc2_sqrts, seeds_m, seeds_v, offsets,
                              grad_scale);
   const bool amsgrad = !max_exp_avg_sqs.empty();
@@ -239,22 +213,15 @@ void adam_step_moments_cpu(at::TensorList params, at::TensorList grads, at::Tens
   jobs.reserve(n);
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& p = params[i];
-    std::optional<at::Tensor> master;
-    if (!masters.empty()) master = masters.get(i);
-    const bool has_master = master.has_value() && master->defined();
+    const std::optional<at::Tensor> master = checks::master_of(masters, i);
+    const bool has_master = master.has_value();
     const int64_t numel = p.numel();
-    check_tensor(p, "params", i, numel);
-    check_tensor(grads[i], "grads", i, numel);
-    check_tensor(exp_avgs[i], "exp_avgs", i, numel);
-    check_tensor(exp_avg_sqs[i], "exp_avg_sqs", i, numel);
-    check_dtype(exp_avgs[i], int8 ? at::kChar : at::kBFloat16, "exp_avgs", i);
-    check_dtype(exp_avg_sqs[i], int8 ? at::kByte : at::kBFloat16, "exp_avg_sqs", i);
+    checks::check_param_tensors(p, grads[i], exp_avgs[i], exp_avg_sqs[i], i, numel);
+    checks::check_moment_codes(exp_avgs[i], exp_avg_sqs[i], int8, i);
     MomentTensorArgs a{};
     if (int8) {
       const int64_t nb = (numel + kQBlock - 1) / kQBlock;
-      checks::check_scales(exp_avg_scales[i], exp_avg_sq_scales[i], i, nb);
-      TORCH_CHECK(offsets[i] % kQBlock == 0, "adam_step_moments_: offsets[", i, "] = ",
-                  offsets[i], " is not a multiple of ", kQBlock);
+      checks::check_int8_blocks(exp_avg_scales[i], exp_avg_sq_scales[i], offsets[i], i, nb);
       a.m_scale = exp_avg_scales[i].data_ptr<float>();
       a.v_scale = exp_avg_sq_scales[i].data_ptr<float>();
     }

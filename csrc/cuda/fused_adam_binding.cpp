@@ -20,13 +20,6 @@ namespace cuda {
 namespace {
 
 using checks::check_f32;
-using checks::storage_of;
-
-// checks::check_tensor on the device of params[0]
-void check_tensor(const at::Tensor& t, const char* name, size_t i, int64_t numel,
-                  const at::Device& dev) {
-  checks::check_tensor(t, name, i, numel, &dev);
-}
 
 // Copies meta and prefix into one pinned buffer (prefix at *prefix_off, 16-byte aligned), then
 // asynchronously to `dev` on the current stream; the caching host allocator keeps the buffer
@@ -63,16 +56,8 @@ void adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
                     bool adamw_mode, bool maximize, double grad_scale) {
   const size_t n = params.size();
   if (n == 0) return;
-  TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n,
-              "adam_step_: grads, exp_avgs and exp_avg_sqs need one tensor per param (", n,
-              "), got ", grads.size(), ", ", exp_avgs.size(), ", ", exp_avg_sqs.size());
-  TORCH_CHECK(max_exp_avg_sqs.empty() || max_exp_avg_sqs.size() == n,
-              "adam_step_: max_exp_avg_sqs must be empty or have one tensor per param");
-  TORCH_CHECK(masters.empty() || masters.size() == n,
-              "adam_step_: masters must be empty or have one entry per param");
-  TORCH_CHECK(step_sizes.size() == n && bc2_sqrts.size() == n,
-              "adam_step_: step_sizes and bc2_sqrts need one value per param");
-  checks::check_grad_scale("adam_step_", grad_scale);
+  checks::check_adam_lists(n, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, step_sizes,
+                           bc2_sqrts, grad_scale);
   const at::Device dev = params[0].device();
   TORCH_CHECK(dev.is_cuda(), "adam_step_: params[0] is on ", dev, ", expected a CUDA device");
   const bool amsgrad = !max_exp_avg_sqs.empty();
@@ -84,10 +69,7 @@ void adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& p = params[i];
     const int64_t numel = p.numel();
-    check_tensor(p, "params", i, numel, dev);
-    check_tensor(grads[i], "grads", i, numel, dev);
-    check_tensor(exp_avgs[i], "exp_avgs", i, numel, dev);
-    check_tensor(exp_avg_sqs[i], "exp_avg_sqs", i, numel, dev);
+    checks::check_param_tensors(p, grads[i], exp_avgs[i], exp_avg_sqs[i], i, numel, &dev);
     check_f32(exp_avgs[i], "exp_avgs", i);
     check_f32(exp_avg_sqs[i], "exp_avg_sqs", i);
     CudaAdamTensor t{};
@@ -96,9 +78,8 @@ void adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
       checks::check_f32_tensor(max_exp_avg_sqs[i], "max_exp_avg_sqs", i, numel, &dev);
       t.vmax = max_exp_avg_sqs[i].data_ptr<float>();
     }
-    std::optional<at::Tensor> master;
-    if (!masters.empty()) master = masters.get(i);
-    if (master.has_value() && master->defined()) {
+    const std::optional<at::Tensor> master = checks::master_of(masters, i);
+    if (master.has_value()) {
       checks::check_f32_tensor(*master, "masters", i, numel, &dev);
       t.p_dtype = static_cast<int32_t>(checks::param_dtype_with_master("adam_step_", p, i));
       t.w = master->data_ptr<float>();
@@ -147,9 +128,7 @@ void adam_step_moments_cuda(at::TensorList params, at::TensorList grads, at::Ten
   const size_t n = params.size();
   if (n == 0) return;
   const bool int8 = checks::moment_kind(kind) == MomentKind::kInt8;
-  TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n,
-              "adam_step_moments_: grads, exp_avgs and exp_avg_sqs need one tensor per param");
-  checks::check_moment_lists(n, int8, exp_avg_scales, exp_avg_sq_scales, max_exp_avg_sqs,
+  checks::check_moment_lists(n, int8, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_scales, max_exp_avg_sqs,
                              masters, step_sizes, bc2_sqrts, seeds_m, seeds_v, offsets,
                              grad_scale);
   const at::Device dev = params[0].device();
@@ -161,21 +140,13 @@ void adam_step_moments_cuda(at::TensorList params, at::TensorList grads, at::Ten
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& p = params[i];
     const int64_t numel = p.numel();
-    check_tensor(p, "params", i, numel, dev);
-    check_tensor(grads[i], "grads", i, numel, dev);
-    check_tensor(exp_avgs[i], "exp_avgs", i, numel, dev);
-    check_tensor(exp_avg_sqs[i], "exp_avg_sqs", i, numel, dev);
-    TORCH_CHECK(exp_avgs[i].scalar_type() == (int8 ? at::kChar : at::kBFloat16) &&
-                    exp_avg_sqs[i].scalar_type() == (int8 ? at::kByte : at::kBFloat16),
-                "adam_step_moments_: exp_avgs[", i, "] / exp_avg_sqs[", i, "] have dtypes ",
-                exp_avgs[i].scalar_type(), " / ", exp_avg_sqs[i].scalar_type(),
-                int8 ? ", expected int8 / uint8" : ", expected bfloat16");
+    checks::check_param_tensors(p, grads[i], exp_avgs[i], exp_avg_sqs[i], i, numel, &dev);
+    checks::check_moment_codes(exp_avgs[i], exp_avg_sqs[i], int8, i);
     MomentTensorArgs t{};
     if (int8) {
       const int64_t nb = (numel + kQBlock - 1) / kQBlock;
-      checks::check_scales(exp_avg_scales[i], exp_avg_sq_scales[i], i, nb, &dev);
-      TORCH_CHECK(offsets[i] % kQBlock == 0, "adam_step_moments_: offsets[", i,
-                  "] is not a multiple of ", kQBlock);
+      checks::check_int8_blocks(exp_avg_scales[i], exp_avg_sq_scales[i], offsets[i], i, nb,
+                                &dev);
       t.m_scale = exp_avg_scales[i].data_ptr<float>();
       t.v_scale = exp_avg_sq_scales[i].data_ptr<float>();
     }
@@ -184,13 +155,10 @@ void adam_step_moments_cuda(at::TensorList params, at::TensorList grads, at::Ten
       checks::check_f32_tensor(max_exp_avg_sqs[i], "max_exp_avg_sqs", i, numel, &dev);
       t.vmax = max_exp_avg_sqs[i].data_ptr<float>();
     }
-    std::optional<at::Tensor> master;
-    if (!masters.empty()) master = masters.get(i);
-    if (master.has_value() && master->defined()) {
+    const std::optional<at::Tensor> master = checks::master_of(masters, i);
+    if (master.has_value()) {
       checks::check_f32_tensor(*master, "masters", i, numel, &dev);
-      t.p_dtype = storage_of(p.scalar_type());
-      TORCH_CHECK(t.p_dtype != DType::kNone, "adam_step_moments_: params[", i,
-                  "] (with an fp32 master) must be float32, float16 or bfloat16");
+      t.p_dtype = checks::param_dtype_with_master("adam_step_moments_", p, i);
       t.w = master->data_ptr<float>();
       t.p_out = p.data_ptr();
     } else {
