@@ -48,10 +48,13 @@ class Layout:
 
 def layout(tensors: Sequence[Tuple[str, torch.dtype, Sequence[int]]], align: int = 64,
            pad_tensors: bool = False, metadata: Optional[Dict[str, str]] = None,
-           align_for: Optional[Callable[[int], int]] = None) -> Layout:
+           align_for: Optional[Callable[[int], int]] = None,
+           stagger: Optional[Tuple[int, int]] = None) -> Layout:
     """Compute the header and tensor offsets of a safetensors file for ``tensors``
     (``(name, dtype, shape)``, written in this order). With ``pad_tensors``, each tensor of
-    ``nbytes`` starts at a multiple of ``align_for(nbytes)`` (default: ``align``)."""
+    ``nbytes`` starts at a multiple of ``align_for(nbytes)`` (default: ``align``); with
+    ``stagger=(gap, min_bytes)`` too, a tensor of at least ``min_bytes`` other than the first
+    starts ``gap`` bytes (a multiple of the alignment) further on."""
     header: Dict[str, object] = {}
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
@@ -75,6 +78,8 @@ def layout(tensors: Sequence[Tuple[str, torch.dtype, Sequence[int]]], align: int
             a = align_for(nbytes) if align_for is not None else align
             if pad_tensors and a > 1:
                 gap = (-(data_start_guess + pos)) % a
+                if stagger is not None and pos and nbytes >= stagger[1]:
+                    gap += stagger[0]
                 if gap:
                     pname = f"{PAD_PREFIX}{npad}"
                     header_body[pname] = {"dtype": "U8", "shape": [gap],

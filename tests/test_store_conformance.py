@@ -572,3 +572,24 @@ def test_sim_checks_budget_argument():
 def test_sim_unit_bytes_is_quarter_budget(sim):
     assert sim.unit_bytes == 16 * 1024
     assert ss.DeviceStore("cpu").unit_bytes is None
+
+
+@pytest.mark.parametrize("backend", ["device-cpu", "pinned", "file"])
+def test_large_states_of_a_slab_are_not_a_power_of_two_apart(backend, tmp_path):
+    """A resident store's slab puts a parameter's states one after another; states of 1 MiB
+    or more start 4 KiB further on, so exp_avg and exp_avg_sq of a 2^k-byte parameter are
+    not exactly 2^k bytes apart (the update's streams would share DRAM banks:
+    docs/kernels.md, "The user's quick probe")."""
+    from conftest import make_store
+    store = make_store(backend, tmp_path)
+    try:
+        n = 1 << 20                                 # 4 MiB of fp32 per state
+        keys = [StateKey("w", "exp_avg"), StateKey("w", "exp_avg_sq"), StateKey("b", "exp_avg")]
+        store.create_many([(keys[0], (n,), torch.float32, None),
+                           (keys[1], (n,), torch.float32, None),
+                           (keys[2], (16,), torch.float32, None)])
+        a, b = (store.get(k).data_ptr() for k in keys[:2])
+        assert abs(b - a) != 4 * n and abs(b - a) % 64 == 0, (a, b)
+        assert store.stats()["nbytes"] == 8 * n + 64
+    finally:
+        store.close()

@@ -12,7 +12,7 @@ from .._safetensors_layout import layout
 from .._types import StateKey, StateSpec
 from ..errors import StateStoreIOError
 from ._dirs import StoreLock, create_laid_out, prepare_dir
-from ._slab import SlabStore
+from ._slab import STAGGER, STAGGER_MIN, SlabStore
 
 __all__ = ["FileStore"]
 
@@ -53,7 +53,8 @@ class FileStore(SlabStore):
 
     def _new_slab(self, entries: Sequence[Tuple[StateKey, StateSpec]]):
         lay = layout([(str(k), spec.dtype, spec.shape) for k, spec in entries], align=64,
-                     pad_tensors=True, metadata={"format": "statestore-filestore"})
+                     pad_tensors=True, metadata={"format": "statestore-filestore"},
+                     stagger=(STAGGER, STAGGER_MIN))
         path = os.path.join(self.dir, f"states-{self._id}-{self._nfiles:05d}.safetensors")
         self._nfiles += 1
         size = max(lay.file_size, 1)
