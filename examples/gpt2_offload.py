@@ -188,6 +188,8 @@ def main() -> None:
         else:
             specs += [f"{spec}:{md}" for md in args.moment_dtype.split(",")]
     moments_of = {}
+    if args.dir:
+        os.makedirs(args.dir, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="gpt2-offload-", dir=args.dir) as d:
         for rnd in range(args.rounds):
             for spec in specs:
