@@ -21,7 +21,7 @@ from statestore.offload import PARAM_STATE
 from statestore.optim import HybridAdam
 
 import backend_registry
-from conftest import BACKEND_NAMES, make_store
+from conftest import BACKEND_NAMES, make_store, wait_for_prefetch
 
 VOCAB = 97
 DISK = ("simdisk", "nvme", "tiered", "tiered-nvme")
@@ -171,6 +171,13 @@ def test_read_ahead_serves_steady_state(backend, uib, tmp_path):
         opt = HybridAdam(model.named_parameters(), lr=1e-2, state_store=opt_store,
                          update_in_backward=uib)
         for step in range(3):
+            if uib:
+                # the optimizer's states in RAM before backward, so that every update happens
+                # during backward whatever the machine's load (a state still on its way
+                # defers that update to step(), and its parameter is read again then)
+                opt_store.sync()
+                opt_store.pump()
+                wait_for_prefetch(opt_store)
             before = handle.stats()["sync_reads"]
             _loss(model, step).backward()
             after_backward = handle.stats()["sync_reads"]
