@@ -180,6 +180,10 @@ def main():
                                     "nparams": res[k][2]}) + "\n")
         print(f"# {k}: final loss {statistics.fmean(res[k][0][-args.window:]):.4f}, "
               f"{res[k][1]:.0f} s", file=sys.stderr, flush=True)
+    if "statestore:fp32:default" not in res:
+        sys.exit("moments_training: no fp32-moment run to compare with (the reference); add "
+                 "statestore:fp32:default to --kinds, or read earlier runs with --from-dump "
+                 "FILE (the finished runs are in --dump's file)")
     ref = windows(res["statestore:fp32:default"][0], args.window)
     nparams = res["statestore:fp32:default"][2]
     print(f"\n## GPT-2 config, {args.layers} layers, hidden {args.hidden}, {nparams / 1e6:.2f}M "
