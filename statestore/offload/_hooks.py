@@ -151,28 +151,24 @@ class ModuleHooks:
         return pre
 
     def _pre(self, idx: int, args) -> None:
-        if True:
-            root = idx == 0
-            pushed = False
-            if root and graph_task() < 0:
-                self._begin_iteration()
-                torch._C._autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
-                mode = FetchMode(self)
-                mode.__enter__()
-                self._root_ctx.append(mode)
-                pushed = True
-            self._stack.append((idx, pushed))
-            self._event(idx)
-            for p in self._mod_params[idx]:
-                self._fwd[p] = self._fwd.get(p, 0) + 1
-            if torch.is_grad_enabled() and any(not p.requires_grad for p in self._mod_params[idx]):
-                hooked = False
-                for x in tensors_in(args):
-                    if x.requires_grad:
-                        x.register_hook(lambda g, i=idx: self._inputs_done(i))
-                        hooked = True
-                if not hooked:
-                    pass   # frozen parameters then serve no backward of this module
+        root = idx == 0
+        pushed = False
+        if root and graph_task() < 0:
+            self._begin_iteration()
+            torch._C._autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
+            mode = FetchMode(self)
+            mode.__enter__()
+            self._root_ctx.append(mode)
+            pushed = True
+        self._stack.append((idx, pushed))
+        self._event(idx)
+        for p in self._mod_params[idx]:
+            self._fwd[p] = self._fwd.get(p, 0) + 1
+        if torch.is_grad_enabled() and any(not p.requires_grad for p in self._mod_params[idx]):
+            # (no input requiring grad: frozen parameters then serve no backward of it)
+            for x in tensors_in(args):
+                if x.requires_grad:
+                    x.register_hook(lambda g, i=idx: self._inputs_done(i))
 
     def _make_post(self, idx: int):
         def post(module, args, output):
@@ -184,25 +180,24 @@ class ModuleHooks:
         return post
 
     def _post(self, idx: int, output) -> None:
-        if True:
-            if not self._stack or self._stack[-1][0] != idx:
-                return          # the pre-hook did not run (it raised before its push)
-            _, pushed = self._stack.pop()
-            for p in self._mod_params[idx]:
-                n = self._fwd.get(p, 0) - 1
-                if n <= 0:
-                    self._fwd.pop(p, None)
-                    self._maybe_release(p)
-                else:
-                    self._fwd[p] = n
-            if pushed:
-                mode = self._root_ctx.pop()
-                mode.__exit__(None, None, None)
-                torch._C._autograd._pop_saved_tensors_default_hooks()
-            if output is not None and torch.is_grad_enabled():
-                for y in tensors_in(output):
-                    if y.requires_grad and y.grad_fn is not None:
-                        y.register_hook(lambda g, i=idx: self._backward_event(i))
+        if not self._stack or self._stack[-1][0] != idx:
+            return          # the pre-hook did not run (it raised before its push)
+        _, pushed = self._stack.pop()
+        for p in self._mod_params[idx]:
+            n = self._fwd.get(p, 0) - 1
+            if n <= 0:
+                self._fwd.pop(p, None)
+                self._maybe_release(p)
+            else:
+                self._fwd[p] = n
+        if pushed:
+            mode = self._root_ctx.pop()
+            mode.__exit__(None, None, None)
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+        if output is not None and torch.is_grad_enabled():
+            for y in tensors_in(output):
+                if y.requires_grad and y.grad_fn is not None:
+                    y.register_hook(lambda g, i=idx: self._backward_event(i))
 
     def _backward_event(self, idx: int) -> None:
         task = self._note_task()

@@ -129,14 +129,7 @@ class ReadAhead:
             for p in need:
                 self._set(p, self._mover.to_device(store.get(self._key[p]), owned=False))
             return
-        rest = []
-        for p in need:
-            if p in self._dirty:
-                self._set(p, self._dirty[p])
-            elif p.numel() == 0:
-                self._set(p, torch.empty(p.shape, dtype=p.dtype, device=self.device))
-            else:
-                rest.append(p)
+        rest = [p for p in need if not self._set_local(p)]
         if not rest:
             return
         self._suspend()
@@ -150,6 +143,17 @@ class ReadAhead:
         for p in rest:
             self._count_read(p)
             self._set(p, self._mover.to_device(dest[p].view(p.shape), owned=True))
+
+    def _set_local(self, p: Tensor) -> bool:
+        """Materialize ``p`` without the store where it can be: from its update not yet
+        written back, or empty (no elements). False: it needs a read."""
+        if p in self._dirty:
+            self._set(p, self._dirty[p])
+        elif p.numel() == 0:
+            self._set(p, torch.empty(p.shape, dtype=p.dtype, device=self.device))
+        else:
+            return False
+        return True
 
     def _count_read(self, p: Tensor) -> None:
         self._stats["reads"] += 1
@@ -221,15 +225,10 @@ class ReadAhead:
                 if d is not None:
                     d[s.start:s.stop].copy_(t)
         for p in ps:
-            if p in self._data:
+            if p in self._data or self._set_local(p):
                 continue
-            if p in self._dirty:
-                self._set(p, self._dirty[p])
-            elif p.numel() == 0:
-                self._set(p, torch.empty(p.shape, dtype=p.dtype, device=self.device))
-            else:
-                self._count_read(p)
-                self._set(p, self._mover.to_device(dest[p].view(p.shape), owned=True))
+            self._count_read(p)
+            self._set(p, self._mover.to_device(dest[p].view(p.shape), owned=True))
         run.pos += 1
         if run.pos == w.start + len(w.events):
             self._close_window(run)
