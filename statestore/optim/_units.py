@@ -19,7 +19,7 @@ from ..offload._seam import is_offloaded, param_value
 from ..pipeline import plan_units
 from ._metadata import state_names
 
-__all__ = ["collect_work", "plan_step", "ensure_states", "checked_grad", "UnitTensors", "Entry"]
+__all__ = ["collect_work", "work_of", "plan_step", "ensure_states", "checked_grad", "UnitTensors", "Entry"]
 
 #: one parameter's part of a unit: (parameter, start, stop, its store states in unit order)
 Entry = Tuple[Tensor, int, int, List[str]]
@@ -33,21 +33,26 @@ def collect_work(param_groups: Sequence[dict], keys: Dict[Tensor, str],
     gradient whose states this rank keeps (``owns``), plus those whose gradient backward
     applied and ``released``; and every parameter's gradient (checked:
     :func:`checked_grad`, ``owner`` naming the optimizer)."""
+    grads: Dict[Tensor, Tensor] = {p: checked_grad(p, keys[p], owner)
+                                   for group in param_groups for p in group["params"]
+                                   if p.grad is not None}
+    return work_of(param_groups, stores,
+                   lambda p: (p in grads or p in released) and owns(p)), grads
+
+
+def work_of(param_groups: Sequence[dict], stores: Dict[Tensor, object],
+            include: Callable[[Tensor], bool]) -> Dict[object, List[Tuple[dict, List[Tensor]]]]:
+    """The parameters ``include`` picks as a step's work: ``{store: [(group, params)]}``, in
+    the groups' order and each group's parameter order."""
     work: Dict[object, List[Tuple[dict, List[Tensor]]]] = {}
-    grads: Dict[Tensor, Tensor] = {}
     for group in param_groups:
         per_store: Dict[object, List[Tensor]] = {}
         for p in group["params"]:
-            if p.grad is None:
-                if p in released and owns(p):   # applied during backward
-                    per_store.setdefault(stores[p], []).append(p)
-                continue
-            grads[p] = checked_grad(p, keys[p], owner)
-            if owns(p):
+            if include(p):
                 per_store.setdefault(stores[p], []).append(p)
         for store, ps in per_store.items():
             work.setdefault(store, []).append((group, ps))
-    return work, grads
+    return work
 
 
 def plan_step(store, items, keys: Dict[Tensor, str], fmt,

@@ -36,7 +36,7 @@ from ._sharding import Sharding
 from ._state import OptimizerState
 from ._table import ParamTable, assign_stores, index_keys, offload_store
 from ._torch_format import export_state_dict, read_state_dict, write_states
-from ._units import UnitTensors, collect_work, ensure_states, plan_step
+from ._units import UnitTensors, collect_work, ensure_states, plan_step, work_of
 
 __all__ = ["CPUAdam", "HybridAdam", "OPTIMIZER_METADATA_VERSION"]
 
@@ -394,16 +394,8 @@ class _StoreAdam(torch.optim.Optimizer):
         if self._offload is not None:       # CUDA staging needs the whole step's gradients
             return {}
         chosen = {p for p in params if p in self._stores and self._owns(p)}
-        work: Dict[StateStore, list] = {}
-        group_of = {}
-        for group in self.param_groups:
-            per_store: Dict[StateStore, List[Tensor]] = {}
-            for p in group["params"]:
-                if p in chosen:
-                    per_store.setdefault(self._stores[p], []).append(p)
-                    group_of[p] = group
-            for store, ps in per_store.items():
-                work.setdefault(store, []).append((group, ps))
+        work = work_of(self.param_groups, self._stores, chosen.__contains__)
+        group_of = {p: g for items in work.values() for g, ps in items for p in ps}
         for store, items in work.items():
             ensure_states(store, [p for _, ps in items for p in ps], self._keys, group_of,
                           self._moments)
