@@ -317,6 +317,13 @@ def _grad_on_other_device(ctx):
     opt.step()
 
 
+def _stepped(ctx):
+    """An optimizer whose parameter has a gradient (a step would change it)."""
+    w = _param(4)
+    w.grad = torch.ones(4)
+    return CPUAdam([w], state_store=ctx.new_store())
+
+
 def _in_backward_misuse(ctx, what):
     """update_in_backward: a second backward before step(), a gradient clipped after
     backward applied it, or step(div_scale=...)."""
@@ -1003,6 +1010,12 @@ def _step_rows() -> List[Row]:
             lambda c: CPUAdam([_param(2)], state_store=c.new_store()).step(closure=3), True),
         Row("step-div-scale", 'step(div_scale="x")', TypeError, ("div_scale",),
             lambda c: CPUAdam([_param(2)], state_store=c.new_store()).step(div_scale="x"), True),
+        Row("step-div-scale-nan", "step(div_scale=float('nan'))", StateStoreValueError,
+            ("div_scale must be a finite", "nan"),
+            lambda c: _stepped(c).step(div_scale=float("nan")), True),
+        Row("step-div-scale-inf", "step(div_scale=float('inf'))", StateStoreValueError,
+            ("div_scale must be a finite", "inf"),
+            lambda c: _stepped(c).step(div_scale=float("inf")), True),
         Row("step-store-closed", "the store closed after the optimizer was built",
             StateStoreClosedError, ("{cls}", "closed"), _step_closed_store, True),
         Row("apg-after-states", "add_param_group after states were created", ACCEPTED, (),

@@ -4,9 +4,10 @@ argument where torch would fail comparing a non-number, and the checks of our ow
 (stores, offload fraction, ``update_in_backward``, parameters)."""
 from __future__ import annotations
 
+import math
 import numbers
 import warnings
-from typing import Dict, Sequence
+from typing import Dict, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -14,7 +15,8 @@ from torch import Tensor
 from ..errors import StateStoreClosedError, StateStoreError, StateStoreValueError
 from ..store import StateStore
 
-__all__ = ["is_real", "validate_hyper", "check_arguments", "check_params", "FLOATS"]
+__all__ = ["is_real", "validate_hyper", "check_arguments", "check_params", "grad_scale_of",
+           "FLOATS"]
 
 #: parameter dtypes the optimizers accept
 FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -23,6 +25,32 @@ FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 def is_real(x) -> bool:
     """A real number (numpy scalars included), not a bool."""
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def grad_scale_of(div_scale) -> Optional[float]:
+    """What ``step(div_scale=...)`` divides gradients by: ``div_scale`` when it is > 0, else
+    None: no scaling (None and the default -1, ColossalAI's convention). Checked before a step
+    changes anything.
+
+    Raises:
+        TypeError: not a real number (or a one-element tensor).
+        StateStoreValueError: nan or infinite (dividing by it would make every updated
+            parameter nan or leave it unchanged; nan never means "no scaling").
+    """
+    if div_scale is None:
+        return None
+    if isinstance(div_scale, Tensor) and div_scale.numel() == 1:
+        value = float(div_scale.item())
+    elif is_real(div_scale):
+        value = float(div_scale)
+    else:
+        raise TypeError(f"div_scale must be a float, got {div_scale!r}")
+    if math.isnan(value) or math.isinf(value):
+        raise StateStoreValueError(
+            f"div_scale must be a finite number (> 0 divides the gradients by it, <= 0 or "
+            f"None means no scaling), got {value}; nothing was changed. A loss scaler that "
+            f"found inf or nan gradients should skip the step instead (skip_nonfinite=True)")
+    return value if value > 0 else None
 
 
 def validate_hyper(lr, betas, eps, weight_decay) -> None:

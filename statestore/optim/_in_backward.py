@@ -32,7 +32,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 from torch import Tensor
 
-from ..errors import StateStoreError, StateStoreValueError
+from ..errors import StateStoreError
 from ._metadata import short_names
 from ._table import ParamTable
 from ._units import checked_grad, plan_step
@@ -324,7 +324,7 @@ class BackwardStepper:
         self.passes = None
 
     # ------------------------------------------------------------------ in step()
-    def finish_step(self, work, grads: Dict[Tensor, Tensor], div_scale,
+    def finish_step(self, work, grads: Dict[Tensor, Tensor],
                     may_prefetch: Callable[[object], bool]) -> None:
         """``step()``: check the gradients backward already used, update every remaining
         unit, plan the next step in gradient order and prefetch it where ``may_prefetch``.
@@ -332,13 +332,11 @@ class BackwardStepper:
         Args:
             work: ``{store: [(group, params)]}``, the parameters this step updates.
             grads: their gradients.
-            div_scale: ``step()``'s argument (refused when > 0).
 
         Raises:
             StateStoreError: the loop changed gradients between backward and ``step()``
                 (before anything was updated: nothing changed; after: every parameter made
                 the step, and the error says which from which gradients).
-            StateStoreValueError: ``div_scale > 0``.
         """
         table, keys = self.table, self.table.keys
         changed = [keys[p] for p, (g, version) in self.seen.items()
@@ -348,10 +346,6 @@ class BackwardStepper:
             self.reset()            # nothing changed: the step can be made again
             raise StateStoreError(refused_message(reason))
         try:
-            if div_scale is not None and div_scale > 0:
-                raise StateStoreValueError(
-                    "update_in_backward: step(div_scale=...) is not supported (backward has "
-                    "already applied the gradients unscaled); unscale the loss instead")
             with torch.no_grad():
                 self._open()
                 self._advance(block=True, grads=grads)

@@ -23,11 +23,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from ..errors import StateStoreError
+from ..errors import StateStoreError, StateStoreValueError
 from ..kernels import grads_finite
 from ..offload._seam import update_begin, update_end
 from ..store import StateStore
-from ._args import check_arguments, check_params, is_real, validate_hyper
+from ._args import check_arguments, check_params, grad_scale_of, validate_hyper
 from ._in_backward import BackwardStepper, backward_hook
 from ._metadata import OPTIMIZER_METADATA_VERSION, failed_message, metadata_source, resume
 from ._moments import MomentFormat
@@ -314,7 +314,8 @@ class _StoreAdam(torch.optim.Optimizer):
             TypeError: a closure that is not callable, a ``div_scale`` that is not a number,
                 or a gradient of an unsupported dtype.
             StateStoreValueError: a gradient on another device or of another shape than its
-                parameter.
+                parameter; a ``div_scale`` that is nan or infinite, or given with
+                ``update_in_backward`` (checked first: nothing changes).
             StateStoreError: an earlier step failed part-way (the optimizer must be rebuilt
                 from a checkpoint), or ``update_in_backward`` found the gradients changed
                 between backward and ``step()``.
@@ -325,12 +326,16 @@ class _StoreAdam(torch.optim.Optimizer):
         """
         if closure is not None and not callable(closure):
             raise TypeError(f"closure must be callable or None, got {type(closure).__name__}")
-        if div_scale is not None and not is_real(div_scale) \
-                and not (isinstance(div_scale, Tensor) and div_scale.numel() == 1):
-            raise TypeError(f"div_scale must be a float, got {div_scale!r}")
+        scale = grad_scale_of(div_scale)
         table = self._table
         if table.failed:
             raise StateStoreError(failed_message(type(self).__name__, table.failed[0]))
+        if scale is not None and self.update_in_backward:
+            raise StateStoreValueError(
+                "update_in_backward: step(div_scale=...) is not supported (backward has "
+                "already applied the gradients it produced, unscaled); unscale the loss "
+                "instead, or set optimizer.update_in_backward = False. Nothing was changed: "
+                "call step() without div_scale to finish this step")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -346,7 +351,7 @@ class _StoreAdam(torch.optim.Optimizer):
                     for st, items in work.items()}
         if self.skip_nonfinite and not grads_finite(list(grads.values())):
             return loss
-        grad_scale = float(div_scale) if div_scale is not None and div_scale > 0 else 1.0
+        grad_scale = 1.0 if scale is None else scale
         group_of = {p: g for g in self.param_groups for p in g["params"]}
         for store, items in work.items():
             ensure_states(store, [p for _, ps in items for p in ps], keys, group_of,
@@ -359,7 +364,7 @@ class _StoreAdam(torch.optim.Optimizer):
                 raise
         if self.update_in_backward:
             try:
-                self._stepper.finish_step(work, grads, div_scale, _may_prefetch)
+                self._stepper.finish_step(work, grads, _may_prefetch)
             finally:
                 if self._offload is not None:
                     self._offload.after_step()
