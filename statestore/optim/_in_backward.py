@@ -285,12 +285,12 @@ class BackwardStepper:
         table = self.table
         if grads is None:
             grads = {e[0]: checked_grad(e[0], table.keys[e[0]], self.owner) for e in sel_e}
-        undo = table.advance_steps([table.keys[e[0]] for e in sel_e if e[1] == 0])
+        undo: dict = {}
         try:
+            table.advance_steps([table.keys[e[0]] for e in sel_e if e[1] == 0], undo)
             self._update()(sel_t, group, sel_e, grads, 1.0, dev)
-        except BaseException:
-            if not table.touched:
-                table.rollback_steps(undo)
+        except BaseException as e:
+            table.step_failed(undo, e, record=False)     # abort() records a failure
             raise
         if early:
             for e in sel_e:

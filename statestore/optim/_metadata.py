@@ -39,7 +39,7 @@ from ..errors import CheckpointMismatchError, StateStoreError
 from ..offload._seam import PARAM_STATE
 from ._args import validate_hyper
 from ._moments import SCALE_OF
-from ._table import ParamTable
+from ._table import ParamTable, failed_message
 
 __all__ = ["OPTIMIZER_METADATA_VERSION", "HYPER", "STATE_NAMES", "ALL_STATE_NAMES",
            "LOW_PRECISION", "IMPL_KEYS", "MismatchReport", "group_extras", "saved_group_hyper",
@@ -205,13 +205,6 @@ def state_names(p: Tensor, group: Dict[str, Any]) -> List[str]:
     return names
 
 
-def failed_message(name: str, cause: str) -> str:
-    """What an optimizer whose step failed part-way says when asked to go on."""
-    return (f"{name}: an earlier step() failed part-way ({cause}); parameters and states hold a "
-            "mix of two steps. Load the last checkpoint into the store (and the model weights) "
-            "and build a new optimizer")
-
-
 # ------------------------------------------------------------------------------ producer
 def metadata_source(name: str, param_groups: List[dict], table: ParamTable,
                     moments: Dict[str, Any]) -> Callable[[], dict]:
@@ -222,11 +215,10 @@ def metadata_source(name: str, param_groups: List[dict], table: ParamTable,
 
     The callable raises :class:`StateStoreError` once a step failed part-way (a checkpoint
     then would mix states of two steps and look valid)."""
-    keys, steps, params, failed = table.keys, table.steps, table.params, table.failed
+    keys, steps, params = table.keys, table.steps, table.params
 
     def metadata() -> dict:
-        if failed:
-            raise StateStoreError(failed_message(name, failed[0]))
+        table.check_usable(name)
         groups = []
         for g in param_groups:
             hyper = {k: (list(g[k]) if k == "betas" else g[k]) for k in HYPER}

@@ -2,12 +2,15 @@
 update-in-backward stepper, the torch-format conversion, the offload path): one
 :class:`ParamTable` per optimizer.
 
-Step counts live here, with the one rollback rule every step path uses: a step advances the
-counts of the parameters it updates (:meth:`ParamTable.advance_steps`) before touching
-anything; if it fails before any parameter or state changed (``touched`` still False), the
-counts go back to exactly what they were (:meth:`ParamTable.rollback_steps`: a parameter
-without a count before has none again); once something changed, the optimizer records the
-failure in ``failed`` and refuses to go on instead.
+Step counts live here, with the one rollback rule every step path uses
+(:meth:`ParamTable.stepping`): a step advances the counts of the parameters it updates before
+touching anything; if it fails before any parameter or state changed (``touched`` still
+False), the counts go back to exactly what they were (a parameter without a count before has
+none again); once something changed, the failure is recorded in ``failed`` and the optimizer
+refuses to go on instead. The advance and its undo are atomic with respect to Ctrl-C: each
+count's undo is recorded before the count changes, and both run with signals deferred
+(:mod:`statestore._signals`), so an interrupt lands before the advance, inside the guarded
+update (rolled back while nothing changed) or after it, never between a count and its undo.
 """
 from __future__ import annotations
 
@@ -16,13 +19,22 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from .._signals import deferred_signals
 from ..errors import StateStoreError
 
-__all__ = ["ParamTable", "StepUndo", "index_keys", "assign_stores", "offload_store"]
+__all__ = ["ParamTable", "StepUndo", "failed_message", "index_keys", "assign_stores",
+           "offload_store"]
 
 #: what :meth:`ParamTable.rollback_steps` restores: each advanced key's count before (None:
 #: it had none)
 StepUndo = Dict[str, Optional[int]]
+
+
+def failed_message(name: str, cause: str) -> str:
+    """What an optimizer whose step failed part-way says when asked to go on."""
+    return (f"{name}: an earlier step() failed part-way ({cause}); parameters and states hold a "
+            "mix of two steps. Load the last checkpoint into the store (and the model weights) "
+            "and build a new optimizer")
 
 
 class ParamTable:
@@ -58,23 +70,74 @@ class ParamTable:
         self.keys.update(keys)
         self.params[:] = params
 
-    def advance_steps(self, keys: Sequence[str]) -> StepUndo:
-        """Add one to the step count of each of ``keys``; returns what undoes it."""
+    def check_usable(self, name: str) -> None:
+        """Refuse once a step failed part-way (every call that steps, reads or saves states).
+
+        Raises:
+            StateStoreError: ``failed`` is not empty; says how to recover.
+        """
+        if self.failed:
+            raise StateStoreError(failed_message(name, self.failed[0]))
+
+    def advance_steps(self, keys: Sequence[str], undo: Optional[StepUndo] = None) -> StepUndo:
+        """Add one to the step count of each of ``keys``; returns what undoes it (``undo``,
+        filled in place when given: each key's entry is written before its count changes,
+        so that an interrupted advance is undone exactly)."""
         steps = self.steps
-        undo: StepUndo = {}
-        for k in keys:
-            before = steps.get(k)
-            undo[k] = before
-            steps[k] = (before or 0) + 1
+        undo = {} if undo is None else undo
+        with deferred_signals():
+            for k in keys:
+                if k in undo:
+                    continue
+                undo[k] = steps.get(k)
+                steps[k] = (undo[k] or 0) + 1
         return undo
 
     def rollback_steps(self, undo: StepUndo) -> None:
         """Put back the step counts :meth:`advance_steps` changed."""
-        for k, before in undo.items():
-            if before is None:
-                self.steps.pop(k, None)
-            else:
-                self.steps[k] = before
+        with deferred_signals():
+            for k, before in undo.items():
+                if before is None:
+                    self.steps.pop(k, None)
+                else:
+                    self.steps[k] = before
+
+    def step_failed(self, undo: StepUndo, err: BaseException, record: bool = True) -> None:
+        """A step that advanced ``undo``'s counts failed with ``err``: while it had changed
+        nothing (``touched`` False) the counts go back; after, the failure is recorded
+        (``record``) and the optimizer refuses to go on."""
+        with deferred_signals():
+            if not self.touched:
+                self.rollback_steps(undo)
+            elif record:
+                self.failed.append(f"{type(err).__name__}: {err}")
+
+    def stepping(self, keys: Sequence[str]) -> "_Stepping":
+        """``with table.stepping(keys): update...``: a whole step (``touched`` reset, the
+        counts of ``keys`` advanced, :meth:`step_failed` on an exception); see the module
+        docstring."""
+        return _Stepping(self, keys)
+
+
+class _Stepping:
+    __slots__ = ("table", "keys", "undo")
+
+    def __init__(self, table: ParamTable, keys: Sequence[str]):
+        self.table, self.keys, self.undo = table, keys, {}
+
+    def __enter__(self) -> StepUndo:
+        try:
+            with deferred_signals():        # a Ctrl-C meanwhile is raised as this ends:
+                self.table.touched = False
+                self.table.advance_steps(self.keys, self.undo)
+            return self.undo
+        except BaseException:               # here, where the undo covers it
+            self.table.rollback_steps(self.undo)
+            raise
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.table.step_failed(self.undo, exc)
 
 
 def index_keys(param_groups: Sequence[dict]) -> Tuple[Dict[Tensor, str], List[Tensor]]:

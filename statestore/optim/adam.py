@@ -29,7 +29,7 @@ from ..offload._seam import update_begin, update_end
 from ..store import StateStore
 from ._args import check_arguments, check_params, grad_scale_of, validate_hyper
 from ._in_backward import BackwardStepper, backward_hook
-from ._metadata import OPTIMIZER_METADATA_VERSION, failed_message, metadata_source, resume
+from ._metadata import OPTIMIZER_METADATA_VERSION, metadata_source, resume
 from ._moments import MomentFormat
 from ._offload_path import OffloadPath, attach_offload_path
 from ._sharding import Sharding
@@ -328,8 +328,7 @@ class _StoreAdam(torch.optim.Optimizer):
             raise TypeError(f"closure must be callable or None, got {type(closure).__name__}")
         scale = grad_scale_of(div_scale)
         table = self._table
-        if table.failed:
-            raise StateStoreError(failed_message(type(self).__name__, table.failed[0]))
+        table.check_usable(type(self).__name__)
         if scale is not None and self.update_in_backward:
             raise StateStoreValueError(
                 "update_in_backward: step(div_scale=...) is not supported (backward has "
@@ -369,23 +368,16 @@ class _StoreAdam(torch.optim.Optimizer):
                 if self._offload is not None:
                     self._offload.after_step()
             return loss
-        undo = table.advance_steps([keys[p] for p in grads if self._owns(p)])
-        table.touched = False
-        try:
+        # A failure before anything changed (e.g. an I/O error the store reports) only rolls
+        # the counts back; after, some parameters and states hold this step and others the
+        # previous one: the optimizer refuses to go on (or to checkpoint) rather than diverge.
+        with table.stepping([keys[p] for p in grads if self._owns(p)]):
             try:
                 for store, items in work.items():
                     self._step_store(store, items, grads, grad_scale)
             finally:
                 if self._offload is not None:
                     self._offload.after_step()
-        except BaseException as e:
-            if table.touched:
-                # Some parameters and states hold this step, others the previous one: refuse
-                # to go on (or to checkpoint) rather than diverge silently.
-                table.failed.append(f"{type(e).__name__}: {e}")
-            else:           # failed before anything changed (e.g. an I/O error reported by
-                table.rollback_steps(undo)      # the store): nothing to undo but the counts
-            raise
         if self._sharding is not None:
             for store in work:
                 store.sync()
@@ -490,7 +482,9 @@ class _StoreAdam(torch.optim.Optimizer):
 
         Raises:
             StateStoreIOError: a disk store failed to read a state.
+            StateStoreError: an earlier step failed part-way (see :meth:`step`).
         """
+        self._table.check_usable(type(self).__name__)
         return export_state_dict(self.param_groups, self._table, self._moments)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
@@ -513,7 +507,9 @@ class _StoreAdam(torch.optim.Optimizer):
             ValueError, TypeError: a malformed state dict, naming the group, parameter or
                 state at fault.
             CheckpointMismatchError: groups or parameter counts that differ.
+            StateStoreError: an earlier step failed part-way (see :meth:`step`).
         """
+        self._table.check_usable(type(self).__name__)
         new_hyper, plan = read_state_dict(state_dict, self.param_groups, self._table,
                                           self._owns)
         write_states(self.param_groups, new_hyper, plan, self._table, self._moments)
@@ -535,8 +531,10 @@ class _StoreAdam(torch.optim.Optimizer):
 
         Raises:
             StateStoreIOError: a disk store failed to read a master.
+            StateStoreError: an earlier step failed part-way (see :meth:`step`).
         """
         from ._masters import master_weights
+        self._table.check_usable(type(self).__name__)
         return master_weights(self._table)
 
     def save_master_weights(self, path: str) -> None:
@@ -550,9 +548,11 @@ class _StoreAdam(torch.optim.Optimizer):
 
         Raises:
             StateStoreIOError: a disk store failed to read a master.
+            StateStoreError: an earlier step failed part-way (see :meth:`step`).
             OSError: writing the file failed (the temporary file is removed).
         """
         from ._masters import save_master_weights
+        self._table.check_usable(type(self).__name__)
         save_master_weights(self._table, path)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -1,0 +1,96 @@
+"""Deferring Ctrl-C across short sections of bookkeeping.
+
+A signal whose Python handler raises (``KeyboardInterrupt`` from SIGINT, or a handler a
+program installed for SIGTERM) is delivered between any two bytecodes of the main thread: in
+the middle of the few lines that advance a step count and record how to undo it, or that give
+a ring buffer back. Raised there, it leaves the bookkeeping half done: counts advanced with no
+undo, buffers no pipeline will ever release (the store then refuses every call for want of
+RAM). Inside :class:`deferred_signals` the signal is recorded instead and delivered, to the
+handler that was installed, as the section ends: a Ctrl-C lands just after it, never inside.
+
+Sections are kept short (bookkeeping, and waits for I/O of at most a unit of a pipeline), so
+a Ctrl-C is delayed by at most that. Only the main thread runs Python signal handlers, so
+other threads run the section as it is; signals whose handler is not a Python callable
+(``SIG_DFL``: the process dies; ``SIG_IGN``) are left alone. Sections nest (only the outermost
+installs handlers).
+"""
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+__all__ = ["deferred_signals", "without_signals"]
+
+#: the signals deferred (where a Python handler is installed for them)
+SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM") if hasattr(signal, n))
+
+_main = threading.main_thread()
+
+
+class _State:
+    depth = 0
+    saved: Dict[int, Any] = {}
+    pending: List[Tuple[int, Any]] = []
+
+
+def _record(signum: int, frame) -> None:
+    _State.pending.append((signum, frame))
+
+
+class deferred_signals:
+    """``with deferred_signals(): ...``: SIGINT (and SIGTERM where a Python handler is
+    installed) arriving inside the block is delivered when it ends (module docstring)."""
+
+    __slots__ = ("_outer",)
+
+    def __enter__(self) -> "deferred_signals":
+        self._outer = False
+        if threading.current_thread() is not _main:
+            return self
+        if _State.depth:
+            _State.depth += 1
+            return self
+        saved: Dict[int, Any] = {}
+        try:
+            for sig in SIGNALS:
+                h = signal.getsignal(sig)
+                if callable(h) and h is not _record:
+                    saved[sig] = h
+                    signal.signal(sig, _record)
+        except BaseException:
+            for sig, h in saved.items():    # a signal while installing: leave as it was
+                signal.signal(sig, h)
+            raise
+        _State.saved, _State.pending = saved, []
+        _State.depth = 1
+        self._outer = True
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if threading.current_thread() is not _main or not _State.depth:
+            return
+        _State.depth -= 1
+        if not self._outer:
+            return
+        saved, pending = _State.saved, _State.pending
+        _State.saved, _State.pending = {}, []
+        for sig, h in saved.items():
+            signal.signal(sig, h)
+        if pending:
+            sig, frame = pending[0]
+            handler: Optional[Callable] = saved.get(sig)
+            if handler is not None:
+                handler(sig, frame)         # KeyboardInterrupt (say) raised here, after
+
+
+def without_signals(fn: Callable) -> Callable:
+    """Decorator: run ``fn`` inside :class:`deferred_signals`."""
+    def wrapper(*args, **kwargs):
+        with deferred_signals():
+            return fn(*args, **kwargs)
+    wrapper.__name__ = fn.__name__
+    wrapper.__qualname__ = fn.__qualname__
+    wrapper.__doc__ = fn.__doc__
+    wrapper.__wrapped__ = fn
+    return wrapper
