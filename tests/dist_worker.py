@@ -124,9 +124,10 @@ def save_sharded(rank: int, world: int, port: int, out: str, kind: str, k: int, 
                       process_group=dist.group.WORLD)
         train(model, opt, 0, k, rank, world, full=True)
         store.save_checkpoint(os.path.join(out, "ckpt"))
-        # torch.distributed.checkpoint saves the torch-format shard of each rank
+        # torch.distributed.checkpoint saves the torch-format shard of each rank (state_dict()
+        # refuses a shard: shard_state_dict() marks it as one)
         import torch.distributed.checkpoint as dcp
-        dcp.save({"optim": opt.state_dict()}, checkpoint_id=os.path.join(out, "dcp"))
+        dcp.save({"optim": opt.shard_state_dict()}, checkpoint_id=os.path.join(out, "dcp"))
         if rank == 0:
             _save_params(model, os.path.join(out, f"params{k}.safetensors"))
         train(model, opt, k, n, rank, world, full=True)

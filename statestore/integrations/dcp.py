@@ -25,6 +25,10 @@ and evicts their pages), DCP reads into / writes from those, and ``load_state_di
 them into the store one parameter at a time. On a resident store the tensors are views of
 the states themselves. Step counts and hyperparameters travel too; the scheduler is saved
 by the user as usual.
+
+With an optimizer sharded over a ``process_group``, each rank's dict holds the parameters
+whose states that rank keeps: ``dcp.save`` on every rank writes the whole optimizer once, and
+``dcp.load`` gives each rank its own (or a single process every parameter).
 """
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ import torch
 
 from .._snapshot import unlinked_buffer
 from ..errors import CheckpointMismatchError
+from ..optim._sharding import SHARD_KEY
 from ._common import find_store_optimizer
 
 __all__ = ["StateStoreStateful"]
@@ -92,11 +97,22 @@ class StateStoreStateful:
 
     # ------------------------------------------------------------------ Stateful
     def state_dict(self) -> Dict[str, Any]:
-        torch_sd = self.optimizer.state_dict()      # disk stores: file-backed, streamed
+        # disk stores: file-backed, streamed. Sharded over a process group: this rank's
+        # parameters only (no zeros for the others, which DCP would keep one copy of: maybe
+        # a rank's zeros instead of the owner's states); dcp.save of every rank's merges.
+        torch_sd = self.optimizer.shard_state_dict()
+        mark = torch_sd.pop(SHARD_KEY, None)
+        mine = None
+        if mark is not None:
+            import torch.distributed as dist
+            rank = dist.get_rank(self.optimizer.process_group)
+            mine = {i for i, r in enumerate(mark["owners"]) if r == rank}
         params = self._params()
         state: Dict[str, Dict[str, torch.Tensor]] = {}
         missing = []
         for i, name, p, g in params:
+            if mine is not None and i not in mine:
+                continue
             st = torch_sd["state"].get(i)
             want = self._state_names(p, g)
             if st is None or any(n not in st for n in want):

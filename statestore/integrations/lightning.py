@@ -17,9 +17,13 @@ hyperparameters; the states are never moved to the device (they stay in the stor
 optimizers, and checkpoints saved without the callback, take Lightning's own path.
 
 While a ``fit``/``validate``... runs, the callback wraps ``trainer.strategy.checkpoint_io`` and
-the strategy's ``optimizer_state``/``load_optimizer_state_dict``; ``teardown`` puts them back.
-Only the process that writes Lightning's checkpoint (global rank 0) saves the store, so an
-optimizer sharded over a ``process_group`` is not supported here.
+the strategy's ``save_checkpoint``/``optimizer_state``/``load_optimizer_state_dict``;
+``teardown`` puts them back. The store's checkpoint is saved from the strategy's
+``save_checkpoint``, which every rank calls (Lightning's ``CheckpointIO`` runs on global rank 0
+only): by rank 0 alone, or, for an optimizer sharded over a ``process_group``, by every rank
+(``save_checkpoint`` is then a collective writing one checkpoint; it was called on rank 0 only
+before, and waited for the other ranks for ever). Resuming loads it on every rank, each taking
+its own shard.
 """
 from __future__ import annotations
 
@@ -57,14 +61,7 @@ class _StoreCheckpointIO(CheckpointIO):
         self.callback = callback
 
     def save_checkpoint(self, checkpoint: Dict[str, Any], path, storage_options=None) -> None:
-        optimizers = self.callback._trainer.strategy.optimizers
-        for i, st in enumerate(checkpoint.get("optimizer_states") or []):
-            if not is_light_state_dict(st):
-                continue
-            opt = _store_optimizer(optimizers[i])
-            name = _folder(path, i)
-            opt.state_store.save_checkpoint(os.path.join(os.path.dirname(str(path)), name))
-            st[STATESTORE_KEY]["checkpoint"] = name
+        # the stores were saved by the strategy's save_checkpoint (_save_stores), on every rank
         self.inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
 
     def load_checkpoint(self, path, *args, **kwargs):
@@ -84,6 +81,20 @@ class _StoreCheckpointIO(CheckpointIO):
         self.inner.teardown()
 
 
+def _save_stores(strategy, checkpoint: Dict[str, Any], path) -> None:
+    """Save the store of each statestore optimizer beside ``path`` (called on every rank):
+    a sharded store collectively on every rank, any other on global rank 0, which writes the
+    ``.ckpt``."""
+    for i, st in enumerate(checkpoint.get("optimizer_states") or []):
+        if not is_light_state_dict(st):
+            continue
+        opt = _store_optimizer(strategy.optimizers[i])
+        name = _folder(path, i)
+        if opt.process_group is not None or strategy.is_global_zero:
+            opt.state_store.save_checkpoint(os.path.join(os.path.dirname(str(path)), name))
+        st[STATESTORE_KEY]["checkpoint"] = name
+
+
 class StateStoreCheckpoint(Callback):
     """Save statestore optimizers' states through :meth:`StateStore.save_checkpoint` beside
     Lightning's checkpoints and restore them from there (see the module docstring)."""
@@ -100,6 +111,7 @@ class StateStoreCheckpoint(Callback):
         self._trainer = trainer
         inner_io = strategy.checkpoint_io
         optimizer_state = strategy.optimizer_state
+        save_checkpoint = strategy.save_checkpoint
         load_optimizer_state_dict = strategy.load_optimizer_state_dict
         self._saved = (strategy, inner_io)
 
@@ -126,7 +138,12 @@ class StateStoreCheckpoint(Callback):
                                           f"optimizer with a state_store")
                 load_into(opt, resolve(base, st[STATESTORE_KEY]["checkpoint"]))
 
+        def save_with_stores(checkpoint, filepath, storage_options=None):
+            _save_stores(strategy, checkpoint, filepath)
+            return save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
         strategy.checkpoint_io = _StoreCheckpointIO(inner_io, self)
+        strategy.save_checkpoint = save_with_stores
         strategy.optimizer_state = light_optimizer_state
         strategy.load_optimizer_state_dict = load_light
 
@@ -135,7 +152,7 @@ class StateStoreCheckpoint(Callback):
             return
         strategy, inner_io = self._saved
         strategy.checkpoint_io = inner_io
-        for attr in ("optimizer_state", "load_optimizer_state_dict"):
+        for attr in ("save_checkpoint", "optimizer_state", "load_optimizer_state_dict"):
             strategy.__dict__.pop(attr, None)
         self._saved = None
         self._trainer = None

@@ -32,7 +32,7 @@ from ._in_backward import BackwardStepper, backward_hook
 from ._metadata import OPTIMIZER_METADATA_VERSION, metadata_source, resume
 from ._moments import MomentFormat
 from ._offload_path import OffloadPath, attach_offload_path
-from ._sharding import Sharding
+from ._sharding import Sharding, check_not_partial, refuse_partial, shard_state_dict
 from ._state import OptimizerState
 from ._table import ParamTable, assign_stores, index_keys, offload_store
 from ._torch_format import export_state_dict, read_state_dict, write_states
@@ -463,9 +463,8 @@ class _StoreAdam(torch.optim.Optimizer):
 
         Returns:
             ``{"state": {index: {"step", "exp_avg", "exp_avg_sq", ...}}, "param_groups":
-            [...]}``: one entry per parameter with a step count (with a ``process_group``:
-            this rank's shard), indices in torch's numbering; each group carries torch's
-            keys (``decoupled_weight_decay`` for ``adamw_mode``, ``foreach``...).
+            [...]}``: one entry per parameter with a step count, indices in torch's
+            numbering; groups carry torch's keys (``decoupled_weight_decay``, ``foreach``...).
 
         Resident stores return views of the live states (as torch returns its own state
         tensors). Disk stores snapshot their state files as a linked checkpoint does (frozen,
@@ -476,16 +475,20 @@ class _StoreAdam(torch.optim.Optimizer):
         (``moment_dtype`` "bf16"/"int8") are decoded into new fp32 tensors (streamed through
         the budget for disk stores), so that ``torch.optim.AdamW`` loads them.
 
-        A bf16/fp16 parameter's state also holds ``"master"``, its fp32 master copy, which
-        ``torch.optim.AdamW.load_state_dict`` ignores (torch keeps no such state): take the
-        fp32 weights out with :meth:`master_weights` or :meth:`save_master_weights`.
+        A bf16/fp16 parameter's state also holds ``"master"`` (its fp32 copy, which torch's
+        AdamW ignores): :meth:`master_weights` or :meth:`save_master_weights` take it out.
 
         Raises:
             StateStoreIOError: a disk store failed to read a state.
-            StateStoreError: an earlier step failed part-way (see :meth:`step`).
+            StateStoreError: a step failed part-way (:meth:`step`); sharded (docs/distributed.md).
         """
         self._table.check_usable(type(self).__name__)
+        refuse_partial(self._sharding, "state_dict()")
         return export_state_dict(self.param_groups, self._table, self._moments)
+
+    def shard_state_dict(self) -> Dict[str, Any]:
+        """This rank's shard of :meth:`state_dict`, marked as one (``docs/distributed.md``)."""
+        return shard_state_dict(self._sharding, self.param_groups, self._table, self._moments)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load torch's format (from ``torch.optim.AdamW``/``Adam`` or from this class).
@@ -507,9 +510,10 @@ class _StoreAdam(torch.optim.Optimizer):
             ValueError, TypeError: a malformed state dict, naming the group, parameter or
                 state at fault.
             CheckpointMismatchError: groups or parameter counts that differ.
-            StateStoreError: an earlier step failed part-way (see :meth:`step`).
+            StateStoreError: a step failed part-way; one rank's :meth:`shard_state_dict`.
         """
         self._table.check_usable(type(self).__name__)
+        check_not_partial(state_dict, self._sharding, self._table)
         new_hyper, plan = read_state_dict(state_dict, self.param_groups, self._table,
                                           self._owns)
         write_states(self.param_groups, new_hyper, plan, self._table, self._moments)
