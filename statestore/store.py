@@ -25,6 +25,7 @@ from ._access import CHUNK_BYTES, PipelineAccess
 from ._entries import check_entries, check_value
 from ._inflight import InFlightWrites
 from ._links import LinkSeam
+from ._regions import Region
 from ._ring import aligned_buffer
 from ._types import LinkableFile, Slice, StateKey, StateSpec, as_key
 from .errors import StateKeyError, StateStoreClosedError, StateStoreError, StateStoreValueError
@@ -81,6 +82,7 @@ class StateStore(PipelineAccess, LinkSeam, ABC):
         self._prefetched: Optional[Prefetch] = None     # started by prefetch()
         self._process_group = None      # the group this store's states are sharded over
         self._deferred = None           # checkpoint states a sharded load left on disk
+        self._regions: Dict[str, Region] = {}   # parameters whose states are regions
 
     # ------------------------------------------------------------------ backend primitives
     @abstractmethod
@@ -210,6 +212,7 @@ class StateStore(PipelineAccess, LinkSeam, ABC):
             self.delete(list(self._specs))
         self._loaded_metadata = None
         self._deferred = None
+        self._regions = {}
 
     # ------------------------------------------------------------------ whole-tensor access
     def get(self, key) -> torch.Tensor:
@@ -340,6 +343,33 @@ class StateStore(PipelineAccess, LinkSeam, ABC):
         :meth:`load_checkpoint` left on disk (other ranks' shards), else None."""
         return self._deferred
 
+    @property
+    def regions(self) -> Dict[str, Region]:
+        """The parameters whose states in this store are a region of the parameter's states
+        (one rank's shard of an FSDP2 parameter): ``{parameter name: Region}`` (a copy;
+        parameters held whole are absent). A checkpoint of the store records them
+        (``docs/checkpoint-format.md``, "Regions")."""
+        return dict(self._regions)
+
+    def record_regions(self, regions: Dict[str, Region]) -> None:
+        """Record which region of its parameter's states each of ``regions``' parameters
+        holds here (the optimizer over DTensor parameters, or a load, calls it); a whole
+        region removes the parameter's entry.
+
+        Raises:
+            StateStoreValueError: a value that is not a :class:`statestore._regions.Region`
+                that fits its global shape.
+        """
+        for name, r in regions.items():
+            if not isinstance(r, Region) or r.problem():
+                raise StateStoreValueError(f"record_regions: parameter {name!r}: not a region "
+                                           f"({r!r})")
+        for name, r in regions.items():
+            if r.is_whole:
+                self._regions.pop(name, None)
+            else:
+                self._regions[name] = r
+
     def detach_metadata(self) -> None:
         """Forget the attached optimizer's metadata provider (its ``on_load`` stays):
         :meth:`load_checkpoint` replaces the states that metadata described."""
@@ -443,14 +473,18 @@ class StateStore(PipelineAccess, LinkSeam, ABC):
                     pass
             raise
 
-    def load_deferred(self, params: Iterable[str]) -> None:
+    def load_deferred(self, params: Iterable[str],
+                      regions: Optional[Dict[str, Region]] = None) -> None:
         """Load the states of parameters ``params`` (names) that a sharded
-        :meth:`load_checkpoint` left on disk because another rank owned them; a no-op for
-        those already here. Optimizers call it when their partition differs from the
-        load's (or they are not sharded).
+        :meth:`load_checkpoint` left on disk because another rank owned them, or that it
+        loaded as another region than the one needed; a no-op for those already here.
+        Optimizers call it when their partition differs from the load's (or they are not
+        sharded).
 
         Args:
             params: parameter names.
+            regions: the region each parameter's states must hold (FSDP2 parameters: the
+                rank's shard); parameters absent from it are needed whole.
 
         Raises:
             StateStoreClosedError: the store is closed.
@@ -460,7 +494,7 @@ class StateStore(PipelineAccess, LinkSeam, ABC):
         """
         self._check_open()
         from .checkpoint import load_deferred
-        load_deferred(self, params)
+        load_deferred(self, params, regions)
 
     # ------------------------------------------------------------------ stats and lifetime
     def stats(self) -> Dict[str, Any]:

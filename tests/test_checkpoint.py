@@ -573,8 +573,8 @@ def test_load_into_tiered_store_with_a_small_disk_budget(tmp_path):
 
 def test_manifest_rows_are_frozen_records(tmp_path):
     """read_manifest's rows are ManifestRow records: the nine columns as attributes (also
-    read as a mapping, as the rows were before), the parsed spec and key, and no way to
-    change one after validation."""
+    read as a mapping, as the rows were before), the parsed spec and key, the region (a
+    version-1 row: the whole tensor), and no way to change one after validation."""
     import dataclasses
     path = str(tmp_path / "ckpt")
     with ss.DeviceStore("cpu") as s:
@@ -590,7 +590,9 @@ def test_manifest_rows_are_frozen_records(tmp_path):
     assert r.spec == ss.StateSpec((2, 3), torch.float32) and r.state_key == ss.StateKey("w",
                                                                                          "exp_avg")
     assert r["file"] == r.file and dict(r)["checksum"] == r.checksum
-    assert set(r) == set(ckpt_mod.SCHEMA.names) | {"spec", "state_key"}
+    assert set(r) == set(ckpt_mod.SCHEMA.names) | {"spec", "state_key", "global_shape",
+                                                    "offsets"}
+    assert (r.global_shape, r.offsets, r.region.is_whole) == ((2, 3), (0, 0), True)
     assert by_key["b/master"].dtype == "BF16" and by_key["b/master"].spec.dtype == torch.bfloat16
     with pytest.raises(dataclasses.FrozenInstanceError):
         r.offset = 0

@@ -31,6 +31,8 @@ Public functions: :func:`save_checkpoint`, :func:`load_checkpoint`, :func:`load_
 :mod:`.shard_check`       shard headers and files checked against the manifest
 :mod:`.reader`            parallel, hashed reads of shard byte ranges
 :mod:`.linked_load`       a load that hard-links shards into an ``NVMeStore``
+:mod:`.region_load`       regions (FSDP2 shards): which one a rank loads, and assembling
+                          a region out of the saved ones
 :mod:`.load`              :func:`load_checkpoint`, :func:`load_deferred`,
                           :func:`verify_checkpoint`, :class:`Deferred`
 :mod:`.foreign`           what a directory without a manifest is (for the error message)

@@ -1,21 +1,28 @@
 """A collective save: every rank of a ``torch.distributed`` group writes the states it holds
 into its own shards, rank 0 writes the one manifest once all have finished
 (``docs/distributed.md``). Any rank's failure fails the save on every rank, the previous
-checkpoint intact."""
+checkpoint intact.
+
+States a rank holds as a region (its shard of an FSDP2 parameter, ``store.regions``) are
+written by every rank, each row recording its region; blockwise states of such a parameter
+(int8 moments' scales) are rows of a 1-D tensor of all ranks' scales, ordered as the
+moment's regions (``docs/checkpoint-format.md``, "Regions")."""
 from __future__ import annotations
 
 import json
 import uuid
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Set
 
 from ..distributed import Collective
 from ..errors import CheckpointError
 from .filesystem import prepare_root, remove
-from .format import ManifestRow
+from .._regions import Region
+from .format import ManifestRow, tiling_problems
+from .region_load import blockwise_states
 from .writer import (as_io_error, lock_for_save, metadata_json, remove_stale, save_progress,
                      write_manifest, write_shards)
 
-__all__ = ["save_collective", "merge_metadata"]
+__all__ = ["save_collective", "merge_metadata", "region_rows"]
 
 
 def merge_metadata(metas: List[str], rows: List[List[ManifestRow]]) -> str:
@@ -39,6 +46,60 @@ def merge_metadata(metas: List[str], rows: List[List[ManifestRow]]) -> str:
     if steps or "steps" in merged:
         merged = dict(merged, steps=steps)
     return json.dumps(merged)
+
+
+def region_rows(rows: List[ManifestRow], regions: Dict[str, Region],
+                blockwise: Set[str]) -> List[ManifestRow]:
+    """``rows`` with the region each holds: the states of ``regions``' parameters but the
+    ``blockwise`` ones (int8 scales: theirs come from :func:`merge_rows`).
+
+    Raises:
+        CheckpointError: a state of a sharded parameter without the shape of its region.
+    """
+    out = []
+    for r in rows:
+        reg = regions.get(r.param)
+        if reg is not None and r.state not in blockwise:
+            if r.shape != reg.shape:
+                raise CheckpointError(f"state {r.key!r} has shape {list(r.shape)}, but this "
+                                      f"rank holds {reg.describe()} of its parameter")
+            r = r.with_region(reg)
+        out.append(r)
+    return out
+
+
+def merge_rows(gathered: List[List[ManifestRow]],
+               regions: List[Dict[str, Region]]) -> List[ManifestRow]:
+    """Every rank's rows (``gathered``, in rank order) as one manifest's: the blockwise rows
+    of parameters held as regions become regions of a 1-D tensor, in the order of the ranks'
+    regions of their parameter.
+
+    Raises:
+        CheckpointError: the rows do not tile their tensors (ranks disagree on a shape).
+    """
+    blockwise: Dict[str, List[tuple]] = {}
+    for rank, rows in enumerate(gathered):
+        reg = regions[rank]
+        for i, r in enumerate(rows):
+            if r.param in reg and r.region.is_whole:
+                blockwise.setdefault(r.key, []).append((reg[r.param].offsets, rank, i))
+    fixed = [list(rows) for rows in gathered]
+    for key, owners in blockwise.items():
+        total = sum(gathered[rank][i].shape[0] if len(gathered[rank][i].shape) == 1 else -1
+                    for _, rank, i in owners)
+        start = 0
+        for _, rank, i in sorted(owners):
+            r = gathered[rank][i]
+            if len(r.shape) != 1 or total < 0:
+                raise CheckpointError(f"state {key!r} of a sharded parameter has shape "
+                                      f"{list(r.shape)} on rank {rank}, neither its region's "
+                                      f"nor a 1-D blockwise one")
+            fixed[rank][i] = r.with_region(Region((total,), (start,), r.shape))
+            start += r.shape[0]
+    out = [r for rows in fixed for r in rows]
+    for problem in tiling_problems(out):
+        raise CheckpointError(f"the ranks' states do not form one checkpoint: {problem}")
+    return out
 
 
 def save_collective(store, path: str, group, shard_bytes: int, progress, metadata,
@@ -68,27 +129,33 @@ def save_collective(store, path: str, group, shard_bytes: int, progress, metadat
 def _save_collective_locked(store, path: str, comm, error, fs, root, shard_bytes: int,
                             progress, meta_json, link: bool) -> None:
     # Rank 0's save id; every rank's keys; any rank's early failure.
+    regions = store.regions
     first_round = comm.all_gather((uuid.uuid4().hex[:12], [str(k) for k in store.keys()],
-                                   None if error is None else repr(error)))
-    early = [(r, msg) for r, (_, _, msg) in enumerate(first_round) if msg is not None]
+                                   None if error is None else repr(error), regions))
+    early = [(r, msg) for r, (_, _, msg, _) in enumerate(first_round) if msg is not None]
     if early:
         if error is not None:
             raise error
         raise CheckpointError(f"collective save of checkpoint {path!r} failed on rank "
                               f"{early[0][0]}: {early[0][1]}; nothing was written")
     save_id = first_round[0][0]
-    # A state held by several ranks (replicated, not sharded) is written once, by the lowest.
+    # A state held by several ranks (replicated, not sharded) is written once, by the lowest;
+    # a state held as a region by every rank holding it (empty regions write nothing).
     first: Dict[str, int] = {}
-    for r, (_, ks, _) in enumerate(first_round):
+    for r, (_, ks, _, regs) in enumerate(first_round):
         for k in ks:
-            first.setdefault(k, r)
-    keys = [k for k in store.keys() if first[str(k)] == comm.rank]
+            if k.rpartition("/")[0] not in regs:
+                first.setdefault(k, r)
+    keys = [k for k in store.keys() if (regions[k.param].numel > 0 if k.param in regions
+                                        else first[str(k)] == comm.rank)]
     written: List[str] = []
     bar = save_progress(store, keys, root, progress)
     rows: List[ManifestRow] = []
     try:
-        rows = write_shards(store, fs, root, keys, f"shard-{save_id}-r{comm.rank:05d}",
-                            shard_bytes, bar, written, link)
+        rows = region_rows(write_shards(store, fs, root, keys,
+                                        f"shard-{save_id}-r{comm.rank:05d}", shard_bytes,
+                                        bar, written, link), regions,
+                           set(blockwise_states(json.loads(meta_json)).values()))
     except Exception as e:
         error = e
     finally:
@@ -98,7 +165,7 @@ def _save_collective_locked(store, path: str, comm, error, fs, root, shard_bytes
     status, committed = None, False
     if not failed and comm.rank == 0:
         try:
-            all_rows = [r for g in gathered for r in g[0]]
+            all_rows = merge_rows([g[0] for g in gathered], [f[3] for f in first_round])
             merged = merge_metadata([g[1] for g in gathered], [g[0] for g in gathered])
             write_manifest(fs, root, all_rows, merged, save_id, written,
                            world_size=comm.world)

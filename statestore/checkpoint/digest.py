@@ -15,7 +15,8 @@ encoding of those *decoded* values, so
 
 The canonical encoding is JSON (``ensure_ascii``, no spaces) of
 ``{"columns": [[name, [values...]], ...], "metadata": [[key, value], ...]}``, columns in the
-format's order, metadata sorted by key, the checksum key itself left out.
+format's order (a version-2 manifest's two region columns after the nine), metadata sorted by
+key, the checksum key itself left out.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from typing import Iterable, List, Mapping
 
 import xxhash
 
-from .format import COLUMNS
+from .format import COLUMNS, REGION_COLUMNS
 
 __all__ = ["KEY", "manifest_digest", "sealed"]
 
@@ -46,7 +47,7 @@ def sealed(table):
     current rows and metadata: for tools (and tests) that rewrite a manifest on purpose."""
     meta = {k.decode(errors="replace"): v.decode(errors="replace")
             for k, v in (table.schema.metadata or {}).items()}
-    names = [n for n in COLUMNS if n in table.column_names]
+    names = [n for n in COLUMNS + REGION_COLUMNS if n in table.column_names]
     columns = {n: table.column(n).to_pylist() for n in names}
     meta[KEY] = manifest_digest(names, columns, meta)
     return table.replace_schema_metadata(meta)

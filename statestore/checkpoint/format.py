@@ -4,25 +4,35 @@
 (one tensor), a :class:`Manifest` a whole validated manifest. Readers build rows with
 :meth:`ManifestRow.parse`, which refuses anything the format does not allow; writers build
 them with :meth:`ManifestRow.of` and turn them into columns with :func:`columns`.
+
+Version 2 (:data:`REGION_FORMAT_VERSION`) adds the columns of :data:`REGION_SCHEMA`: a row may
+hold a region of a larger tensor (one rank's shard of an FSDP2 parameter's state), and a key
+then has one row per region. A manifest whose rows are all whole tensors is written as
+version 1, as before.
 """
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import pyarrow as pa
 
+from .._regions import Region
 from .._types import StateKey, StateSpec, dtype_from_name, dtype_name
 from .._version import __version__
 from ..errors import CheckpointCorruptError
 from .parquet_guard import MAX_NDIM
 
-__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MANIFEST", "CHECKSUM", "SCHEMA", "COLUMNS",
-           "STRING_COLUMNS", "ManifestRow", "Manifest", "columns", "statestore_version"]
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "REGION_FORMAT_VERSION", "MANIFEST", "CHECKSUM",
+           "SCHEMA", "COLUMNS", "REGION_SCHEMA", "REGION_COLUMNS", "STRING_COLUMNS",
+           "ManifestRow", "Manifest", "columns", "tiling_problems", "statestore_version"]
 
 FORMAT_NAME = "statestore-checkpoint"
+#: the version of a manifest whose rows are all whole tensors
 FORMAT_VERSION = 1
+#: the version of a manifest with rows that hold regions (:data:`REGION_SCHEMA`)
+REGION_FORMAT_VERSION = 2
 MANIFEST = "manifest.parquet"
 CHECKSUM = "xxh3_64"
 
@@ -33,6 +43,13 @@ SCHEMA = pa.schema([
     ("shape", pa.list_(pa.int64())), ("dtype", pa.string()), ("checksum", pa.string()),
 ])
 COLUMNS: Tuple[str, ...] = tuple(SCHEMA.names)
+
+#: The columns a version-2 manifest adds: the row's tensor is the region ``[offsets, offsets +
+#: shape)`` of a tensor of ``global_shape`` (a whole tensor: ``global_shape`` = ``shape``,
+#: ``offsets`` all zero).
+REGION_SCHEMA = pa.schema([("global_shape", pa.list_(pa.int64())),
+                           ("offsets", pa.list_(pa.int64()))])
+REGION_COLUMNS: Tuple[str, ...] = tuple(REGION_SCHEMA.names)
 
 #: Manifest columns read dictionary-encoded: a string repeated on every row is then held
 #: once, whatever the number of rows.
@@ -48,10 +65,11 @@ def statestore_version() -> str:
 class ManifestRow(Mapping):
     """One tensor of a checkpoint: a manifest row, validated.
 
-    The nine manifest columns (:data:`COLUMNS`) are fields; ``spec`` (shape and dtype) and
-    ``state_key`` are derived from them. A row also reads as a read-only mapping of those
-    eleven names (``row["file"]``, ``row.items()``), as the manifest rows did before they
-    were records.
+    The nine manifest columns (:data:`COLUMNS`) and the two of :data:`REGION_COLUMNS` are
+    fields (a version-1 row holds a whole tensor: ``global_shape`` is its shape, ``offsets``
+    zeros); ``spec`` (shape and dtype) and ``state_key`` are derived from them. A row also
+    reads as a read-only mapping of those thirteen names (``row["file"]``, ``row.items()``),
+    as the manifest rows did before they were records.
     """
     key: str
     param: str
@@ -64,6 +82,22 @@ class ManifestRow(Mapping):
     checksum: str
     spec: StateSpec
     state_key: StateKey
+    global_shape: Tuple[int, ...] = ()
+    offsets: Tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if len(self.global_shape) != len(self.shape):      # built without a region: whole
+            object.__setattr__(self, "global_shape", tuple(self.shape))
+            object.__setattr__(self, "offsets", (0,) * len(self.shape))
+
+    @property
+    def region(self) -> Region:
+        """The region of its tensor this row holds."""
+        return Region(self.global_shape, self.offsets, self.shape)
+
+    def with_region(self, region: Region) -> "ManifestRow":
+        """This row holding ``region`` (of this row's shape) of a larger tensor."""
+        return replace(self, global_shape=region.global_shape, offsets=region.offsets)
 
     # ---- mapping view
     def __getitem__(self, name: str) -> Any:
@@ -87,13 +121,17 @@ class ManifestRow(Mapping):
                    dtype_name(spec.dtype), checksum, spec, key)
 
     @classmethod
-    def parse(cls, values: Sequence[Any], where: str, seen: Optional[set] = None) -> "ManifestRow":
+    def parse(cls, values: Sequence[Any], where: str, seen: Optional[set] = None,
+              region: Optional[Sequence[Any]] = None) -> "ManifestRow":
         """The row of the column ``values`` (in :data:`COLUMNS` order) read from a manifest.
 
         Args:
             values: one value per manifest column, as decoded.
             where: how to name the row in messages (manifest path and tensor key).
-            seen: keys of the rows parsed before (updated): a key met twice is refused.
+            seen: ``(key, offsets)`` of the rows parsed before (updated): a row met twice
+                is refused.
+            region: a version-2 manifest's :data:`REGION_COLUMNS` values of the row (None:
+                a whole tensor).
 
         Returns:
             The validated row.
@@ -102,16 +140,28 @@ class ManifestRow(Mapping):
             CheckpointCorruptError: a field is null, the key or dtype cannot be parsed, the
                 key disagrees with the param/state columns, the shape has more than
                 ``MAX_NDIM`` dimensions or a negative one, the offset is negative, ``nbytes``
-                disagrees with shape and dtype, the file name is not a plain name, or the
-                key is in ``seen``.
+                disagrees with shape and dtype, the file name is not a plain name, the
+                region does not fit its global shape, or the row is in ``seen``.
         """
         r = dict(zip(COLUMNS, values))
         if any(r[c] is None for c in COLUMNS) or any(d is None for d in r["shape"]):
             raise CheckpointCorruptError(f"{where}: null field")
+        reg = None
+        if region is not None:
+            if any(v is None for v in region) or any(d is None for v in region for d in v):
+                raise CheckpointCorruptError(f"{where}: null field")
+            reg = Region.of(region[0], region[1], r["shape"])
+            if len(reg.global_shape) > MAX_NDIM:
+                raise CheckpointCorruptError(f"{where}: {len(reg.global_shape)} dimensions "
+                                             f"(at most {MAX_NDIM})")
+            problem = reg.problem()
+            if problem:
+                raise CheckpointCorruptError(f"{where}: bad region: {problem}")
         if seen is not None:
-            if r["key"] in seen:
+            ident = (r["key"], reg.offsets if reg is not None else None)
+            if ident in seen:
                 raise CheckpointCorruptError(f"{where}: listed twice")
-            seen.add(r["key"])
+            seen.add(ident)
         try:
             k = StateKey.parse(r["key"])
             dtype = dtype_from_name(r["dtype"])
@@ -133,18 +183,61 @@ class ManifestRow(Mapping):
                 or len(name.encode("utf-8", "surrogatepass")) > 255:
             raise CheckpointCorruptError(f"{where}: bad file name {name!r} (a plain name in "
                                          f"the checkpoint directory is expected)")
-        return cls(r["key"], r["param"], r["state"], name, r["offset"], r["nbytes"],
-                   tuple(r["shape"]), r["dtype"], r["checksum"], spec, k)
+        row = cls(r["key"], r["param"], r["state"], name, r["offset"], r["nbytes"],
+                  tuple(r["shape"]), r["dtype"], r["checksum"], spec, k)
+        return row.with_region(reg) if reg is not None else row
 
 
 _FIELD_NAMES: Tuple[str, ...] = tuple(f.name for f in fields(ManifestRow))
 
 
 def columns(rows: Sequence[ManifestRow]) -> Dict[str, list]:
-    """``rows`` as manifest columns (:data:`COLUMNS` to lists of values), as written."""
-    out: Dict[str, list] = {n: [getattr(r, n) for r in rows] for n in COLUMNS}
-    out["shape"] = [list(s) for s in out["shape"]]
+    """``rows`` as manifest columns (:data:`COLUMNS` to lists of values), as written; with
+    :data:`REGION_COLUMNS` too when a row holds a region of a larger tensor."""
+    names = COLUMNS + REGION_COLUMNS if any(not r.region.is_whole for r in rows) else COLUMNS
+    out: Dict[str, list] = {n: [getattr(r, n) for r in rows] for n in names}
+    for n in ("shape",) + REGION_COLUMNS:
+        if n in out:
+            out[n] = [list(s) for s in out[n]]
     return out
+
+
+def tiling_problems(rows: Sequence[ManifestRow]) -> Iterator[str]:
+    """What is wrong with the regions of ``rows`` (a manifest's rows): the rows of one key
+    must be one whole tensor, or regions of one global shape and dtype, each cut along the
+    same single dimension, that together cover the tensor exactly (no gap, no overlap).
+    Yields one message per key at fault (``"tensor 'k': ..."``)."""
+    by_key: Dict[str, List[ManifestRow]] = {}
+    for r in rows:
+        by_key.setdefault(r.key, []).append(r)
+    for key, rs in by_key.items():
+        if len(rs) == 1 and rs[0].region.is_whole:
+            continue
+        first = rs[0]
+        if any(r.global_shape != first.global_shape or r.dtype != first.dtype for r in rs):
+            yield f"tensor {key!r}: its regions disagree on the global shape or dtype"
+            continue
+        dims = {r.region.split_dim() for r in rs} - {None}
+        if -1 in dims or len(dims) > 1:
+            yield f"tensor {key!r}: its regions are not cut along one dimension"
+            continue
+        full = [r for r in rs if r.region.is_whole]
+        if full or not dims:
+            yield (f"tensor {key!r}: {len(rs)} rows, not regions that tile "
+                   f"{list(first.global_shape)}")
+            continue
+        d = dims.pop()
+        end = 0
+        for r in sorted((r for r in rs if r.spec.numel), key=lambda r: r.offsets[d]):
+            if r.offsets[d] != end:
+                yield (f"tensor {key!r}: region {r.region.describe()} "
+                       f"{'overlaps the one before' if r.offsets[d] < end else 'leaves a gap'}")
+                break
+            end += r.shape[d]
+        else:
+            if end != first.global_shape[d]:
+                yield (f"tensor {key!r}: its regions cover {end} of the {first.global_shape[d]} "
+                       f"entries of dimension {d}")
 
 
 @dataclass(frozen=True)

@@ -10,11 +10,12 @@ loading.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional
 
 import xxhash
 
+from .._regions import Region
 from ..distributed import group_info, owners_from_metadata, resolve_load_group
 from ..errors import (CheckpointCorruptError, CheckpointError, StateStoreError,
                       StateStoreValueError)
@@ -24,6 +25,7 @@ from .format import Manifest, ManifestRow
 from .linked_load import link_shards, verify_linked
 from .manifest import read_manifest
 from .reader import READ_PIECE, ShardReader, reader_pool
+from .region_load import Assembly, load_assembled, plan_regions, split_rows
 from .shard_check import by_file, check_shard_header
 from .stream import check_store, write_state
 
@@ -42,12 +44,16 @@ class Deferred:
         rows: the manifest rows still on disk.
         rank: this process's rank in the load's group.
         world: the group's size.
+        regions: parameters loaded as a region (a rank's shard of an FSDP2 checkpoint, or
+            of one loaded into FSDP2) that no optimizer has taken yet; their rows stay in
+            ``rows`` so that another region can be loaded instead.
     """
     path: str
     save_id: Optional[str]
     rows: List[ManifestRow]
     rank: int
     world: int
+    regions: Dict[str, Region] = field(default_factory=dict)
 
 
 def load_checkpoint(store, path: str, *, progress: Optional[bool] = None,
@@ -95,15 +101,21 @@ def load_checkpoint(store, path: str, *, progress: Optional[bool] = None,
     # step counts from this checkpoint, not from the optimizer the store had before.
     store.detach_metadata()
     group = resolve_load_group(process_group)
+    known = store.regions           # an attached FSDP2 optimizer's shards (torch's order)
     try:
         m = read_manifest(path)
+        rank, world = group_info(group) if group is not None else (0, 1)
+        targets = plan_regions(m, rank, world, known)
+        if targets is not None:     # regions saved or needed (docs/checkpoint-format.md)
+            rows, assembled, regions = split_rows(m, targets)
     except BaseException:
         store.clear()
         raise
-    rows, later = m.rows, []
-    rank = world = 1
-    if group is not None:
-        rank, world = group_info(group)
+    later: List[ManifestRow] = []
+    if targets is not None:
+        later = [r for r in m.rows if r.param in regions]
+    else:
+        rows, assembled, regions = m.rows, [], {}
         if world > 1:
             numels: Dict[str, int] = {}
             for r in m.rows:
@@ -112,53 +124,88 @@ def load_checkpoint(store, path: str, *, progress: Optional[bool] = None,
             rows = [r for r in m.rows if owners[r.param] == rank]
             later = [r for r in m.rows if owners[r.param] != rank]
     store.clear()
-    _load_rows(store, m, rows, progress, on_error=store.clear, link=link)
+    _load_rows(store, m, rows, progress, on_error=store.clear, link=link, assembled=assembled)
+    store.record_regions(regions)
     # then an optimizer already on the store takes the checkpoint's steps
     store.record_load(m.metadata,
-                      Deferred(path, m.info.get("save_id"), later, rank, world) if later else None,
-                      group if later else None)
+                      Deferred(path, m.info.get("save_id"), later, rank, world, dict(regions))
+                      if later else None, group if later else None)
 
 
-def load_deferred(store, params: Iterable[str]) -> None:
-    """Load the states of ``params`` that a sharded :func:`load_checkpoint` left on disk.
+def load_deferred(store, params: Iterable[str],
+                  regions: Optional[Dict[str, Region]] = None) -> None:
+    """Load the states of ``params`` that a sharded :func:`load_checkpoint` left on disk, or
+    loaded as another region than ``regions`` asks.
 
     Args:
         store: the store the sharded load filled.
         params: parameter names; those without deferred states are ignored.
+        regions: the region each parameter's states must hold (an optimizer over FSDP2
+            parameters: its shards); parameters absent from it are needed whole.
 
     Raises:
         CheckpointError: the checkpoint was replaced since it was loaded.
         CheckpointCorruptError: a file or tensor is damaged (the states this call created
             are removed again).
+        CheckpointMismatchError: an int8 moment asked in another region than it was saved in.
     """
     d = store.deferred
     if d is None:
         return
     want = set(params)
-    rows = [r for r in d.rows if r.param in want]
-    if not rows:
-        return
-    m = read_manifest(d.path)
-    if m.info.get("save_id") != d.save_id:
-        raise CheckpointError(f"checkpoint {d.path!r} was replaced since it was loaded (save "
-                              f"{d.save_id}, now {m.info.get('save_id')}); load it again")
-    created = [r.state_key for r in rows]
-
-    def undo():
-        store.delete([k for k in created if k in store])
-    _load_rows(store, m, rows, None, on_error=undo)
+    regions = regions or {}
+    waiting = {r.param for r in d.rows}
+    todo: Dict[str, Optional[Region]] = {}
+    for p in want:
+        need, held = regions.get(p), d.regions.get(p)
+        if held is not None:
+            if need != held:
+                todo[p] = need
+        elif p in waiting or (need is not None and not need.is_whole
+                              and any(k.param == p for k in store.keys())):
+            todo[p] = need
+    if todo:
+        _reload(store, d, todo)
     d.rows = [r for r in d.rows if r.param not in want]
+    for p in want:
+        d.regions.pop(p, None)
     if not d.rows:
         store.record_deferred_loaded()
 
 
+def _reload(store, d: Deferred, todo: Dict[str, Optional[Region]]) -> None:
+    """Replace the states of ``todo``'s parameters with the region each needs (None: whole)
+    of the checkpoint ``d`` came from."""
+    m = read_manifest(d.path)
+    if m.info.get("save_id") != d.save_id:
+        raise CheckpointError(f"checkpoint {d.path!r} was replaced since it was loaded (save "
+                              f"{d.save_id}, now {m.info.get('save_id')}); load it again")
+    glob = {r.param: r.global_shape for r in m.rows if r.param in todo}
+    targets = {p: (need if need is not None else Region.whole(glob[p]))
+               for p, need in todo.items() if p in glob}
+    rows, assembled, regions = split_rows(m, targets)
+    old = [k for k in store.keys() if k.param in targets]
+    if old:
+        store.delete(old)
+    created = [r.state_key for r in rows] + [a[0] for a in assembled]
+
+    def undo():
+        store.delete([k for k in created if k in store])
+    _load_rows(store, m, rows, None, on_error=undo, assembled=assembled)
+    store.record_regions({p: regions.get(p, Region.whole(glob[p])) for p in targets})
+
+
 def _load_rows(store, m: Manifest, rows: List[ManifestRow], enabled, on_error,
-               link: bool = True) -> None:
+               link: bool = True, assembled: List[Assembly] = ()) -> None:
     """Create ``rows``' states in ``store`` and stream them in (``link``: shards the store
-    can take by hard link are linked, :mod:`.linked_load`); ``on_error()`` on failure."""
+    can take by hard link are linked, :mod:`.linked_load`), then the states ``assembled``
+    from regions (:mod:`.region_load`); ``on_error()`` on failure."""
     try:
         groups = by_file(rows)
         for name, rs in groups.items():
+            check_shard_header(m, name, rs)
+        sources = by_file([r for a in assembled for r in a[3] if r.file not in groups])
+        for name, rs in sources.items():
             check_shard_header(m, name, rs)
     except BaseException:
         on_error()
@@ -166,9 +213,12 @@ def _load_rows(store, m: Manifest, rows: List[ManifestRow], enabled, on_error,
     try:
         linked = link_shards(store, m, groups) if link else {}     # docs/scale.md
         store.create_many([(r.state_key, r.spec.shape, r.spec.dtype, None) for r in rows
-                           if r.file not in linked])
-        bar = progress_bar(sum(r.nbytes for r in rows), f"load {os.path.basename(m.root)}",
-                           enabled)
+                           if r.file not in linked]
+                          + [(k, want.shape, first.spec.dtype, None)
+                             for k, want, first, _ in assembled])
+        total = sum(r.nbytes for r in rows) + sum(w.numel * f.spec.itemsize
+                                                  for _, w, f, _ in assembled)
+        bar = progress_bar(total, f"load {os.path.basename(m.root)}", enabled)
         try:
             verify_linked(store, m, linked, bar)
             with reader_pool() as pool:
@@ -179,6 +229,7 @@ def _load_rows(store, m: Manifest, rows: List[ManifestRow], enabled, on_error,
                     with ShardReader(m.fs, fpath, pool) as f:
                         for r in rs:
                             _load_tensor(store, f, fpath, r, bar)
+                load_assembled(store, m, assembled, pool, bar)
         finally:
             bar.close()
         store.sync()

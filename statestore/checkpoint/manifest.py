@@ -9,6 +9,7 @@ manifest checksum mismatch (:mod:`.digest`).
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from typing import Dict, List
@@ -20,8 +21,10 @@ from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFound
 from .digest import KEY, manifest_digest
 from .filesystem import is_local, join, resolve
 from .foreign import missing_manifest_message
-from .format import (CHECKSUM, COLUMNS, FORMAT_NAME, FORMAT_VERSION, MANIFEST, SCHEMA,
-                     STRING_COLUMNS, Manifest, ManifestRow, statestore_version)
+from .format import (CHECKSUM, COLUMNS, FORMAT_NAME, FORMAT_VERSION, MANIFEST,
+                     REGION_COLUMNS, REGION_FORMAT_VERSION, REGION_SCHEMA, SCHEMA,
+                     STRING_COLUMNS, Manifest, ManifestRow, statestore_version,
+                     tiling_problems)
 from .metadata import is_int, optimizer_metadata_problem
 from .parquet_guard import ParquetBoundsError, check_parquet_bounds
 from .shard_check import MAX_MANIFEST_BYTES, check_local_file
@@ -85,13 +88,14 @@ def _read_table(fs, mpath: str) -> "pa.Table":
 
 
 def _column_type_ok(table: "pa.Table", name: str) -> bool:
-    t, want = table.schema.field(name).type, SCHEMA.field(name).type
+    schema = REGION_SCHEMA if name in REGION_COLUMNS else SCHEMA
+    t, want = table.schema.field(name).type, schema.field(name).type
     if pa.types.is_dictionary(t):
         return want == pa.string() and t.value_type == pa.string()
     return t == want
 
 
-def _check_digest(mpath: str, columns: Dict[str, list], smeta: Dict[str, str]) -> None:
+def _check_digest(mpath: str, names, columns: Dict[str, list], smeta: Dict[str, str]) -> None:
     """The manifest's own checksum (:mod:`statestore.checkpoint.digest`) must match every
     decoded column value and metadata entry: checked last, after the structural checks, so a
     malformed manifest is still named for what is wrong with it."""
@@ -100,7 +104,7 @@ def _check_digest(mpath: str, columns: Dict[str, list], smeta: Dict[str, str]) -
         raise CheckpointCorruptError(f"{mpath}: the manifest has no checksum ({KEY} is "
                                      f"missing): damaged, or not written by statestore")
     try:
-        got = manifest_digest(COLUMNS, columns, smeta)
+        got = manifest_digest(names, columns, smeta)
     except (TypeError, ValueError) as e:
         raise CheckpointCorruptError(f"{mpath}: manifest checksum: {e}") from None
     if got != want:
@@ -150,23 +154,25 @@ def read_manifest(path: str) -> Manifest:
     if smeta.get("statestore.format") != FORMAT_NAME:
         raise CheckpointCorruptError(f"{mpath}: not a statestore checkpoint manifest")
     version = smeta.get("statestore.format_version")
-    if version != str(FORMAT_VERSION):
+    if version not in (str(FORMAT_VERSION), str(REGION_FORMAT_VERSION)):
         raise CheckpointError(f"{mpath}: checkpoint format version {version}, this statestore "
-                              f"({statestore_version()}) reads version {FORMAT_VERSION}")
+                              f"({statestore_version()}) reads versions {FORMAT_VERSION} and "
+                              f"{REGION_FORMAT_VERSION}")
+    names = COLUMNS + (REGION_COLUMNS if version == str(REGION_FORMAT_VERSION) else ())
     if smeta.get("statestore.checksum") != CHECKSUM:
         raise CheckpointCorruptError(f"{mpath}: unknown checksum "
                                      f"{smeta.get('statestore.checksum')!r}")
-    missing = [n for n in COLUMNS if n not in table.column_names]
+    missing = [n for n in names if n not in table.column_names]
     if missing:
         raise CheckpointCorruptError(f"{mpath}: manifest lacks columns {missing}")
-    for n in COLUMNS:
+    for n in names:
         if table.column_names.count(n) != 1:
             raise CheckpointCorruptError(f"{mpath}: manifest has column {n!r} "
                                          f"{table.column_names.count(n)} times")
         if not _column_type_ok(table, n):
+            want = (REGION_SCHEMA if n in REGION_COLUMNS else SCHEMA).field(n).type
             raise CheckpointCorruptError(f"{mpath}: manifest column {n!r} has type "
-                                         f"{table.schema.field(n).type}, expected "
-                                         f"{SCHEMA.field(n).type}")
+                                         f"{table.schema.field(n).type}, expected {want}")
     try:
         metadata = json.loads(smeta.get("statestore.metadata", "{}"))
     except (ValueError, RecursionError) as e:
@@ -176,14 +182,19 @@ def read_manifest(path: str) -> Manifest:
     if problem:
         raise CheckpointCorruptError(f"{mpath}: optimizer metadata: {problem}")
     try:
-        columns = {n: _column_values(table.column(n)) for n in COLUMNS}
+        columns = {n: _column_values(table.column(n)) for n in names}
     except Exception as e:
         raise CheckpointCorruptError(f"{mpath}: unreadable manifest: {e}") from e
     seen: set = set()
-    rows: List[ManifestRow] = [ManifestRow.parse(vals, f"{mpath}: tensor {vals[0]!r}", seen)
-                               for vals in zip(*columns.values())]
-    _check_digest(mpath, columns, smeta)
-    info = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION,
+    base = [columns[n] for n in COLUMNS]
+    regions = zip(*(columns[n] for n in REGION_COLUMNS)) if len(names) > len(COLUMNS) \
+        else itertools.repeat(None)
+    rows: List[ManifestRow] = [ManifestRow.parse(vals, f"{mpath}: tensor {vals[0]!r}", seen, reg)
+                               for vals, reg in zip(zip(*base), regions)]
+    for problem in tiling_problems(rows):
+        raise CheckpointCorruptError(f"{mpath}: {problem}")
+    _check_digest(mpath, names, columns, smeta)
+    info = {"format": FORMAT_NAME, "format_version": int(version),
             "statestore_version": smeta.get("statestore.version"),
             "save_id": smeta.get("statestore.save_id"), "checksum": CHECKSUM}
     return Manifest(fs, root, rows, metadata, info)

@@ -68,6 +68,12 @@ def save_checkpoint(store, path: str, *, shard_bytes: int = DEFAULT_SHARD_BYTES,
         else process_group
     if group is not None:
         return save_collective(store, path, group, shard_bytes, progress, metadata, link)
+    if store.regions:
+        name, reg = next(iter(store.regions.items()))
+        raise CheckpointError(
+            f"this store holds one rank's shard of sharded parameters (parameter {name!r}: "
+            f"{reg.describe()}); save it collectively: every rank of the parameters' group "
+            f"calls save_checkpoint (process_group='auto', the default, or the group)")
     deferred = store.deferred
     if deferred is not None and deferred.rows:
         raise CheckpointError(

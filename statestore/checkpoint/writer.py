@@ -28,8 +28,9 @@ from .digest import KEY, manifest_digest
 from .filesystem import (close_quietly, commit, fsync_dir, is_local, join, open_for_write,
                          remove)
 from .filesystem import progress as progress_bar
-from .format import (CHECKSUM, COLUMNS, FORMAT_NAME, FORMAT_VERSION, MANIFEST, SCHEMA,
-                     ManifestRow, columns, statestore_version)
+from .format import (CHECKSUM, COLUMNS, FORMAT_NAME, FORMAT_VERSION, MANIFEST,
+                     REGION_FORMAT_VERSION, REGION_SCHEMA, SCHEMA, ManifestRow, columns,
+                     statestore_version)
 from .manifest import read_manifest
 from .metadata import optimizer_metadata_problem
 from .save_lock import SaveLock
@@ -166,9 +167,10 @@ def write_manifest(fs, root: str, rows: List[ManifestRow], meta_json: str, save_
     """Write and commit the manifest of ``rows``: the save's commit point. ``written`` is
     cleared once the manifest is in place (its shards must then stay)."""
     cols = columns(rows)
+    regions = len(cols) > len(COLUMNS)      # rows holding regions: version 2 (format.py)
     smeta = {
         "statestore.format": FORMAT_NAME,
-        "statestore.format_version": str(FORMAT_VERSION),
+        "statestore.format_version": str(REGION_FORMAT_VERSION if regions else FORMAT_VERSION),
         "statestore.version": statestore_version(),
         "statestore.checksum": CHECKSUM,
         "statestore.save_id": save_id,
@@ -176,8 +178,9 @@ def write_manifest(fs, root: str, rows: List[ManifestRow], meta_json: str, save_
         "statestore.world_size": str(world_size),
         "statestore.metadata": meta_json,
     }
-    smeta[KEY] = manifest_digest(COLUMNS, cols, smeta)
-    table = pa.Table.from_pydict(cols, schema=SCHEMA).replace_schema_metadata(smeta)
+    smeta[KEY] = manifest_digest(list(cols), cols, smeta)
+    schema = pa.schema(list(SCHEMA) + (list(REGION_SCHEMA) if regions else []))
+    table = pa.Table.from_pydict(cols, schema=schema).replace_schema_metadata(smeta)
     mtmp = join(root, f".{MANIFEST}.{save_id}.tmp")
     written.append(mtmp)
     f = fs.open(mtmp, "wb")

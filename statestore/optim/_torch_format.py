@@ -11,7 +11,7 @@ encoded on the way in.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -293,17 +293,42 @@ def checkpoint_states(path: str, metadata: Dict[str, Any], index: Dict[str, int]
         raise CheckpointError(f"{path}: states of parameters {unknown} that no param group "
                               f"of the metadata lists")
     steps = metadata.get("steps", {})
-    state: Dict[int, Dict[str, Any]] = {}
-    for r in rows:
-        entry = state.setdefault(index[r.param],
-                                 {"step": torch.tensor(float(steps.get(r.param, 0)))})
-        entry[r.state] = open_tensor(r)
     moment_dtype = metadata.get("moment_dtype", "fp32")
-    if moment_dtype != "fp32":      # compressed moments: torch's fp32 exp_avg / exp_avg_sq
-        fmt = MomentFormat(moment_dtype, encoding=metadata.get("moment_encoding"))
+    fmt = MomentFormat(moment_dtype, encoding=metadata.get("moment_encoding")) \
+        if moment_dtype != "fp32" else None
+    by_key: Dict[StateKey, List] = {}
+    for r in rows:
+        by_key.setdefault(r.state_key, []).append(r)
+    state: Dict[int, Dict[str, Any]] = {}
+    for k, rs in by_key.items():
+        entry = state.setdefault(index[k.param],
+                                 {"step": torch.tensor(float(steps.get(k.param, 0)))})
+        if len(rs) == 1 and rs[0].region.is_whole:
+            entry[k.state] = open_tensor(rs[0])
+        elif k.state not in SCALE_OF.values():      # regions of an FSDP2 save: one tensor
+            entry[k.state] = _whole(rs, by_key.get(StateKey(k.param, SCALE_OF.get(k.state, ""))),
+                                    fmt, open_tensor)
+    if fmt is not None:         # compressed moments: torch's fp32 exp_avg / exp_avg_sq
         for entry in state.values():
             for n, sn in SCALE_OF.items():
-                if n in entry:
+                if n in entry and entry[n].dtype != torch.float32:
                     sc = entry.pop(sn, None)
                     entry[n] = fmt.to_fp32(n, entry[n], sc).view(entry[n].shape)
     return dict(sorted(state.items()))
+
+
+def _whole(rows: List, scale_rows: Optional[List], fmt: Optional[MomentFormat],
+           open_tensor: Callable) -> Tensor:
+    """One tensor from the regions ``rows`` of a state (in RAM); int8 moments decoded one
+    region at a time with the scales saved with it (``scale_rows``, in the regions' order)."""
+    first = rows[0]
+    blockwise = fmt is not None and scale_rows is not None
+    out = torch.empty(first.global_shape, dtype=torch.float32 if blockwise else first.spec.dtype)
+    ordered = sorted((r for r in rows if r.spec.numel), key=lambda r: r.offsets)
+    scales = sorted(scale_rows or [], key=lambda r: r.offsets)
+    for i, r in enumerate(ordered):
+        t = open_tensor(r)
+        if blockwise:
+            t = fmt.to_fp32(first.state, t, open_tensor(scales[i])).view(r.shape)
+        out[tuple(slice(o, o + n) for o, n in zip(r.offsets, r.shape))] = t
+    return out
