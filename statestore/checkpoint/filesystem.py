@@ -2,7 +2,8 @@
 
 Every checkpoint file is written under a temporary name and committed by :func:`commit`
 (flush, ``fsync`` on local filesystems, close, rename); a committed directory entry is made
-durable with :func:`fsync_dir`. Local files are written by :class:`statestore.io.DirectWriter`
+durable with :func:`fsync_dir`, and a local checkpoint directory that :func:`prepare_root`
+creates, in its parent. Local files are written by :class:`statestore.io.DirectWriter`
 (``O_DIRECT``), others through fsspec.
 """
 from __future__ import annotations
@@ -56,11 +57,7 @@ def join(root: str, name: str) -> str:
 def fsync_dir(fs, root: str) -> None:
     """Make the entries of the local directory ``root`` durable (a no-op elsewhere)."""
     if is_local(fs):
-        fd = os.open(root, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync_path(root)
 
 
 def commit(fs, f, tmp: str, final: str) -> None:
@@ -102,10 +99,43 @@ def prepare_root(path: str):
     if fs.exists(root) and not fs.isdir(root):
         raise StateStoreValueError(f"checkpoint path {path!r} exists and is not a directory")
     try:
-        fs.makedirs(root, exist_ok=True)
+        if is_local(fs):
+            _makedirs_durable(root)
+        else:
+            fs.makedirs(root, exist_ok=True)
     except OSError as e:
         raise StateStoreIOError(e.errno, f"cannot create checkpoint directory {path!r}: {e}") from e
     return fs, root
+
+
+def _makedirs_durable(root: str) -> None:
+    """Create the local directory ``root`` and its missing parents, each made durable in its
+    parent (``fsync`` of the parent after the ``mkdir``): after a power loss a committed
+    manifest is never in a directory whose own entry was lost."""
+    missing = []
+    d = os.path.abspath(root)
+    while not os.path.isdir(d):
+        missing.append(d)
+        parent = os.path.dirname(d)
+        if parent == d:
+            break
+        d = parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d)
+        except FileExistsError:
+            if not os.path.isdir(d):
+                raise
+            continue            # created meanwhile by another process: its creator syncs it
+        _fsync_path(os.path.dirname(d))
+
+
+def _fsync_path(d: str) -> None:
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def remove(fs, paths: List[str]) -> None:

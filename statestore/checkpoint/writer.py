@@ -135,6 +135,10 @@ def write_shards(store, fs, root: str, keys: List[StateKey], stem: str, shard_by
             close_quietly(f)
             raise
         written[-1] = final
+    if shards:
+        # The shards' names durable before the manifest's: after a power loss a manifest is
+        # never present without the shards it lists (the linked ones are synced above).
+        fsync_dir(fs, root)
     if order is not None:
         # Rows in the store's key order, as a copying save writes them: a load creates the
         # states in this order (a TieredStore places them by it).
