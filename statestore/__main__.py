@@ -28,7 +28,21 @@ def _human(n: int) -> str:
     return str(n)
 
 
+def _shown(text: Any) -> str:
+    """``text`` safe to print on a terminal: control characters (ESC, newline...), format
+    characters (the bidi overrides U+202A-202E and U+2066-2069, zero-width ones),
+    separators and unassigned code points are written as escapes (``\\x1b``, ``\\n``,
+    ``\\u202e``), as ``repr`` writes them; a name then cannot rewrite the terminal, forge a
+    line or reorder what follows it."""
+    text = str(text)
+    if text.isprintable():      # the common case: no character to escape
+        return text
+    return "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in text)
+
+
 def _table(rows: List[List[str]], header: List[str]) -> str:
+    header = [_shown(x) for x in header]
+    rows = [[_shown(x) for x in r] for r in rows]
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     lines = [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
@@ -54,7 +68,7 @@ def _cmd_inspect(args) -> int:
         vals = sorted(set(int(v) for v in steps.values()))
         out.append(f"step         {vals[0] if len(vals) == 1 else f'{vals[0]}..{vals[-1]}'} "
                    f"({len(steps)} parameters with state)")
-    print("\n".join(out))
+    print("\n".join(_shown(line) for line in out))
     groups = meta.get("param_groups") or []
     if groups:
         print()
@@ -76,7 +90,7 @@ def _cmd_verify(args) -> int:
     problems = verify_checkpoint(args.ckpt, progress=not args.quiet)
     if problems:
         for p in problems:
-            print(f"FAILED: {p}", file=sys.stderr)
+            print(f"FAILED: {_shown(p)}", file=sys.stderr)
         print(f"{args.ckpt}: {len(problems)} problem(s)", file=sys.stderr)
         return 1
     m = read_manifest(args.ckpt)

@@ -55,7 +55,7 @@ from ..errors import (CheckpointCorruptError, CheckpointError, CheckpointMismatc
 _EXPORTS: Dict[str, str] = {
     "FORMAT_NAME": "format", "FORMAT_VERSION": "format", "MANIFEST": "format",
     "CHECKSUM": "format", "SCHEMA": "format", "Manifest": "format", "ManifestRow": "format",
-    "optimizer_metadata_problem": "metadata",
+    "optimizer_metadata_problem": "metadata", "MAX_ROWS": "parquet_guard",
     "read_manifest": "manifest",
     "sealed": "digest",
     "DEFAULT_SHARD_BYTES": "writer",
@@ -66,7 +66,7 @@ _EXPORTS: Dict[str, str] = {
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MANIFEST", "save_checkpoint", "load_checkpoint",
            "read_manifest", "verify_checkpoint", "Manifest", "ManifestRow", "CHECKSUM",
-           "SCHEMA", "DEFAULT_SHARD_BYTES", "load_deferred", "Deferred",
+           "SCHEMA", "DEFAULT_SHARD_BYTES", "MAX_ROWS", "load_deferred", "Deferred",
            "optimizer_metadata_problem", "sealed", "CheckpointError", "CheckpointCorruptError",
            "CheckpointNotFoundError", "CheckpointMismatchError"]
 

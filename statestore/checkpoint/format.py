@@ -22,11 +22,12 @@ from .._regions import Region
 from .._types import StateKey, StateSpec, dtype_from_name, dtype_name
 from .._version import __version__
 from ..errors import CheckpointCorruptError
+from .metadata import clip
 from .parquet_guard import MAX_NDIM
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "REGION_FORMAT_VERSION", "MANIFEST", "CHECKSUM",
            "SCHEMA", "COLUMNS", "REGION_SCHEMA", "REGION_COLUMNS", "STRING_COLUMNS",
-           "ManifestRow", "Manifest", "columns", "tiling_problems", "statestore_version"]
+           "ManifestRow", "Manifest", "clip", "columns", "tiling_problems", "statestore_version"]
 
 FORMAT_NAME = "statestore-checkpoint"
 #: the version of a manifest whose rows are all whole tensors
@@ -61,7 +62,7 @@ def statestore_version() -> str:
     return __version__
 
 
-@dataclass(frozen=True, eq=True)
+@dataclass(frozen=True, eq=True, slots=True)
 class ManifestRow(Mapping):
     """One tensor of a checkpoint: a manifest row, validated.
 
@@ -122,16 +123,21 @@ class ManifestRow(Mapping):
 
     @classmethod
     def parse(cls, values: Sequence[Any], where: str, seen: Optional[set] = None,
-              region: Optional[Sequence[Any]] = None) -> "ManifestRow":
+              region: Optional[Sequence[Any]] = None,
+              cache: Optional[dict] = None) -> "ManifestRow":
         """The row of the column ``values`` (in :data:`COLUMNS` order) read from a manifest.
 
         Args:
             values: one value per manifest column, as decoded.
-            where: how to name the row in messages (manifest path and tensor key).
+            where: how to name the manifest in messages (its path); the row's key follows,
+                shortened (:func:`clip`: a message never repeats a string of any length).
             seen: ``(key, offsets)`` of the rows parsed before (updated): a row met twice
                 is refused.
             region: a version-2 manifest's :data:`REGION_COLUMNS` values of the row (None:
                 a whole tensor).
+            cache: a dict kept across the rows of one manifest: file names already checked
+                and one ``StateSpec`` per shape and dtype, shared by the rows (a manifest of
+                many tensors of few shapes holds few).
 
         Returns:
             The validated row.
@@ -143,49 +149,65 @@ class ManifestRow(Mapping):
                 disagrees with shape and dtype, the file name is not a plain name, the
                 region does not fit its global shape, or the row is in ``seen``.
         """
-        r = dict(zip(COLUMNS, values))
-        if any(r[c] is None for c in COLUMNS) or any(d is None for d in r["shape"]):
-            raise CheckpointCorruptError(f"{where}: null field")
+        key, param, state, name, offset, nbytes, shape, dtype, checksum = values
+        if cache is None:
+            cache = {}
+
+        def bad(problem: str) -> CheckpointCorruptError:
+            return CheckpointCorruptError(f"{where}: tensor {clip(key)}: {problem}")
+
+        if None in values or None in shape:
+            raise bad("null field")
+        if len(shape) > MAX_NDIM:
+            raise bad(f"{len(shape)} dimensions (at most {MAX_NDIM})")
         reg = None
         if region is not None:
-            if any(v is None for v in region) or any(d is None for v in region for d in v):
-                raise CheckpointCorruptError(f"{where}: null field")
-            reg = Region.of(region[0], region[1], r["shape"])
-            if len(reg.global_shape) > MAX_NDIM:
-                raise CheckpointCorruptError(f"{where}: {len(reg.global_shape)} dimensions "
-                                             f"(at most {MAX_NDIM})")
+            if None in region or any(d is None for v in region for d in v):
+                raise bad("null field")
+            if len(region[0]) > MAX_NDIM:
+                raise bad(f"{len(region[0])} dimensions (at most {MAX_NDIM})")
+            reg = Region.of(region[0], region[1], shape)
             problem = reg.problem()
             if problem:
-                raise CheckpointCorruptError(f"{where}: bad region: {problem}")
+                raise bad(f"bad region: {clip(problem, 200)}")
         if seen is not None:
-            ident = (r["key"], reg.offsets if reg is not None else None)
+            ident = (key, reg.offsets if reg is not None else None)
             if ident in seen:
-                raise CheckpointCorruptError(f"{where}: listed twice")
+                raise bad("listed twice")
             seen.add(ident)
-        try:
-            k = StateKey.parse(r["key"])
-            dtype = dtype_from_name(r["dtype"])
-        except ValueError as e:
-            raise CheckpointCorruptError(f"{where}: {e}") from None
-        if (k.param, k.state) != (r["param"], r["state"]):
-            raise CheckpointCorruptError(f"{where}: key disagrees with param/state columns")
-        if len(r["shape"]) > MAX_NDIM:
-            raise CheckpointCorruptError(f"{where}: {len(r['shape'])} dimensions (at most "
-                                         f"{MAX_NDIM})")
-        if any(d < 0 for d in r["shape"]) or r["offset"] < 0:
-            raise CheckpointCorruptError(f"{where}: negative shape or offset")
-        spec = StateSpec(tuple(r["shape"]), dtype)
-        if spec.nbytes != r["nbytes"]:
-            raise CheckpointCorruptError(f"{where}: {r['nbytes']} bytes listed, shape and dtype "
-                                         f"give {spec.nbytes}")
-        name = r["file"]
-        if "/" in name or "\\" in name or "\0" in name or name in ("", ".", "..") \
-                or len(name.encode("utf-8", "surrogatepass")) > 255:
-            raise CheckpointCorruptError(f"{where}: bad file name {name!r} (a plain name in "
-                                         f"the checkpoint directory is expected)")
-        row = cls(r["key"], r["param"], r["state"], name, r["offset"], r["nbytes"],
-                  tuple(r["shape"]), r["dtype"], r["checksum"], spec, k)
-        return row.with_region(reg) if reg is not None else row
+        if key != f"{param}/{state}" or not param or not state or "/" in state:
+            try:
+                StateKey.parse(key)
+            except ValueError:
+                raise bad("not a state key (expected 'param/state')") from None
+            raise bad("key disagrees with param/state columns")
+        if offset < 0:
+            raise bad("negative shape or offset")
+        spec = cache.get((dtype, *shape))
+        if spec is None:
+            if any(d < 0 for d in shape):
+                raise bad("negative shape or offset")
+            try:
+                spec = StateSpec(tuple(shape), dtype_from_name(dtype))
+            except ValueError as e:
+                raise bad(clip(str(e), 200)) from None
+            cache[(dtype, *shape)] = spec
+        if spec.nbytes != nbytes:
+            raise bad(f"{nbytes} bytes listed, shape and dtype give {spec.nbytes}")
+        if ("file", name) not in cache:
+            if "/" in name or "\\" in name or "\0" in name or name in ("", ".", "..") \
+                    or len(name.encode("utf-8", "surrogatepass")) > 255:
+                raise bad(f"bad file name {clip(name)} (a plain name in the checkpoint "
+                          f"directory is expected)")
+            cache["file", name] = True
+        if reg is None:
+            whole = cache.get(("whole", spec.shape))
+            if whole is None:
+                whole = cache["whole", spec.shape] = (0,) * len(spec.shape)
+            return cls(key, param, state, name, offset, nbytes, spec.shape, dtype, checksum,
+                       spec, StateKey(param, state), spec.shape, whole)
+        return cls(key, param, state, name, offset, nbytes, spec.shape, dtype, checksum, spec,
+                   StateKey(param, state), reg.global_shape, reg.offsets)
 
 
 _FIELD_NAMES: Tuple[str, ...] = tuple(f.name for f in fields(ManifestRow))

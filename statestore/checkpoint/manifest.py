@@ -189,7 +189,8 @@ def read_manifest(path: str) -> Manifest:
     base = [columns[n] for n in COLUMNS]
     regions = zip(*(columns[n] for n in REGION_COLUMNS)) if len(names) > len(COLUMNS) \
         else itertools.repeat(None)
-    rows: List[ManifestRow] = [ManifestRow.parse(vals, f"{mpath}: tensor {vals[0]!r}", seen, reg)
+    cache: dict = {}
+    rows: List[ManifestRow] = [ManifestRow.parse(vals, mpath, seen, reg, cache)
                                for vals, reg in zip(zip(*base), regions)]
     for problem in tiling_problems(rows):
         raise CheckpointCorruptError(f"{mpath}: {problem}")

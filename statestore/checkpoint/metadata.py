@@ -8,11 +8,12 @@ metadata (``StateStoreValueError``) and reads refuse a manifest carrying it
 """
 from __future__ import annotations
 
-from typing import Optional
+import reprlib
+from typing import Any, Optional
 
 from .parquet_guard import MAX_NDIM
 
-__all__ = ["optimizer_metadata_problem", "is_int", "is_num"]
+__all__ = ["optimizer_metadata_problem", "is_int", "is_num", "clip"]
 
 
 def is_int(x) -> bool:
@@ -23,6 +24,23 @@ def is_int(x) -> bool:
 def is_num(x) -> bool:
     """True for an ``int`` or ``float`` that is not a ``bool``."""
     return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def clip(value: Any, limit: int = 120) -> str:
+    """``repr(value)`` within about ``limit`` characters (``reprlib``: long strings and
+    containers are cut before they are formatted, never copied whole), saying how long a
+    long string was: messages name untrusted values (a key, a file name, a hyperparameter)
+    without repeating a string or a list of any length."""
+    r = reprlib.Repr()
+    r.maxstring = r.maxother = r.maxlong = limit
+    r.maxlist = r.maxtuple = r.maxdict = r.maxset = r.maxfrozenset = r.maxdeque = 8
+    r.maxlevel = 2
+    text = r.repr(value)
+    if len(text) > 4 * limit:
+        text = text[:4 * limit] + "..."
+    if isinstance(value, str) and len(value) > limit:
+        text += f" ({len(value)} characters)"
+    return text
 
 
 def optimizer_metadata_problem(meta) -> Optional[str]:
@@ -48,20 +66,20 @@ def optimizer_metadata_problem(meta) -> Optional[str]:
             return "'steps' must map parameter keys to step counts"
         for k, v in steps.items():
             if not is_int(v) or v < 0:
-                return f"'steps'[{k!r}] must be a non-negative int, got {v!r}"
+                return f"'steps'[{clip(k)}] must be a non-negative int, got {clip(v)}"
     params = meta.get("params")
     if "params" in meta:
         if not isinstance(params, dict):
             return "'params' must map parameter keys to {shape, dtype}"
         for k, v in params.items():
             if not isinstance(v, dict):
-                return f"'params'[{k!r}] must be an object, got {v!r}"
+                return f"'params'[{clip(k)}] must be an object, got {clip(v)}"
             shape = v.get("shape", [])
             if not isinstance(shape, list) or len(shape) > MAX_NDIM \
                     or not all(is_int(d) and d >= 0 for d in shape):
-                return f"'params'[{k!r}]['shape'] must be a list of non-negative ints"
+                return f"'params'[{clip(k)}]['shape'] must be a list of non-negative ints"
             if not isinstance(v.get("dtype", ""), str):
-                return f"'params'[{k!r}]['dtype'] must be a string"
+                return f"'params'[{clip(k)}]['dtype'] must be a string"
     groups = meta.get("param_groups")
     if "param_groups" in meta:
         if not isinstance(groups, list):
@@ -69,24 +87,24 @@ def optimizer_metadata_problem(meta) -> Optional[str]:
         seen = set()
         for i, g in enumerate(groups):
             if not isinstance(g, dict):
-                return f"'param_groups'[{i}] must be an object, got {g!r}"
+                return f"'param_groups'[{i}] must be an object, got {clip(g)}"
             names = g.get("params", [])
             if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
                 return f"'param_groups'[{i}]['params'] must be a list of parameter keys"
             for n in names:
                 if n in seen:
-                    return f"parameter {n!r} is listed in more than one param group"
+                    return f"parameter {clip(n)} is listed in more than one param group"
                 seen.add(n)
             for k in ("lr", "eps", "weight_decay"):
                 if k in g and not is_num(g[k]):
-                    return f"'param_groups'[{i}][{k!r}] must be a number, got {g[k]!r}"
+                    return f"'param_groups'[{i}][{clip(k)}] must be a number, got {clip(g[k])}"
             if "betas" in g and (not isinstance(g["betas"], list) or len(g["betas"]) != 2
                                  or not all(is_num(b) for b in g["betas"])):
                 return f"'param_groups'[{i}]['betas'] must be a pair of numbers"
             for k in ("amsgrad", "maximize", "adamw_mode"):
                 if k in g and not isinstance(g[k], bool):
-                    return f"'param_groups'[{i}][{k!r}] must be true or false, got {g[k]!r}"
+                    return f"'param_groups'[{i}][{clip(k)}] must be true or false, got {clip(g[k])}"
     for k, kind in (("optimizer", str), ("version", int)):
         if k in meta and not isinstance(meta[k], kind):
-            return f"{k!r} must be a {kind.__name__}, got {meta[k]!r}"
+            return f"{clip(k)} must be a {kind.__name__}, got {clip(meta[k])}"
     return None

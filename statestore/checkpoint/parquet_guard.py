@@ -10,7 +10,9 @@ compact-protocol reader below (not with pyarrow's metadata accessors: on a damag
 refuses a file where
 
 * a row group or the file declares more than ``len(raw) // MIN_ROW_BYTES`` rows (a real
-  manifest row takes far more: a unique key, offset and checksum);
+  manifest row takes far more: a unique key, offset and checksum), or more than
+  :data:`MAX_ROWS` (each row becomes Python objects of a few hundred bytes: the bound keeps
+  reading a manifest within about 1.5 GiB of RAM, whatever its compression);
 * a page declares more than ``MAX_EXPANSION`` times its compressed size (plus
   ``EXPANSION_SLACK`` bytes) once decompressed;
 * a page or column chunk declares more values than ``rows * MAX_VALUES_PER_ROW`` (the
@@ -28,12 +30,14 @@ from typing import Dict, Tuple
 
 from .._types import MAX_NDIM
 
-__all__ = ["check_parquet_bounds", "ParquetBoundsError", "MAX_NDIM", "MIN_ROW_BYTES",
+__all__ = ["check_parquet_bounds", "ParquetBoundsError", "MAX_NDIM", "MAX_ROWS", "MIN_ROW_BYTES",
            "MAX_EXPANSION"]
 
 #: A manifest declaring more rows than ``size // MIN_ROW_BYTES`` is refused (real manifests
 #: use about 20 bytes per row).
 MIN_ROW_BYTES = 4
+#: Most rows (tensors) a manifest may list; saves of more states are refused before writing.
+MAX_ROWS = 2_000_000
 #: A page may decompress to at most this many times its stored size, plus EXPANSION_SLACK.
 MAX_EXPANSION = 64
 EXPANSION_SLACK = 64 * 1024
@@ -183,6 +187,9 @@ def check_parquet_bounds(raw: bytes) -> None:
     num_rows = _int(fmd.get(3))
     if not 0 <= num_rows <= max_rows:
         raise ParquetBoundsError(f"declares {fmd.get(3)} rows in {size} bytes")
+    if num_rows > MAX_ROWS:
+        raise ParquetBoundsError(f"lists {num_rows} tensors, more than the {MAX_ROWS} a "
+                                 f"manifest may list (statestore.checkpoint.MAX_ROWS)")
     groups = fmd.get(4, [])
     if not isinstance(groups, list):
         raise ParquetBoundsError("malformed footer: row groups")

@@ -8,6 +8,7 @@ from typing import Any, List, Optional
 from ..errors import CheckpointError, StateStoreValueError
 from .collective import save_collective
 from .filesystem import prepare_root, remove
+from .parquet_guard import MAX_ROWS
 from .stream import check_store
 from .writer import (DEFAULT_SHARD_BYTES, as_io_error, lock_for_save, metadata_json,
                      remove_stale, save_progress, write_manifest, write_shards)
@@ -80,6 +81,10 @@ def save_checkpoint(store, path: str, *, shard_bytes: int = DEFAULT_SHARD_BYTES,
             f"this store holds only rank {deferred.rank}'s shard of checkpoint "
             f"{deferred.path!r}; save it collectively (every rank calls "
             f"save_checkpoint) or build an optimizer on it first")
+    if len(store) > MAX_ROWS:       # a manifest no reader would take: refused before writing
+        raise CheckpointError(f"checkpoint {path!r}: the store holds {len(store)} states, more "
+                              f"than the {MAX_ROWS} a manifest may list "
+                              f"(statestore.checkpoint.MAX_ROWS)")
     store.sync()
     meta_json = metadata_json(store, metadata)     # bad metadata: no directory is created
     fs, root = prepare_root(path)

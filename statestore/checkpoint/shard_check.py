@@ -34,7 +34,8 @@ from .._types import dtype_from_name
 from ..errors import CheckpointCorruptError, CheckpointError
 from .filesystem import is_local, join
 from .format import Manifest, ManifestRow
-from .metadata import is_int
+from .parquet_guard import MAX_NDIM
+from .metadata import clip, is_int
 
 __all__ = ["MAX_MANIFEST_BYTES", "MAX_HEADER", "check_shard_header", "by_file",
            "check_local_file", "check_layout", "pad_ranges", "check_zeros"]
@@ -83,25 +84,29 @@ def check_layout(fpath: str, header: Dict[str, Any], data_start: int, size: int)
         if name == "__metadata__":
             continue
         if not isinstance(h, dict):
-            raise CheckpointCorruptError(f"{fpath}: bad safetensors header: entry {name!r} is "
-                                         f"not an object")
+            raise CheckpointCorruptError(f"{fpath}: bad safetensors header: entry {clip(name)} "
+                                         f"is not an object")
         offs, shape, dt = h.get("data_offsets"), h.get("shape"), h.get("dtype")
         if not isinstance(offs, list) or len(offs) != 2 or not all(_is_int(x) for x in offs) \
                 or not 0 <= offs[0] <= offs[1]:
-            raise CheckpointCorruptError(f"{fpath}: tensor {name!r}: bad data_offsets "
-                                         f"{str(offs)[:100]}")
+            raise CheckpointCorruptError(f"{fpath}: tensor {clip(name)}: bad data_offsets "
+                                         f"{clip(offs)}")
+        if isinstance(shape, list) and len(shape) > MAX_NDIM:
+            raise CheckpointCorruptError(f"{fpath}: tensor {clip(name)}: bad shape of "
+                                         f"{len(shape)} dimensions (at most {MAX_NDIM})")
         if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-            raise CheckpointCorruptError(f"{fpath}: tensor {name!r}: bad shape {str(shape)[:100]}")
+            raise CheckpointCorruptError(f"{fpath}: tensor {clip(name)}: bad shape "
+                                         f"{clip(shape)}")
         try:
             itemsize = dtype_from_name(dt).itemsize
         except (ValueError, TypeError, KeyError):
-            raise CheckpointCorruptError(f"{fpath}: tensor {name!r}: unknown dtype "
-                                         f"{str(dt)[:40]!r}") from None
+            raise CheckpointCorruptError(f"{fpath}: tensor {clip(name)}: unknown dtype "
+                                         f"{clip(dt, 40)}") from None
         n = itemsize
-        for d in shape:
+        for d in shape:         # at most MAX_NDIM factors
             n *= d
         if n != offs[1] - offs[0]:
-            raise CheckpointCorruptError(f"{fpath}: tensor {name!r}: data_offsets span "
+            raise CheckpointCorruptError(f"{fpath}: tensor {clip(name)}: data_offsets span "
                                          f"{offs[1] - offs[0]} bytes, shape and dtype give {n}")
         spans.append((offs[0], offs[1], name))
     spans.sort()
@@ -110,8 +115,8 @@ def check_layout(fpath: str, header: Dict[str, Any], data_start: int, size: int)
         if a != pos:
             what = "a hole" if a > pos else "an overlap"
             raise CheckpointCorruptError(
-                f"{fpath}: bad safetensors layout: tensor {name!r} starts at data byte {a}, "
-                f"{'tensor ' + repr(prev) if prev else 'the data start'} ends at {pos} ({what})")
+                f"{fpath}: bad safetensors layout: tensor {clip(name)} starts at data byte {a}, "
+                f"{'tensor ' + clip(prev) if prev else 'the data start'} ends at {pos} ({what})")
         pos, prev = b, name
     end = data_start + pos
     if size != end:
@@ -198,24 +203,24 @@ def check_shard_header(m: Manifest, name: str, rows: Sequence[ManifestRow]) -> i
     for r in sorted(rows, key=lambda r: (r["offset"], r["nbytes"])):
         h = header.get(r["key"])
         if not isinstance(h, dict) or "data_offsets" not in h:
-            raise CheckpointCorruptError(f"{fpath}: tensor {r['key']!r} missing from the shard header")
+            raise CheckpointCorruptError(f"{fpath}: tensor {clip(r['key'])} missing from the shard header")
         offs = h["data_offsets"]
         if not isinstance(offs, list) or len(offs) != 2 or not all(is_int(x) for x in offs) \
                 or not 0 <= offs[0] <= offs[1]:
-            raise CheckpointCorruptError(f"{fpath}: tensor {r['key']!r}: bad data_offsets "
+            raise CheckpointCorruptError(f"{fpath}: tensor {clip(r['key'])}: bad data_offsets "
                                          f"{str(offs)[:100]}")
         a, b = offs
         shape = h.get("shape")
         if data_start + a != r["offset"] or b - a != r["nbytes"] or h.get("dtype") != r["dtype"] \
                 or not isinstance(shape, list) or shape != list(r["shape"]):
-            raise CheckpointCorruptError(f"{fpath}: tensor {r['key']!r}: shard header disagrees "
+            raise CheckpointCorruptError(f"{fpath}: tensor {clip(r['key'])}: shard header disagrees "
                                          f"with the manifest")
         if r["offset"] + r["nbytes"] > size:
-            raise CheckpointCorruptError(f"{fpath}: truncated: tensor {r['key']!r} ends at byte "
+            raise CheckpointCorruptError(f"{fpath}: truncated: tensor {clip(r['key'])} ends at byte "
                                          f"{r['offset'] + r['nbytes']}, file has {size}")
         if r["nbytes"] and r["offset"] < prev_end:
-            raise CheckpointCorruptError(f"{fpath}: tensor {r['key']!r} overlaps tensor "
-                                         f"{prev_key!r}")
+            raise CheckpointCorruptError(f"{fpath}: tensor {clip(r['key'])} overlaps tensor "
+                                         f"{clip(prev_key)}")
         if r["nbytes"]:
             prev_end, prev_key = r["offset"] + r["nbytes"], r["key"]
     # The whole file, not only the listed tensors: layout, exact length, zero pads.

@@ -33,6 +33,7 @@ from .format import (CHECKSUM, COLUMNS, FORMAT_NAME, FORMAT_VERSION, MANIFEST,
                      statestore_version)
 from .manifest import read_manifest
 from .metadata import optimizer_metadata_problem
+from .parquet_guard import MAX_ROWS
 from .save_lock import SaveLock
 from .stream import read_states
 
@@ -169,7 +170,15 @@ def _link_rows(store, lf, name: str, bar) -> List[ManifestRow]:
 def write_manifest(fs, root: str, rows: List[ManifestRow], meta_json: str, save_id: str,
                    written: List[str], world_size: int = 1) -> None:
     """Write and commit the manifest of ``rows``: the save's commit point. ``written`` is
-    cleared once the manifest is in place (its shards must then stay)."""
+    cleared once the manifest is in place (its shards must then stay).
+
+    Raises:
+        CheckpointError: more rows than a manifest may list (``MAX_ROWS``): a reader would
+            refuse it.
+    """
+    if len(rows) > MAX_ROWS:
+        raise CheckpointError(f"checkpoint {root!r}: {len(rows)} tensors, more than the "
+                              f"{MAX_ROWS} a manifest may list (statestore.checkpoint.MAX_ROWS)")
     cols = columns(rows)
     regions = len(cols) > len(COLUMNS)      # rows holding regions: version 2 (format.py)
     smeta = {
