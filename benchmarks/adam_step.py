@@ -27,14 +27,19 @@ moments runs in the same rotation; a second table gives, per moment dtype, param
 an update moves per parameter, the roofline at those bytes (the probe's GB/s divided by them)
 and the ratio to fp32 moments.
 
-Compute ceiling (``--cache-resident``): the fp32 update on data that stays in the L2 cache, one
-thread, statestore's kernel against torch's fused AdamW kernel, interleaved. Each contestant
+Compute ceiling (``--cache-resident``): the update on data that stays in the L2 cache, one
+thread, statestore's fp32 and compressed-moment kernels against torch's fused AdamW kernel,
+interleaved. Each contestant
 steps one tensor of ``--cr-sizes`` elements (default 1024 and 16384: 16 KiB and 256 KiB of
 p, g, m, v) many times; the per-parameter cost is the slope between the two sizes, which
 removes the per-call overhead (Python, dispatch, checks). Far below the memory roofline's time
 per parameter means the kernel has compute to spare where memory is the limit.
 
     .venv/bin/python benchmarks/adam_step.py --cache-resident
+
+Stages (``--stages``): each building block of the compressed-moment SIMD body (decode, update,
+block maximum, encode, random bits) timed alone, cache-resident, one thread, per instruction
+set the processor has (``benchmarks/moment_stages.cpp``, compiled with ``$CXX``).
 """
 from __future__ import annotations
 
@@ -305,11 +310,17 @@ def _cpu_mhz():
     return None
 
 
+CR_MOMENTS = [("bf16", "nearest"), ("bf16", "stochastic"), ("int8", "nearest"),
+              ("int8", "stochastic")]
+
+
 def cache_resident(sizes, rounds, calls):
-    """Per-parameter time of the fp32 update on cache-resident data, one thread: the slope of
-    a step's time between two tensor sizes, ours and torch's fused kernel interleaved."""
+    """Per-parameter time of the update on cache-resident data, one thread: the slope of a
+    step's time between two tensor sizes, interleaved: torch's fused AdamW, statestore's fp32
+    kernel and its compressed-moment kernels (fp32 params and grads)."""
     import torch
-    from statestore.kernels import adam_step, kernels_info
+    from statestore.kernels import _quant as Q
+    from statestore.kernels import adam_step, adam_step_moments, kernels_info
     lo, hi = sizes
     hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 
@@ -317,6 +328,17 @@ def cache_resident(sizes, rounds, calls):
         p, g = torch.randn(n), torch.randn(n) * 1e-3
         m, v = torch.zeros(n), torch.zeros(n)
         return lambda: adam_step([p], [g], [m], [v], steps=[5], adamw_mode=True, **hyper)
+
+    def moments(kind, rounding):
+        def make(n):
+            p, g = torch.randn(n), torch.randn(n) * 1e-3
+            m, s_m = Q.encode(kind, 0, torch.randn(n) * 1e-3, seed=1, offset=0, rounding="nearest")
+            v, s_v = Q.encode(kind, 1, torch.rand(n) * 1e-6, seed=2, offset=0, rounding="nearest")
+            sc = dict(exp_avg_scales=[s_m], exp_avg_sq_scales=[s_v]) if kind == "int8" else {}
+            return lambda: adam_step_moments([p], [g], [m], [v], kind=kind, rounding=rounding,
+                                             steps=[5], seeds=[(1, 2)], offsets=[0],
+                                             adamw_mode=True, **sc, **hyper)
+        return make
 
     def torch_fused(n):
         q = torch.nn.Parameter(torch.randn(n))
@@ -326,12 +348,12 @@ def cache_resident(sizes, rounds, calls):
         opt.step()
         return opt.step
 
+    makers = [("torch fused AdamW", torch_fused), ("statestore", ours)]
+    makers += [(f"statestore {k} moments, {r}", moments(k, r)) for k, r in CR_MOMENTS]
     old = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        fns = {(name, n): make(n) for name, make in (("statestore", ours),
-                                                     ("torch fused AdamW", torch_fused))
-               for n in (lo, hi)}
+        fns = {(name, n): make(n) for name, make in makers for n in (lo, hi)}
         best = {k: float("inf") for k in fns}
         for f in fns.values():
             for _ in range(20):
@@ -347,23 +369,69 @@ def cache_resident(sizes, rounds, calls):
     mhz = _cpu_mhz()
     info = kernels_info()
     print(f"torch {torch.__version__}; statestore path {info['simd']} ({info['simd_width']}-bit); "
-          f"cpu: {_cpu_name()}; 1 thread; cache-resident fp32 AdamW step, "
+          f"cpu: {_cpu_name()}; 1 thread; cache-resident AdamW step (fp32 params and grads), "
           f"slope between {lo} and {hi} params")
     print()
     print("| contestant | step at %d (us) | step at %d (us) | ns/param | G params/s | "
-          "cycles/16 params | vs torch |" % (lo, hi))
-    print("|---|---|---|---|---|---|---|")
-    slope = {name: (best[(name, hi)] - best[(name, lo)]) / (hi - lo)
-             for name in ("statestore", "torch fused AdamW")}
+          "cycles/16 params | vs torch | vs statestore fp32 |" % (lo, hi))
+    print("|---|---|---|---|---|---|---|---|")
+    slope = {name: (best[(name, hi)] - best[(name, lo)]) / (hi - lo) for name, _ in makers}
     for name, sl in slope.items():
         cyc = f"{sl * mhz * 1e6 * 16:.1f}" if mhz and sl > 0 else "?"
         rate = f"{1e-9 / sl:.2f}" if sl > 0 else "?"
         ratio = f"{slope['torch fused AdamW'] / sl:.2f}x" if sl > 0 else "?"
+        own = f"{sl / slope['statestore']:.2f}x" if slope["statestore"] > 0 else "?"
         print(f"| {name} | {best[(name, lo)] * 1e6:.2f} | {best[(name, hi)] * 1e6:.2f} | "
-              f"{sl * 1e9:.3f} | {rate} | {cyc} | {ratio} |")
+              f"{sl * 1e9:.3f} | {rate} | {cyc} | {ratio} | {own} |")
     print(f"\nbest of {rounds} rotations of {calls} calls; cycles at the {mhz} MHz "
-          "/proc/cpuinfo reports; vs torch: torch's ns/param / ours (above 1: ours is faster).")
+          "/proc/cpuinfo reports; vs torch: torch's ns/param / ours (above 1: ours is faster); "
+          "vs statestore fp32: the time per param against the fp32-moment kernel's.")
     return slope
+
+
+def stages(n, rounds):
+    """Cycles per element of each stage of the compressed-moment SIMD body, cache-resident,
+    one thread: benchmarks/moment_stages.cpp, compiled here for each instruction set the
+    processor has, with the extension's flags."""
+    import subprocess
+    import tempfile
+    from statestore.kernels import kernels_info
+    info = kernels_info()
+    isas = [i for i in ("avx512", "avx2") if i in info["simd_supported"]]
+    if not isas:
+        sys.exit("--stages: the processor has neither AVX2 nor AVX-512")
+    cxx = os.environ.get("CXX", "c++")
+    mhz = _cpu_mhz()
+    src = os.path.join(REPO, "benchmarks", "moment_stages.cpp")
+    cols, rows = [], {}
+    with tempfile.TemporaryDirectory() as d:
+        for isa in isas:
+            exe = os.path.join(d, f"stages_{isa}")
+            cmd = [cxx, "-O3", "-std=c++17", "-ffp-contract=off", "-fno-math-errno",
+                   "-I" + os.path.join(REPO, "csrc"), f"-DSTAGES_{isa.upper()}", src, "-o", exe]
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode != 0:
+                sys.exit(f"--stages: {' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
+            out = subprocess.run([exe, str(n), str(rounds)], capture_output=True, text=True,
+                                 check=True).stdout
+            cols.append(isa)
+            for line in out.splitlines():
+                name, _, val = line.partition("\t")
+                if name.startswith(("stage:", "kernel:")):
+                    rows.setdefault(name, {})[isa] = float(val)
+    print(f"cpu: {_cpu_name()}; 1 thread; {n} elements, cache-resident; best of {rounds} "
+          f"rounds; cycles at the {mhz} MHz /proc/cpuinfo reports")
+    print()
+    head = ["stage (per element)"] + [f"{i} ns" for i in cols] + [f"{i} cycles" for i in cols]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for name, vals in rows.items():
+        ns = [f"{vals[i]:.3f}" if i in vals else "?" for i in cols]
+        cy = [f"{vals[i] * mhz / 1e3:.2f}" if i in vals and mhz else "?" for i in cols]
+        print("| " + " | ".join([name] + ns + cy) + " |")
+    print("\nstage: one building block of the SIMD body alone, on fp32 arrays in and out (so "
+          "each includes its own loads and stores); kernel: the whole update (fp32 grads).")
+    return rows
 
 
 def main():
@@ -386,7 +454,16 @@ def main():
                     help="the two tensor sizes (elements) of --cache-resident")
     ap.add_argument("--cr-calls", type=int, default=2000,
                     help="calls per timing of --cache-resident")
+    ap.add_argument("--stages", action="store_true",
+                    help="only the cycles per element of each stage of the compressed-moment "
+                         "SIMD body (compiles benchmarks/moment_stages.cpp with $CXX)")
+    ap.add_argument("--stage-elems", type=int, default=4096,
+                    help="elements of --stages' arrays (cache-resident)")
     args = ap.parse_args()
+    if args.stages:
+        sys.path.insert(0, REPO)
+        stages(max(args.stage_elems, 256), max(args.reps, 1) * 8)
+        return
     if args.cache_resident:
         sys.path.insert(0, REPO)
         lo, hi = (int(x) for x in args.cr_sizes.split(","))

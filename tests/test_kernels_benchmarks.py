@@ -24,15 +24,26 @@ def _run(script, *args):
     return res.stdout
 
 
-def test_adam_step_cache_resident_prints_both_slopes():
+def test_adam_step_cache_resident_prints_every_slope():
     out = _run("adam_step.py", "--cache-resident", "--cr-sizes", "256,4096", "--cr-calls", "20",
                "--reps", "2", "--no-peers")
     num = r"(-?[0-9.]+|\?)"
-    rows = re.findall(rf"^\| (statestore|torch fused AdamW) \| ([0-9.]+) \| ([0-9.]+) \| "
-                      rf"(-?[0-9.]+) \| {num} \| {num} \| {num}x? \|$", out, re.M)
-    assert [r[0] for r in rows] == ["statestore", "torch fused AdamW"], out
+    rows = re.findall(rf"^\| (statestore[a-z0-9, ]*|torch fused AdamW) \| ([0-9.]+) \| ([0-9.]+) \| "
+                      rf"(-?[0-9.]+) \| {num} \| {num} \| {num}x? \| {num}x? \|$", out, re.M)
+    assert [r[0] for r in rows] == [
+        "torch fused AdamW", "statestore", "statestore bf16 moments, nearest",
+        "statestore bf16 moments, stochastic", "statestore int8 moments, nearest",
+        "statestore int8 moments, stochastic"], out
     assert all(float(r[1]) > 0 and float(r[2]) > 0 for r in rows)
     assert "slope between 256 and 4096 params" in out
+
+
+def test_adam_step_stages_prints_every_stage():
+    out = _run("adam_step.py", "--stages", "--stage-elems", "512", "--reps", "1")
+    names = re.findall(r"^\| ((?:stage|kernel): [^|]+) \| [0-9.]+ \|", out, re.M)
+    assert any(n.startswith("stage: int8 block max") for n in names), out
+    assert any(n.startswith("stage: random bits") for n in names), out
+    assert sum(n.startswith("kernel:") for n in names) == 10, out
 
 
 def test_adam_step_cache_resident_rejects_bad_sizes():

@@ -176,6 +176,66 @@ def test_against_float64_reference(simd, kind, n, rounding):
         assert int(diff.max()) <= 1
 
 
+def _mixed_blocks(n, gdtype=torch.float32, pdtype=torch.float32):
+    """int8 moments whose blocks reach every branch of the SIMD body: scales of 2^16 and more
+    (decoded without the blend-free path), blocks with zeros (exp_avg_sq codes through the
+    subnormal step), tiny, ordinary and all-zero blocks; odd n for the tails."""
+    c = make(n, "int8", gdtype=gdtype, pdtype=pdtype, seed=n)
+    m = Q.decode("int8", 0, c["m"], c["ms"])
+    v = Q.decode("int8", 1, c["v"], c["vs"])
+    m[256:512] *= 3e6
+    v[256:512] *= 1e16
+    m[512:768:3] = 0.0
+    v[512:768:5] = 0.0
+    m[768:1024] *= 1e-30
+    v[768:1024] *= 1e-30
+    m[1024:1280] = 0.0
+    v[1024:1280] = 0.0
+    c["g"][1024:1280] = 0.0
+    c["m"], c["ms"] = Q.encode("int8", 0, m, seed=1, offset=0, rounding="nearest")
+    c["v"], c["vs"] = Q.encode("int8", 1, v, seed=2, offset=0, rounding="nearest")
+    assert float(c["ms"][1]) >= 2 ** 16 and float(c["vs"][1]) >= 2 ** 16
+    return c
+
+
+@pytest.mark.parametrize("simd", PATHS, indirect=True)
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("gdtype,pdtype", [(torch.float32, torch.float32),
+                                           (torch.bfloat16, torch.bfloat16)], ids=str)
+def test_int8_block_branches_bitwise(simd, rounding, gdtype, pdtype):
+    c = _mixed_blocks(1280 + 256 + 13, gdtype, pdtype)
+    a, b = copy(c), copy(c)
+    fused(a, "int8", rounding)
+    unfused(b, "int8", rounding)
+    same(a, b)
+
+
+def test_int8_simd_under_flush_denormal_equals_scalar():
+    """With the processor flushing subnormal operands (torch.set_flush_denormal), the SIMD
+    paths decode without their subnormal-float shortcut and still equal the scalar path."""
+    c = make(1000 + 3, "int8", seed=5)
+    k = torch.arange(1000 + 3) % 8                # codes of the subnormal step (1..7), both signs
+    c["m"][::3] = (k[::3] * (1 - 2 * (k[::3] % 2))).to(torch.int8)
+    c["v"][1::3] = k[1::3].to(torch.uint8)
+    outs = []
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this processor cannot flush denormals")
+    try:
+        for path in [p for p in PATHS if p in SUPPORTED]:
+            K._set_simd(path)
+            try:
+                x = copy(c)
+                fused(x, "int8", "nearest")     # 1003 elements: runs on this thread
+                outs.append(x)
+            finally:
+                K._set_simd("auto")
+    finally:
+        torch.set_flush_denormal(False)
+    assert len(outs) >= 2
+    for o in outs[:-1]:
+        same(outs[-1], o)                         # each SIMD path against the scalar one
+
+
 def test_non_finite_moment_poisons_its_block_only():
     c = make(600, "int8")
     c["g"][300] = float("inf")

@@ -107,6 +107,60 @@ struct Avx2Ops {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
   }
 
+  // ---- the moment kernels' integer-domain helpers (adam_moments_body.h)
+  static I load_i8_i(const int8_t* p) {      // 8 int8 codes, sign-extended
+    return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  }
+  static I load_u8_i(const uint8_t* p) {     // 8 uint8 codes, zero-extended
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  }
+  static I absi(I a) { return _mm256_abs_epi32(a); }
+  static I maxu(I a, I b) { return _mm256_max_epu32(a, b); }
+  using M = __m256i;                          // a lane mask (lti, ltf -> selecti): all ones or 0
+  static M lti(I a, I b) { return _mm256_cmpgt_epi32(b, a); }           // a < b (signed)
+  static M ltf(F a, F b) { return _mm256_castps_si256(_mm256_cmp_ps(a, b, _CMP_LT_OQ)); }
+  static I selecti(M mask, I x, I y) { return _mm256_blendv_epi8(y, x, mask); }
+  // k negated in the lanes where x's sign bit is set (k is 0 where x is +-0: vpsignd's zeroing
+  // changes nothing)
+  static I neg_where_sign(I k, F x) { return _mm256_sign_epi32(k, _mm256_castps_si256(x)); }
+  static uint32_t hmaxu(I a) {
+    __m128i x = _mm_max_epu32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+    x = _mm_max_epu32(x, _mm_shuffle_epi32(x, 0x4e));
+    x = _mm_max_epu32(x, _mm_shuffle_epi32(x, 0xb1));
+    return static_cast<uint32_t>(_mm_cvtsi128_si32(x));
+  }
+  static I mini(I a, I b) { return _mm256_min_epi32(a, b); }
+  static int32_t hmini(I a) {
+    __m128i x = _mm_min_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+    x = _mm_min_epi32(x, _mm_shuffle_epi32(x, 0x4e));
+    x = _mm_min_epi32(x, _mm_shuffle_epi32(x, 0xb1));
+    return _mm_cvtsi128_si32(x);
+  }
+  // true when a lane of a or of b is NaN
+  static bool any_nan2(F a, F b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_UNORD_Q)) != 0; }
+  // NaN lanes of x -> 0x7FC0 in r (the bf16 encoders' NaN rule)
+  static I nan_to_bf16_nan(I r, F x) {
+    return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+  }
+  // rm, rv: 16-bit values in the low halves of the lanes; 8 to pm, 8 to pv
+  static void store_u16_pair(uint16_t* pm, uint16_t* pv, I rm, I rv) {
+    // packus per 128-bit lane: [m0-3 v0-3 | m4-7 v4-7]; qwords 0 2 1 3: [m0-7 | v0-7]
+    const __m256i x = _mm256_permute4x64_epi64(_mm256_packus_epi32(rm, rv), 0xd8);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(pm), _mm256_castsi256_si128(x));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(pv), _mm256_extracti128_si256(x, 1));
+  }
+  // km (-127..127) to 8 int8 at pm, kv (0..255) to 8 uint8 at pv
+  static void store_codes(int8_t* pm, uint8_t* pv, I km, I kv) {
+    const __m256i w = _mm256_packs_epi32(km, kv);               // [m0-3 v0-3 | m4-7 v4-7] int16
+    const __m256i lo = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, -1, -1, -1, -1, -1, -1, -1, -1,
+                                        0, 2, 4, 6, 8, 10, 12, 14, -1, -1, -1, -1, -1, -1, -1, -1);
+    const __m256i b = _mm256_shuffle_epi8(w, lo);                // low bytes: dwords m0-3 v0-3 . . | m4-7 v4-7 . .
+    const __m128i x = _mm256_castsi256_si128(
+        _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 3, 6, 7)));  // m0-7 v0-7
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(pm), x);
+    _mm_storeh_pd(reinterpret_cast<double*>(pv), _mm_castsi128_pd(x));
+  }
+
   static F load_f16(const uint16_t* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }

@@ -99,6 +99,39 @@ struct Avx512Ops {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
   }
 
+  // ---- the moment kernels' integer-domain helpers (adam_moments_body.h)
+  static I load_i8_i(const int8_t* p) {      // 16 int8 codes, sign-extended
+    return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static I load_u8_i(const uint8_t* p) {     // 16 uint8 codes, zero-extended
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static I absi(I a) { return _mm512_abs_epi32(a); }
+  static I maxu(I a, I b) { return _mm512_max_epu32(a, b); }
+  using M = __mmask16;                        // a lane mask (lti, ltf -> selecti)
+  static M lti(I a, I b) { return _mm512_cmplt_epi32_mask(a, b); }
+  static M ltf(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); }
+  static I selecti(M mask, I x, I y) { return _mm512_mask_blend_epi32(mask, y, x); }
+  // k negated in the lanes where x's sign bit is set
+  static I neg_where_sign(I k, F x) {
+    return _mm512_mask_sub_epi32(k, _mm512_movepi32_mask(_mm512_castps_si512(x)), _mm512_setzero_si512(), k);
+  }
+  static uint32_t hmaxu(I a) { return _mm512_reduce_max_epu32(a); }
+  static I mini(I a, I b) { return _mm512_min_epi32(a, b); }
+  static int32_t hmini(I a) { return _mm512_reduce_min_epi32(a); }
+  static bool any_nan2(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q) != 0; }
+  static I nan_to_bf16_nan(I r, F x) {
+    return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7fc0));
+  }
+  static void store_u16_pair(uint16_t* pm, uint16_t* pv, I rm, I rv) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pm), _mm512_cvtepi32_epi16(rm));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pv), _mm512_cvtepi32_epi16(rv));
+  }
+  static void store_codes(int8_t* pm, uint8_t* pv, I km, I kv) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(pm), _mm512_cvtepi32_epi8(km));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(pv), _mm512_cvtepi32_epi8(kv));
+  }
+
   static F load_f16(const uint16_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }

@@ -163,18 +163,23 @@ void dispatch_adam_range(const AdamTensorArgs& a, int64_t begin, int64_t end) {
 #undef SS_ADAM_CASE_P
 }
 
-// Calls Impl::template run<GD, PD, kAmsgrad, MK>(a, begin, end) for a compressed-moment
-// tensor's dtypes and encoding.
+// Calls Impl::template run<GD, PD, kAmsgrad, MK, kStochastic>(a, begin, end) for a
+// compressed-moment tensor's dtypes, encoding and rounding.
 template <class Impl>
 void dispatch_moments_range(const MomentTensorArgs& a, int64_t begin, int64_t end) {
   const bool ams = a.vmax != nullptr;
+#define SS_MOM_CASE_S(GD, PD, MK)                                                            \
+  if (a.stochastic) {                                                                        \
+    return ams ? Impl::template run<GD, PD, true, MK, true>(a, begin, end)                   \
+               : Impl::template run<GD, PD, false, MK, true>(a, begin, end);                 \
+  }                                                                                          \
+  return ams ? Impl::template run<GD, PD, true, MK, false>(a, begin, end)                    \
+             : Impl::template run<GD, PD, false, MK, false>(a, begin, end);
 #define SS_MOM_CASE_K(GD, PD)                                                                \
   if (a.kind == MomentKind::kBF16) {                                                         \
-    return ams ? Impl::template run<GD, PD, true, MomentKind::kBF16>(a, begin, end)          \
-               : Impl::template run<GD, PD, false, MomentKind::kBF16>(a, begin, end);        \
+    SS_MOM_CASE_S(GD, PD, MomentKind::kBF16)                                                 \
   }                                                                                          \
-  return ams ? Impl::template run<GD, PD, true, MomentKind::kInt8>(a, begin, end)            \
-             : Impl::template run<GD, PD, false, MomentKind::kInt8>(a, begin, end);
+  SS_MOM_CASE_S(GD, PD, MomentKind::kInt8)
 #define SS_MOM_CASE_P(GD)                                                                    \
   switch (a.p_dtype) {                                                                       \
     case DType::kNone: SS_MOM_CASE_K(GD, DType::kNone)                                       \
@@ -190,6 +195,7 @@ void dispatch_moments_range(const MomentTensorArgs& a, int64_t begin, int64_t en
   }
 #undef SS_MOM_CASE_P
 #undef SS_MOM_CASE_K
+#undef SS_MOM_CASE_S
 }
 
 // Scalar compressed-moment loop over [begin, end): bf16 element by element, int8 block by

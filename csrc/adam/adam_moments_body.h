@@ -2,15 +2,25 @@
 // once over a vector-traits class V (Avx2Ops, Avx512Ops). Include only from an ISA
 // translation unit, after adam_simd_body.h, inside its anonymous namespace (see there).
 //
-// Every vector operation mirrors the scalar functions of csrc/adam_math.h (decode_m8,
-// decode_v8 (f8_val), adam_update, make_qscale_m/_v, encode_m8, encode_v8 (f8_code),
-// float_to_bf16_sr, ss_hash32)
-// operation by operation; the elements that do not fill a vector call those functions, so
-// an element gets the same bits on every path. int8 works block by block: pass 1 decodes with
-// the block's old scales, updates, writes w and keeps the new fp32 moments of the block (256
-// floats each, on the stack: never a temporary of a whole tensor); pass 2 takes the block's
-// new scales from their largest magnitudes and writes the codes (exp_avg_sq from the square
-// root of its new value, which the update computed for its denominator: one root saved).
+// Every vector operation gives the bits of the scalar functions of csrc/adam_math.h
+// (decode_m8, decode_v8 (f8_val), adam_update, make_qscale_m/_v, encode_m8, encode_v8
+// (f8_code), float_to_bf16(_sr), ss_hash32); the elements that do not fill a vector call
+// those functions, so an element gets the same bits on every path. Where the vector form
+// computes a value another way, the comment says why the bits are the same.
+//
+// int8 works block by block: pass 1 decodes with the block's old scales, updates, writes w
+// and keeps the new fp32 moments of the block (256 floats each, on the stack: never a
+// temporary of a whole tensor); pass 2 takes the block's new scales from their largest
+// magnitudes and writes the codes (exp_avg_sq from the square root of its new value, which
+// the update computed for its denominator: one root saved).
+//
+// Where the cycles go (docs/kernels.md, "Where the cycles go"): the update's square root and
+// division, the random bits (three 32-bit multiplies per hash) and, for int8, the codes. So
+// the loops keep everything else off the vector units: rounding mode and amsgrad are template
+// parameters, a block's largest magnitude is an unsigned integer max of the float bits
+// (which also flags inf and NaN), the codes stay integers (no int -> float -> int round
+// trips), the Weyl step of the hash is carried from vector to vector, and both moments'
+// codes leave in one pack.
 
 using statestore::MomentKind;
 using statestore::MomentTensorArgs;
@@ -19,20 +29,60 @@ using statestore::QScale;
 template <class V>
 struct VecHash {
   using I = typename V::I;
-  // statestore::ss_hash32 on W lanes of consecutive indices starting at `first`.
-  static I lanes(uint32_t seed, uint32_t first) {
-    I x = V::addi(V::seti(first), V::iota());
-    x = V::addi(V::mullo(x, V::seti(0x9E3779B1u)), V::seti(seed));
+  static constexpr uint32_t kWeyl = 0x9E3779B1u;
+  // (first + lane) * kWeyl (mod 2^32): the seed-free part of ss_hash32's first line for W
+  // consecutive indices; the next W indices are weyl + step() (the product distributes
+  // modulo 2^32, so carrying it gives the same bits as multiplying each index).
+  static I weyl(uint32_t first) { return V::mullo(V::addi(V::seti(first), V::iota()), V::seti(kWeyl)); }
+  static I step() { return V::seti(static_cast<uint32_t>(V::kWidth) * kWeyl); }
+  // statestore::ss_hash32(seed, i) from weyl = i * kWeyl
+  static I mix(I weyl, uint32_t seed) {
+    I x = V::addi(weyl, V::seti(seed));
     x = V::xori(x, V::template srli<16>(x));
     x = V::mullo(x, V::seti(0x7FEB352Du));
     x = V::xori(x, V::template srli<15>(x));
     x = V::mullo(x, V::seti(0x846CA68Bu));
-    x = V::xori(x, V::template srli<16>(x));
-    return x;
+    return V::xori(x, V::template srli<16>(x));
   }
+  // mix without its last line (x ^= x >> 16): that line leaves the top 16 bits as they are,
+  // so mix16(w, s) >> 16 == mix(w, s) >> 16: enough for bf16's stochastic rounding
+  static I mix16(I weyl, uint32_t seed) {
+    I x = V::addi(weyl, V::seti(seed));
+    x = V::xori(x, V::template srli<16>(x));
+    x = V::mullo(x, V::seti(0x7FEB352Du));
+    x = V::xori(x, V::template srli<15>(x));
+    return V::mullo(x, V::seti(0x846CA68Bu));
+  }
+  static I lanes(uint32_t seed, uint32_t first) { return mix(weyl(first), seed); }
   // statestore::ss_uniform
   static typename V::F uniform(I h) {
     return V::mul(V::cvt_i2f(V::template srli<8>(h)), V::set1(statestore::k2m24));
+  }
+};
+
+// bf16 codes of W floats (statestore::float_to_bf16 / float_to_bf16_sr), as 16-bit values in
+// the low halves of the lanes; h: the hash, of which only the top 16 bits are read (mix16).
+template <class V, bool kStoch>
+struct VecBf16 {
+  using F = typename V::F;
+  using I = typename V::I;
+  static I round(F x, I h) {
+    const I u = V::castf(x);
+    if constexpr (kStoch) {
+      return V::template srli<16>(V::addi(u, V::template srli<16>(h)));
+    } else {
+      const I lsb = V::andi(V::template srli<16>(u), V::seti(1u));
+      return V::template srli<16>(V::addi(V::addi(u, V::seti(0x7fffu)), lsb));
+    }
+  }
+  // m, v: new moments; hm, hv: their hashes (read when stochastic)
+  static void store(uint16_t* pm, uint16_t* pv, F m, F v, I hm, I hv) {
+    I rm = round(m, hm), rv = round(v, hv);
+    if (V::any_nan2(m, v)) {       // rare: one compare for both in the common case
+      rm = V::nan_to_bf16_nan(rm, m);
+      rv = V::nan_to_bf16_nan(rv, v);
+    }
+    V::store_u16_pair(pm, pv, rm, rv);
   }
 };
 
@@ -41,29 +91,74 @@ template <class V>
 struct VecF8 {
   using F = typename V::F;
   using I = typename V::I;
-  // val(k) of codes k, given as floats cf (0 .. 2^(MB+4) - 1, exact)
+  // val(k) of integer codes k (0 .. 2^(MB+4) - 1)
   template <int MB>
-  static F val(F cf) {
-    const I k = V::cvtt_f2i(cf);
+  static F val(I k) {
     const F normal = V::casti(V::template slli<23 - MB>(V::addi(k, V::seti((127u - 15u) << MB))));
-    const F sub = V::mul(cf, V::set1(1.0f / static_cast<float>(1u << (14 + MB))));
-    return V::select_lt(cf, V::set1(static_cast<float>(1u << MB)), sub, normal);
+    const F sub = V::mul(V::cvt_i2f(k), V::set1(1.0f / static_cast<float>(1u << (14 + MB))));
+    return V::casti(V::selecti(V::lti(k, V::seti(1u << MB)), V::castf(sub), V::castf(normal)));
   }
-  // codes of ratios r >= 0; h: the lanes' hashes (read when stochastic)
+  // val(k) * 2^-112, for every code k = e 2^MB + f: the float whose bits are k << (23 - MB),
+  // i.e. exponent field e and mantissa f: 2^(e-127) (1 + f/2^MB) for e >= 1 and, for e = 0,
+  // the subnormal f 2^(-126-MB) = f 2^-(14+MB) 2^-112. Exact, with no compare and blend; but
+  // the codes below 2^MB become subnormal floats, so this is used only where subnormal
+  // operands are not flushed (the DAZ bit: fast_decode_ok) and, as measured on the AMD hosts
+  // (docs/kernels.md), cost no more than normal ones.
   template <int MB>
-  static I code(F r, I h, bool stochastic) {
-    constexpr int kDrop = 23 - MB;
-    const I bits = V::castf(r);
-    const I add = stochastic
-        ? V::template srli<32 - kDrop>(h)
-        : V::addi(V::seti((1u << (kDrop - 1)) - 1u), V::andi(V::template srli<kDrop>(bits), V::seti(1u)));
-    const I kn = V::subi(V::template srli<kDrop>(V::addi(bits, add)), V::seti((127u - 15u) << MB));
-    const F u = stochastic ? VecHash<V>::uniform(h) : V::set1(0.5f);
-    const F y = V::add(V::mul(r, V::set1(static_cast<float>(1u << (14 + MB)))), u);
-    const I ks = V::cvtt_f2i(V::floor(y));
-    const I k = V::select_lt_i(r, V::set1(statestore::k2m14), ks, kn);
-    return V::minu(k, V::seti((1u << (MB + 4)) - 1u));
+  static F val_2m112(I k) { return V::casti(V::template slli<23 - MB>(k)); }
+  // exp_avg from codes c (sign-extended int8) and the block's scale: sign(c) val(|c|) scale
+  // (the sign is the code's sign bit moved onto the product: negation is exact).
+  // kFast: `scale` is scale * 2^112 (exact: fast_decode_ok) and val(|c|) * 2^-112 is
+  // multiplied: the same real product, so the same rounding.
+  template <bool kFast>
+  static F decode_m(I c, F scale) {
+    const I k = V::absi(c);
+    const F x = V::mul(kFast ? val_2m112<statestore::kMBitsM>(k) : val<statestore::kMBitsM>(k), scale);
+    return V::casti(V::xori(V::castf(x), V::andi(c, V::seti(0x80000000u))));
   }
+  // exp_avg_sq from codes c (zero-extended uint8): (val(c) scale)^2; kFast as decode_m
+  template <bool kFast>
+  static F decode_v(I c, F scale) {
+    const F t = V::mul(kFast ? val_2m112<statestore::kMBitsV>(c) : val<statestore::kMBitsV>(c), scale);
+    return V::mul(t, t);
+  }
+  // codes of ratios r >= 0 (finite, at most the largest code's value to a rounding); h: the
+  // lanes' hashes (read when stochastic):
+  //   r >= 2^-14 (normal_code): ((bits + R) >> D) - (B << MB), computed as
+  //     (bits + R - (B << MB << D)) >> D: the same for every r >= 2^-14 (bits >= 113 << 23
+  //     exceed the subtrahend, nothing wraps); other lanes take sub_code
+  //   r < 2^-14 (sub_code): floor(r 2^(14+MB) + u) as trunc(fma(r, 2^(14+MB), u)): the
+  //     product by a power of two is exact, so the fma rounds the same sum once, and the sum
+  //     is >= 0, so truncation is floor
+  template <int MB, bool kStoch>
+  static I normal_code(F r, I h) {
+    constexpr int kDrop = 23 - MB;
+    constexpr uint32_t kBiasBits = ((127u - 15u) << MB) << kDrop;
+    const I bits = V::castf(r);
+    if constexpr (kStoch) {
+      const I t = V::addi(bits, V::template srli<32 - kDrop>(h));
+      return V::template srli<kDrop>(V::addi(t, V::seti(0u - kBiasBits)));
+    } else {
+      const I lsb = V::andi(V::template srli<kDrop>(bits), V::seti(1u));
+      const I t = V::addi(bits, V::seti((1u << (kDrop - 1)) - 1u - kBiasBits));
+      return V::template srli<kDrop>(V::addi(t, lsb));
+    }
+  }
+  template <int MB, bool kStoch>
+  static I sub_code(F r, I h) {
+    const F u = kStoch ? VecHash<V>::uniform(h) : V::set1(0.5f);
+    return V::cvtt_f2i(V::fma(r, V::set1(static_cast<float>(1u << (14 + MB))), u));
+  }
+  template <int MB>
+  static I clamp(I k) { return V::minu(k, V::seti((1u << (MB + 4)) - 1u)); }
+  template <int MB, bool kStoch>
+  static I code(F r, I h) {
+    return clamp<MB>(V::selecti(V::ltf(r, V::set1(statestore::k2m14)), sub_code<MB, kStoch>(r, h),
+                                normal_code<MB, kStoch>(r, h)));
+  }
+  // code() for ratios known to be >= 2^-14
+  template <int MB, bool kStoch>
+  static I code_normal(F r, I h) { return clamp<MB>(normal_code<MB, kStoch>(r, h)); }
 };
 
 template <class V>
@@ -72,124 +167,176 @@ struct SimdMoments {
   using I = typename V::I;
   static constexpr int64_t W = V::kWidth;
 
-  template <DType GD, DType PD, bool kAmsgrad, MomentKind MK>
+  template <DType GD, DType PD, bool kAmsgrad, MomentKind MK, bool kStoch>
   static void run(const MomentTensorArgs& a, int64_t begin, int64_t end) {
     if constexpr (MK == MomentKind::kBF16) {
-      run_bf16<GD, PD, kAmsgrad>(a, begin, end);
+      run_bf16<GD, PD, kAmsgrad, kStoch>(a, begin, end);
     } else {
       alignas(64) float mt[statestore::kQBlock];
       alignas(64) float vt[statestore::kQBlock];
       for (int64_t b = begin; b < end; b += statestore::kQBlock) {
         const int64_t e = b + statestore::kQBlock < end ? b + statestore::kQBlock : end;
-        block_int8<GD, PD, kAmsgrad>(a, b, e, mt, vt);
+        block_int8<GD, PD, kAmsgrad, kStoch>(a, b, e, end, mt, vt);
       }
     }
   }
 
-  template <DType GD, DType PD, bool kAmsgrad>
+  // Software prefetch of the streams, as the fp32 loop does (adam_kernels.h, prefetch_ahead):
+  // the fp32 and gradient lines every 16 elements, the parameter's and the codes' lines as
+  // often as their size needs. i: the element about to be read; `end`: the range's end.
+  template <DType GD, DType PD, int kCodeBytes>
+  static void prefetch(const MomentTensorArgs& a, int64_t i, int64_t end) {
+    using statestore::cpu::kPrefetchElems;
+    using statestore::cpu::prefetch_ahead;
+    if ((i & 15) != 0 || i + kPrefetchElems >= end) return;
+    prefetch_ahead<4>(a.w, i);
+    prefetch_ahead<GD == DType::kF32 ? 4 : 2>(a.g, i);
+    if constexpr (PD != DType::kNone) {
+      if (PD == DType::kF32 || (i & 31) == 0) prefetch_ahead<PD == DType::kF32 ? 4 : 2>(a.p_out, i);
+    }
+    if ((i & (64 / kCodeBytes - 1)) == 0) {
+      prefetch_ahead<kCodeBytes>(a.m, i);
+      prefetch_ahead<kCodeBytes>(a.v, i);
+    }
+  }
+
+  template <DType GD, DType PD, bool kAmsgrad, bool kStoch>
   static void run_bf16(const MomentTensorArgs& a, int64_t begin, int64_t end) {
     const VecAdam<V> c(a.s);
     uint16_t* const mp = static_cast<uint16_t*>(a.m);
     uint16_t* const vp = static_cast<uint16_t*>(a.v);
+    I weyl = VecHash<V>::weyl(static_cast<uint32_t>(a.offset + begin));
+    const I step = VecHash<V>::step();
     int64_t i = begin;
     for (; i + W <= end; i += W) {
+      prefetch<GD, PD, 2>(a, i, end);
       F w = V::load(a.w + i);
       F g = VecIO<V, GD>::load(a.g, i);
       F m = V::load_bf16(mp + i);
       F v = V::load_bf16(vp + i);
       c.template update<kAmsgrad>(w, g, m, v, kAmsgrad ? a.vmax + i : nullptr);
       V::store(a.w + i, w);
-      if (a.stochastic) {
-        const uint32_t first = static_cast<uint32_t>(a.offset + i);
-        V::store_bf16_sr(mp + i, m, VecHash<V>::lanes(a.seed_m, first));
-        V::store_bf16_sr(vp + i, v, VecHash<V>::lanes(a.seed_v, first));
+      if constexpr (kStoch) {
+        VecBf16<V, true>::store(mp + i, vp + i, m, v, VecHash<V>::mix16(weyl, a.seed_m),
+                                VecHash<V>::mix16(weyl, a.seed_v));
+        weyl = V::addi(weyl, step);
       } else {
-        V::store_bf16(mp + i, m);
-        V::store_bf16(vp + i, v);
+        VecBf16<V, false>::store(mp + i, vp + i, m, v, weyl, weyl);
       }
       if constexpr (PD != DType::kNone) VecIO<V, PD>::store(a.p_out, i, w);
     }
     for (; i < end; ++i) statestore::adam_element_bf16m<GD, PD, kAmsgrad>(i, a);
   }
 
-  static float hmax(F x, float acc) {
-    alignas(64) float t[W];
-    V::store(t, x);
-    for (int64_t j = 0; j < W; ++j) acc = t[j] > acc ? t[j] : acc;
-    return acc;
-  }
-
-  template <DType GD, DType PD, bool kAmsgrad>
-  static void block_int8(const MomentTensorArgs& a, int64_t b, int64_t e, float* mt, float* vt) {
-    const VecAdam<V> c(a.s);
-    const int64_t blk = b / statestore::kQBlock;
-    const float sm = a.m_scale[blk], sv = a.v_scale[blk];
-    const int8_t* const mc = static_cast<const int8_t*>(a.m);
-    const uint8_t* const vc = static_cast<const uint8_t*>(a.v);
-    const F smv = V::set1(sm), svv = V::set1(sv);
-    const I sign = V::seti(0x80000000u);
-    const F fmax = V::set1(statestore::kFltMax);
-    F am = V::set1(0.0f), av = V::set1(0.0f);
-    bool fm = true, fv = true;
-    // pass 1: decode, update, keep the new moments
-    int64_t i = b;
-    for (; i + W <= e; i += W) {
-      F w = V::load(a.w + i);
-      F g = VecIO<V, GD>::load(a.g, i);
-      const F cm = V::load_i8(mc + i);
-      F m = V::mul(VecF8<V>::template val<statestore::kMBitsM>(V::abs(cm)), smv);
-      m = V::casti(V::xori(V::castf(m), V::andi(V::castf(cm), sign)));   // -m where c < 0
-      const F cv = V::load_u8(vc + i);
-      const F t = V::mul(VecF8<V>::template val<statestore::kMBitsV>(cv), svv);
-      F v = V::mul(t, t);
-      F sv;
-      c.template update<kAmsgrad>(w, g, m, v, kAmsgrad ? a.vmax + i : nullptr, &sv);
-      V::store(a.w + i, w);
-      if constexpr (PD != DType::kNone) VecIO<V, PD>::store(a.p_out, i, w);
-      V::store(mt + (i - b), m);
-      V::store(vt + (i - b), sv);
-      const F ma = V::abs(m), va = V::abs(v);
-      am = V::max(ma, am);
-      av = V::max(va, av);
-      fm = fm && V::all_le(ma, fmax);
-      fv = fv && V::all_le(va, fmax);
-    }
-    float amx = hmax(am, 0.0f), avx = hmax(av, 0.0f);
-    for (; i < e; ++i) {
-      statestore::adam_element_int8_update<GD, PD, kAmsgrad>(i, a, sm, sv, mt[i - b], vt[i - b]);
-      statestore::absmax_step(mt[i - b], amx, fm);
-      statestore::absmax_step(vt[i - b], avx, fv);
-      vt[i - b] = sqrtf(vt[i - b]);
-    }
-    const QScale qm = statestore::make_qscale_m(amx, fm), qv = statestore::make_qscale_v(avx, fv);
-    a.m_scale[blk] = qm.scale;
-    a.v_scale[blk] = qv.scale;
-    // pass 2: codes
+  // Pass 2 of an int8 block: the codes of [b, e) from the new moments mt and the square roots
+  // of the new exp_avg_sq vt (vector part; the caller does the tail). kOk: both scales are
+  // positive (the common case, no test in the loop); else okm/okv say which moment is coded
+  // and which is zeros. kVNormal (with kOk): every sqrt(v) of the block is at least 2^-14 of
+  // its scale, so exp_avg_sq's codes need no subnormal step (f8_code's other branch).
+  template <bool kStoch, bool kOk, bool kVNormal>
+  static int64_t encode_int8(const MomentTensorArgs& a, int64_t b, int64_t e, const float* mt,
+                             const float* vt, const QScale& qm, const QScale& qv) {
     int8_t* const mo = static_cast<int8_t*>(a.m);
     uint8_t* const vo = static_cast<uint8_t*>(a.v);
     const bool okm = statestore::encode_block_ok(qm), okv = statestore::encode_block_ok(qv);
     const F invm = V::set1(qm.inv), invv = V::set1(qv.inv);
     const I zero = V::seti(0u);
-    for (i = b; i + W <= e; i += W) {
-      const uint32_t first = static_cast<uint32_t>(a.offset + i);
+    I weyl = VecHash<V>::weyl(static_cast<uint32_t>(a.offset + b));
+    const I step = VecHash<V>::step();
+    int64_t i = b;
+    for (; i + W <= e; i += W) {
       const F m = V::load(mt + (i - b));
-      const F v = V::load(vt + (i - b));     // sqrt of the new exp_avg_sq
-      if (okm) {
-        const I h = a.stochastic ? VecHash<V>::lanes(a.seed_m, first) : zero;
-        const I k = VecF8<V>::template code<statestore::kMBitsM>(V::mul(V::abs(m), invm), h,
-                                                                   a.stochastic);
-        V::store_i8(mo + i, V::neg_if_neg(k, m));
-      } else {
-        std::memset(mo + i, 0, static_cast<size_t>(W));
+      const F s = V::load(vt + (i - b));     // sqrt of the new exp_avg_sq
+      const I hm = kStoch ? VecHash<V>::mix(weyl, a.seed_m) : zero;
+      const I hv = kStoch ? VecHash<V>::mix(weyl, a.seed_v) : zero;
+      if constexpr (kStoch) weyl = V::addi(weyl, step);
+      I km = V::neg_where_sign(
+          VecF8<V>::template code<statestore::kMBitsM, kStoch>(V::mul(V::abs(m), invm), hm), m);
+      I kv = kVNormal
+          ? VecF8<V>::template code_normal<statestore::kMBitsV, kStoch>(V::mul(V::abs(s), invv), hv)
+          : VecF8<V>::template code<statestore::kMBitsV, kStoch>(V::mul(V::abs(s), invv), hv);
+      if constexpr (!kOk) {
+        if (!okm) km = zero;
+        if (!okv) kv = zero;
       }
-      if (okv) {
-        const I h = a.stochastic ? VecHash<V>::lanes(a.seed_v, first) : zero;
-        V::store_u8(vo + i, VecF8<V>::template code<statestore::kMBitsV>(V::mul(V::abs(v), invv),
-                                                                         h, a.stochastic));
-      } else {
-        std::memset(vo + i, 0, static_cast<size_t>(W));
-      }
+      V::store_codes(mo + i, vo + i, km, kv);
     }
+    return i;
+  }
+
+  // True when the block's scales allow the blend-free decoding (VecF8::val_2m112): scale *
+  // 2^112 finite (scale < 2^16; false for NaN) and subnormal operands not treated as zero
+  // (MXCSR's DAZ bit, set e.g. by torch.set_flush_denormal(True)).
+  static bool fast_decode_ok(float sm, float sv) {
+    return sm < 65536.0f && sv < 65536.0f && (_mm_getcsr() & 0x0040u) == 0;
+  }
+
+  // Pass 1 of an int8 block, vector part: decode with the old scales, update, write w (and
+  // the parameter), keep the new moments in mt and sqrt of exp_avg_sq in vt; returns the
+  // first element not done. am, av: the largest |m| and |v| as unsigned integers (for floats
+  // of one sign the bits order as the values do, and inf or NaN, sign cleared, is above
+  // 0x7F7FFFFF); smin: the smallest bits of sqrt(v) as signed integers (below those of any
+  // positive float for -0 or a NaN with its sign bit set: a conservative test in pass 2).
+  template <DType GD, DType PD, bool kAmsgrad, bool kFast>
+  static int64_t update_int8(const MomentTensorArgs& a, int64_t b, int64_t e, int64_t end,
+                             float* mt, float* vt, float sm, float sv, I& am, I& av, I& smin) {
+    const VecAdam<V> c(a.s);
+    const int8_t* const mc = static_cast<const int8_t*>(a.m);
+    const uint8_t* const vc = static_cast<const uint8_t*>(a.v);
+    const F smv = V::set1(kFast ? sm * 0x1p112f : sm), svv = V::set1(kFast ? sv * 0x1p112f : sv);
+    int64_t i = b;
+    for (; i + W <= e; i += W) {
+      prefetch<GD, PD, 1>(a, i, end);
+      F w = V::load(a.w + i);
+      F g = VecIO<V, GD>::load(a.g, i);
+      F m = VecF8<V>::template decode_m<kFast>(V::load_i8_i(mc + i), smv);
+      F v = VecF8<V>::template decode_v<kFast>(V::load_u8_i(vc + i), svv);
+      F s;
+      c.template update<kAmsgrad>(w, g, m, v, kAmsgrad ? a.vmax + i : nullptr, &s);
+      V::store(a.w + i, w);
+      if constexpr (PD != DType::kNone) VecIO<V, PD>::store(a.p_out, i, w);
+      V::store(mt + (i - b), m);
+      V::store(vt + (i - b), s);
+      am = V::maxu(am, V::castf(V::abs(m)));
+      av = V::maxu(av, V::castf(V::abs(v)));
+      smin = V::mini(smin, V::castf(s));
+    }
+    return i;
+  }
+
+  template <DType GD, DType PD, bool kAmsgrad, bool kStoch>
+  static void block_int8(const MomentTensorArgs& a, int64_t b, int64_t e, int64_t end, float* mt,
+                         float* vt) {
+    const int64_t blk = b / statestore::kQBlock;
+    const float sm = a.m_scale[blk], sv = a.v_scale[blk];
+    I am = V::seti(0u), av = V::seti(0u), smin = V::seti(0x7fffffffu);
+    // pass 1: decode, update, keep the new moments
+    int64_t i = fast_decode_ok(sm, sv)
+                    ? update_int8<GD, PD, kAmsgrad, true>(a, b, e, end, mt, vt, sm, sv, am, av, smin)
+                    : update_int8<GD, PD, kAmsgrad, false>(a, b, e, end, mt, vt, sm, sv, am, av, smin);
+    const uint32_t hm = V::hmaxu(am), hv = V::hmaxu(av);
+    int32_t vmin = V::hmini(smin);
+    bool fm = hm <= 0x7f7fffffu, fv = hv <= 0x7f7fffffu;
+    float amx = fm ? statestore::bits_to_float(hm) : 0.0f;
+    float avx = fv ? statestore::bits_to_float(hv) : 0.0f;
+    for (; i < e; ++i) {
+      statestore::adam_element_int8_update<GD, PD, kAmsgrad>(i, a, sm, sv, mt[i - b], vt[i - b]);
+      statestore::absmax_step(mt[i - b], amx, fm);
+      statestore::absmax_step(vt[i - b], avx, fv);
+      vt[i - b] = sqrtf(vt[i - b]);
+      const int32_t bits = static_cast<int32_t>(statestore::float_to_bits(vt[i - b]));
+      vmin = bits < vmin ? bits : vmin;
+    }
+    const QScale qm = statestore::make_qscale_m(amx, fm), qv = statestore::make_qscale_v(avx, fv);
+    a.m_scale[blk] = qm.scale;
+    a.v_scale[blk] = qv.scale;
+    // pass 2: codes. r = sqrt(v) * inv is monotonic in sqrt(v), so the block's smallest r is
+    // its smallest sqrt(v) times inv (a negative vmin: -0 or a NaN, take the general path)
+    const bool ok = statestore::encode_block_ok(qm) && statestore::encode_block_ok(qv);
+    const bool vnormal = vmin >= 0 && statestore::bits_to_float(static_cast<uint32_t>(vmin)) * qv.inv >= statestore::k2m14;
+    if (ok && vnormal) i = encode_int8<kStoch, true, true>(a, b, e, mt, vt, qm, qv);
+    else if (ok) i = encode_int8<kStoch, true, false>(a, b, e, mt, vt, qm, qv);
+    else i = encode_int8<kStoch, false, false>(a, b, e, mt, vt, qm, qv);
     for (; i < e; ++i) statestore::encode_element_int8(i, a, qm, qv, mt[i - b], vt[i - b]);
   }
 };

@@ -13,8 +13,8 @@ struct ScalarAdam {
 };
 
 struct ScalarMoments {
-  template <DType GD, DType PD, bool kAmsgrad, MomentKind MK>
-  static void run(const MomentTensorArgs& a, int64_t begin, int64_t end) {
+  template <DType GD, DType PD, bool kAmsgrad, MomentKind MK, bool kStochastic>
+  static void run(const MomentTensorArgs& a, int64_t begin, int64_t end) {  // a.stochastic read
     moments_scalar_range<GD, PD, kAmsgrad, MK>(a, begin, end);
   }
 };
