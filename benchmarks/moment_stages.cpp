@@ -134,7 +134,7 @@ __attribute__((noinline)) void st_block_max(const float* m, const float* v, floa
   }
 }
 template <bool kStoch>
-__attribute__((noinline)) void st_int8_encode(const MomentTensorArgs& a, const float* mt,
+__attribute__((noinline)) void st_int8_encode(const AdamTensorArgs& a, const float* mt,
                                               const float* vt, int64_t n) {
   const QScale qm = make_qscale_m(0.2f, true), qv = make_qscale_v(0.04f, true);
   for (int64_t b = 0; b + kQBlock <= n; b += kQBlock)
@@ -168,10 +168,10 @@ int main(int argc, char** argv) {
     mt[i] = m[i] * 100.0f;                   // within the scales of st_int8_encode
     vt[i] = std::sqrt(v[i]) * 5.0f * std::pow(10.0f, -2.0f * ud(rng));
   }
-  const AdamScalars s = make_adam_scalars(1e-3, 0.9, 0.999, 1e-8, 0.01, true, false, 1.0,
-                                          1e-3 / (1 - std::pow(0.9, 5)),
+  const AdamHyper hyper{1e-3, 0.9, 0.999, 1e-8, 0.01, 1.0, true, false};
+  const AdamScalars s = make_adam_scalars(hyper, 1e-3 / (1 - std::pow(0.9, 5)),
                                           std::sqrt(1 - std::pow(0.999, 5)));
-  MomentTensorArgs codes{};
+  AdamTensorArgs codes{};
   codes.m = mi.data();
   codes.v = vi.data();
   codes.seed_m = 1;
@@ -200,6 +200,7 @@ int main(int argc, char** argv) {
     b.g = g.data();
     b.m = m.data();
     b.v = v.data();
+    b.kind = MomentKind::kF32;
     b.g_dtype = DType::kF32;
     b.p_dtype = pd;
     b.p_out = pd == DType::kNone ? nullptr : pb.data();
@@ -210,7 +211,7 @@ int main(int argc, char** argv) {
     row(name, [&] { K.adam(b, 0, n); });
     for (MomentKind k : {MomentKind::kBF16, MomentKind::kInt8}) {
       for (bool st : {false, true}) {
-        MomentTensorArgs a{};
+        AdamTensorArgs a{};
         a.w = w.data();
         a.g = g.data();
         a.g_dtype = DType::kF32;
@@ -233,7 +234,7 @@ int main(int argc, char** argv) {
         }
         std::snprintf(name, sizeof name, "kernel: %s moments %s, %s",
                       k == MomentKind::kBF16 ? "bf16" : "int8", st ? "stochastic" : "nearest", pn);
-        row(name, [&] { K.adam_moments(a, 0, n); });
+        row(name, [&] { K.adam(a, 0, n); });
       }
     }
   }

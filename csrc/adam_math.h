@@ -42,20 +42,28 @@ struct AdamScalars {
   float eps;
 };
 
-// Builds AdamScalars the way torch.optim.adam does (double math, then float).
-SS_HD AdamScalars make_adam_scalars(double lr, double beta1, double beta2, double eps,
-                                    double weight_decay, bool adamw_mode, bool maximize,
-                                    double grad_scale, double step_size, double bc2_sqrt) {
+// The hyperparameters of one Adam op call, as the op receives them: its `float[] hyper`
+// argument in this order (adam_checks.h, adam_hyper, reads and checks it; Python builds it
+// with statestore.kernels.AdamHyper.pack()). The flags travel as 0.0 / 1.0.
+struct AdamHyper {
+  double lr, beta1, beta2, eps, weight_decay, grad_scale;
+  bool adamw_mode, maximize;
+};
+constexpr int kAdamHyperLen = 8;  // lr, beta1, beta2, eps, weight_decay, grad_scale, adamw_mode, maximize
+
+// Builds AdamScalars the way torch.optim.adam does (double math, then float), for a tensor
+// whose bias-corrected step size and sqrt(1 - beta2^step) are given.
+SS_HD AdamScalars make_adam_scalars(const AdamHyper& h, double step_size, double bc2_sqrt) {
   AdamScalars s;
-  s.grad_mul = static_cast<float>((maximize ? -1.0 : 1.0) / grad_scale);
-  s.l2_decay = adamw_mode ? 0.0f : static_cast<float>(weight_decay);
-  s.decay_mul = adamw_mode ? static_cast<float>(1.0 - lr * weight_decay) : 1.0f;
-  s.beta1_c = static_cast<float>(1.0 - beta1);
-  s.beta2 = static_cast<float>(beta2);
-  s.beta2_c = static_cast<float>(1.0 - beta2);
+  s.grad_mul = static_cast<float>((h.maximize ? -1.0 : 1.0) / h.grad_scale);
+  s.l2_decay = h.adamw_mode ? 0.0f : static_cast<float>(h.weight_decay);
+  s.decay_mul = h.adamw_mode ? static_cast<float>(1.0 - h.lr * h.weight_decay) : 1.0f;
+  s.beta1_c = static_cast<float>(1.0 - h.beta1);
+  s.beta2 = static_cast<float>(h.beta2);
+  s.beta2_c = static_cast<float>(1.0 - h.beta2);
   s.neg_step_size = static_cast<float>(-step_size);
   s.inv_bc2_sqrt = static_cast<float>(1.0 / bc2_sqrt);
-  s.eps = static_cast<float>(eps);
+  s.eps = static_cast<float>(h.eps);
   return s;
 }
 
@@ -226,6 +234,8 @@ SS_HD void adam_element(int64_t i, float* w, const void* g, float* m, float* v, 
 // torch reference, so both give the same codes. The SIMD bodies (adam_moments_body.h) and the
 // CUDA kernel (fused_adam.cu) call these functions or mirror them operation by operation.
 
+// The encoding of exp_avg / exp_avg_sq (the op's `moments` argument: "fp32", "bf16-..." or
+// "int8-...").
 enum class MomentKind : int32_t { kF32 = 0, kBF16 = 1, kInt8 = 2 };
 
 constexpr int kQBlock = 256;                    // elements per int8 block (one fp32 scale)
@@ -355,21 +365,23 @@ SS_HD void absmax_step(float x, float& absmax, bool& finite) {
   finite = finite && (a <= kFltMax);
 }
 
-// Arguments of one tensor of a compressed-moment step.
-struct MomentTensorArgs {
+// One tensor of an Adam step, as raw pointers: the unit of work of every kernel (CPU SIMD and
+// scalar, CUDA), whatever the moments' encoding. Filled and checked once, for CPU and CUDA,
+// by statestore::checks::adam_jobs (csrc/adam/adam_checks.h).
+struct AdamTensorArgs {
   float* w;            // fp32 weight (the parameter or its fp32 master)
-  const void* g;       // gradient (GD)
-  void* m;             // exp_avg codes: bf16 (uint16) or int8
-  void* v;             // exp_avg_sq codes: bf16 (uint16) or uint8
+  const void* g;       // gradient (g_dtype)
+  void* m;             // exp_avg: fp32, bf16 (uint16) or int8 codes, as `kind` says
+  void* v;             // exp_avg_sq: fp32, bf16 (uint16) or uint8 codes
   float* m_scale;      // int8: one scale per block of kQBlock elements, else nullptr
   float* v_scale;
   float* vmax;         // amsgrad's max_exp_avg_sq (fp32), or nullptr
   void* p_out;         // low-precision parameter written from w, or nullptr
   DType g_dtype;
-  DType p_dtype;
+  DType p_dtype;       // kNone when p_out is nullptr
   MomentKind kind;
-  bool stochastic;
-  uint32_t seed_m;
+  bool stochastic;     // bf16 / int8: stochastic rounding, else nearest
+  uint32_t seed_m;     // the random bits' seeds (stochastic rounding)
   uint32_t seed_v;
   int64_t offset;      // index in the parameter of element 0 (int8: a multiple of kQBlock)
   int64_t n;
@@ -378,7 +390,7 @@ struct MomentTensorArgs {
 
 // One element of a bf16-moment tensor: decode, update, re-encode.
 template <DType GD, DType PD, bool kAmsgrad>
-SS_HD void adam_element_bf16m(int64_t i, const MomentTensorArgs& a) {
+SS_HD void adam_element_bf16m(int64_t i, const AdamTensorArgs& a) {
   uint16_t* m = static_cast<uint16_t*>(a.m);
   uint16_t* v = static_cast<uint16_t*>(a.v);
   float wi = a.w[i];
@@ -403,7 +415,7 @@ SS_HD void adam_element_bf16m(int64_t i, const MomentTensorArgs& a) {
 // Phase 1 of an int8 element: decode with the block's old scales, update; returns the new
 // fp32 moments in mn, vn (kept in a block-sized buffer by the caller).
 template <DType GD, DType PD, bool kAmsgrad>
-SS_HD void adam_element_int8_update(int64_t i, const MomentTensorArgs& a, float scale_m,
+SS_HD void adam_element_int8_update(int64_t i, const AdamTensorArgs& a, float scale_m,
                                     float scale_v, float& mn, float& vn) {
   float wi = a.w[i];
   mn = decode_m8(static_cast<const int8_t*>(a.m)[i], scale_m);
@@ -417,7 +429,7 @@ SS_HD void adam_element_int8_update(int64_t i, const MomentTensorArgs& a, float 
 }
 
 // Phase 2 of an int8 element: its codes from the block's new scales; sv = sqrt(vn).
-SS_HD void encode_element_int8(int64_t i, const MomentTensorArgs& a, const QScale& qm,
+SS_HD void encode_element_int8(int64_t i, const AdamTensorArgs& a, const QScale& qm,
                                const QScale& qv, float mn, float sv) {
   const uint32_t idx = static_cast<uint32_t>(a.offset + i);
   const uint32_t hm = a.stochastic ? ss_hash32(a.seed_m, idx) : 0u;
@@ -431,7 +443,7 @@ SS_HD void encode_element_int8(int64_t i, const MomentTensorArgs& a, const QScal
 // One whole int8 block [b, e) (e - b <= kQBlock, b a multiple of kQBlock), sequentially:
 // the CPU scalar path. mt, vt: block-sized buffers (vt keeps sqrt of the new exp_avg_sq).
 template <DType GD, DType PD, bool kAmsgrad>
-SS_HD void adam_block_int8(const MomentTensorArgs& a, int64_t b, int64_t e, float* mt,
+SS_HD void adam_block_int8(const AdamTensorArgs& a, int64_t b, int64_t e, float* mt,
                            float* vt) {
   const int64_t blk = b / kQBlock;
   const float sm = a.m_scale[blk], sv = a.v_scale[blk];

@@ -271,29 +271,58 @@ def test_python_argument_errors():
         K.adam_step(p, z, z, z, steps=[1], weight_decay=0.0, adamw_mode=True, grad_scale=0.0, **HP)
 
 
+HYPER = [1e-3, 0.9, 0.999, 1e-8, 0.0, 1.0, 1.0, 0.0]   # K.AdamHyper(...).pack()
+
+
 @needs_ext
 def test_op_errors_name_the_argument():
-    op = torch.ops.statestore.adam_step_
+    op = torch.ops.statestore.adam_
     p, z = [torch.randn(4)], [torch.zeros(4)]
-    args = ([1e-3], [0.1], 1e-3, 0.9, 0.999, 1e-8, 0.0, True, False, 1.0)
-    with pytest.raises(RuntimeError, match="grads has 2 tensors"):
-        op(p, z * 2, z, z, [], [], *args)
+
+    def call(params=p, grads=z, m=z, v=z, hyper=HYPER, moments="fp32", sizes=([1e-3], [0.1])):
+        op(params, grads, m, v, [], [], [], [], *sizes, [], [], hyper, moments)
+
+    with pytest.raises(RuntimeError, match=r"need one tensor per param \(1\), got 2, 1, 1"):
+        call(grads=z * 2)
     with pytest.raises(RuntimeError, match=r"exp_avgs\[0\] has 5 elements"):
-        op(p, z, [torch.zeros(5)], z, [], [], *args)
+        call(m=[torch.zeros(5)])
     with pytest.raises(RuntimeError, match=r"params\[0\] is BFloat16 without an fp32 master"):
-        op([torch.zeros(4, dtype=torch.bfloat16)], z, z, z, [], [], *args)
+        call(params=[torch.zeros(4, dtype=torch.bfloat16)])
     with pytest.raises(RuntimeError, match=r"grads\[0\] must be float32"):
-        op(p, [torch.zeros(4, dtype=torch.float64)], z, z, [], [], *args)
+        call(grads=[torch.zeros(4, dtype=torch.float64)])
     with pytest.raises(RuntimeError, match=r"exp_avg_sqs\[0\] is not contiguous"):
-        op([torch.zeros(4)], z, z, [torch.zeros(8)[::2]], [], [], *args)
+        call(v=[torch.zeros(8)[::2]])
+    with pytest.raises(RuntimeError, match=r"exp_avgs\[0\] must be Float, got BFloat16"):
+        call(m=[torch.zeros(4, dtype=torch.bfloat16)])
+    with pytest.raises(RuntimeError, match="moments must be fp32, bf16-nearest"):
+        call(moments="fp16")
+    with pytest.raises(RuntimeError, match="hyper must hold 8 values"):
+        call(hyper=HYPER[:6])
+    with pytest.raises(RuntimeError, match="grad_scale must be a positive finite number"):
+        call(hyper=HYPER[:5] + [0.0] + HYPER[6:])
+    with pytest.raises(RuntimeError, match=r"hyper\[7\] \(maximize\) must be 0 or 1"):
+        call(hyper=HYPER[:7] + [0.5])
+    with pytest.raises(RuntimeError, match="step_sizes and bc2_sqrts need one value per param"):
+        call(sizes=([], []))
+
+
+def test_adam_hyper_packs_in_the_op_order():
+    h = K.AdamHyper(lr=1e-3, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1,
+                    adamw_mode=False, maximize=True, grad_scale=4.0)
+    assert h.pack() == [1e-3, 0.9, 0.99, 1e-8, 0.1, 4.0, 0.0, 1.0]
 
 
 @needs_ext
 def test_opcheck_schema_and_fake():
     p, g, m, v = torch.randn(40), torch.randn(40), torch.zeros(40), torch.zeros(40)
-    torch.library.opcheck(torch.ops.statestore.adam_step_.default,
-                          ([p], [g], [m], [v], [], [None], [1e-3], [0.03], 1e-3, 0.9, 0.999,
-                           1e-8, 0.0, True, False, 1.0),
+    torch.library.opcheck(torch.ops.statestore.adam_.default,
+                          ([p], [g], [m], [v], [], [], [], [None], [1e-3], [0.03], [], [],
+                           HYPER, "fp32"),
+                          test_utils=("test_schema", "test_faketensor"))
+    c = torch.zeros(40, dtype=torch.int8), torch.zeros(40, dtype=torch.uint8)
+    torch.library.opcheck(torch.ops.statestore.adam_.default,
+                          ([p], [g], [c[0]], [c[1]], [torch.zeros(1)], [torch.zeros(1)], [],
+                           [None], [1e-3], [0.03], [3, 4], [0], HYPER, "int8-stochastic"),
                           test_utils=("test_schema", "test_faketensor"))
 
 

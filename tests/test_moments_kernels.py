@@ -1,4 +1,4 @@
-"""The compressed-moment kernels (``torch.ops.statestore.adam_step_moments_``) on every CPU
+"""The compressed-moment kernels (``torch.ops.statestore.adam_``, bf16 and int8) on every CPU
 path (AVX-512, AVX2, scalar), against
 
 * the unfused algorithm (decode with the torch reference, the fp32 kernel, encode with the
@@ -248,23 +248,29 @@ def test_op_errors_name_the_argument():
     c = make(300, "int8")
     with pytest.raises(ValueError, match="offsets"):
         fused(c, "int8", "nearest", offset=100)
-    with pytest.raises(RuntimeError, match="exp_avg_scales"):
-        torch.ops.statestore.adam_step_moments_(
-            [c["p"]], [c["g"]], [c["m"]], [c["v"]], [c["ms"][:1]], [c["vs"]], [], [],
-            [1.0], [1.0], [1], [2], [0], 2, False, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, False, 1.0)
-    with pytest.raises(RuntimeError, match="exp_avgs"):
-        torch.ops.statestore.adam_step_moments_(
-            [c["p"]], [c["g"]], [c["m"].view(torch.uint8)], [c["v"]], [c["ms"]], [c["vs"]], [],
-            [], [1.0], [1.0], [1], [2], [0], 2, False, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, False,
-            1.0)
+    hyper = K.AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                        adamw_mode=True).pack()
+
+    def op(m=(c["m"],), v=(c["v"],), ms=(c["ms"],), vs=(c["vs"],), grads=(c["g"],),
+           seeds=(1, 2), offsets=(0,), moments="int8-nearest"):
+        torch.ops.statestore.adam_([c["p"]], list(grads), list(m), list(v), list(ms), list(vs),
+                                   [], [], [1.0], [1.0], list(seeds), list(offsets), hyper,
+                                   moments)
+
+    with pytest.raises(RuntimeError, match=r"exp_avg_scales\[0\] has 1 elements"):
+        op(ms=(c["ms"][:1],))
+    with pytest.raises(RuntimeError, match=r"exp_avgs\[0\] must be Char"):
+        op(m=(c["m"].view(torch.uint8),))
     with pytest.raises(RuntimeError, match=r"offsets\[0\] = 100 is not a multiple of 256"):
-        torch.ops.statestore.adam_step_moments_(
-            [c["p"]], [c["g"]], [c["m"]], [c["v"]], [c["ms"]], [c["vs"]], [], [],
-            [1.0], [1.0], [1], [2], [100], 2, False, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, False, 1.0)
+        op(offsets=(100,))
     with pytest.raises(RuntimeError, match=r"need one tensor per param \(1\), got 2, 1, 1"):
-        torch.ops.statestore.adam_step_moments_(
-            [c["p"]], [c["g"]] * 2, [c["m"]], [c["v"]], [c["ms"]], [c["vs"]], [], [],
-            [1.0], [1.0], [1], [2], [0], 2, False, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, False, 1.0)
+        op(grads=(c["g"], c["g"]))
+    with pytest.raises(RuntimeError, match="one tensor per param with int8 moments"):
+        op(ms=(), vs=())
+    with pytest.raises(RuntimeError, match=r"seeds need two values per param \(2\)"):
+        op(seeds=(1,), moments="int8-stochastic")
+    with pytest.raises(RuntimeError, match=r"exp_avgs\[0\] must be BFloat16"):
+        op(ms=(), vs=(), moments="bf16-nearest")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or ext is None

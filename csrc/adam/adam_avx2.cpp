@@ -179,11 +179,7 @@ inline void stream256(char* p, __m256i x) { _mm256_stream_si256(reinterpret_cast
 STATESTORE_DEFINE_STREAM_COPY(avx2_stream_copy, __m256i, 32, load256, stream256)
 
 void avx2_adam(const AdamTensorArgs& a, int64_t begin, int64_t end) {
-  dispatch_adam_range<SimdAdam<Avx2Ops>>(a, begin, end);
-}
-
-void avx2_moments(const MomentTensorArgs& a, int64_t begin, int64_t end) {
-  dispatch_moments_range<SimdMoments<Avx2Ops>>(a, begin, end);
+  dispatch_range<SimdAdam<Avx2Ops>, SimdMoments<Avx2Ops>>(a, begin, end);
 }
 
 }  // namespace
@@ -195,8 +191,7 @@ void avx2_moments(const MomentTensorArgs& a, int64_t begin, int64_t end) {
 namespace statestore {
 namespace cpu {
 const SimdKernels& avx2_kernels() {
-  static const SimdKernels k{"avx2", 256, &avx2_adam, &simd_finite, &avx2_probe, &avx2_stream_copy,
-                              &avx2_moments};
+  static const SimdKernels k{"avx2", 256, &avx2_adam, &simd_finite, &avx2_probe, &avx2_stream_copy};
   return k;
 }
 }  // namespace cpu

@@ -151,11 +151,7 @@ inline void stream512(char* p, __m512i x) { _mm512_stream_si512(reinterpret_cast
 STATESTORE_DEFINE_STREAM_COPY(avx512_stream_copy, __m512i, 64, load512, stream512)
 
 void avx512_adam(const AdamTensorArgs& a, int64_t begin, int64_t end) {
-  dispatch_adam_range<SimdAdam<Avx512Ops>>(a, begin, end);
-}
-
-void avx512_moments(const MomentTensorArgs& a, int64_t begin, int64_t end) {
-  dispatch_moments_range<SimdMoments<Avx512Ops>>(a, begin, end);
+  dispatch_range<SimdAdam<Avx512Ops>, SimdMoments<Avx512Ops>>(a, begin, end);
 }
 
 }  // namespace
@@ -167,8 +163,7 @@ void avx512_moments(const MomentTensorArgs& a, int64_t begin, int64_t end) {
 namespace statestore {
 namespace cpu {
 const SimdKernels& avx512_kernels() {
-  static const SimdKernels k{"avx512", 512, &avx512_adam, &simd_finite, &avx512_probe, &avx512_stream_copy,
-                              &avx512_moments};
+  static const SimdKernels k{"avx512", 512, &avx512_adam, &simd_finite, &avx512_probe, &avx512_stream_copy};
   return k;
 }
 }  // namespace cpu

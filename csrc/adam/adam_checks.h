@@ -1,7 +1,9 @@
-// Argument checks of the `statestore` Adam ops (adam_step_, adam_step_moments_), shared by the
-// CPU implementations (csrc/adam/adam_ops.cpp) and the CUDA ones (csrc/cuda/fused_adam_binding.cpp).
-// ATen only, no CUDA header: the CPU build includes it. `op` is the name that opens each message
-// ("adam_step_" or "adam_step_moments_").
+// The `statestore::adam_` op's arguments, declared once and checked once for its CPU
+// implementation (csrc/adam/adam_ops.cpp) and its CUDA one (csrc/cuda/fused_adam_binding.cpp):
+// STATESTORE_ADAM_OP_PARAMS is the C++ parameter list of the schema (kAdamSchema), and
+// adam_jobs() checks every argument and turns them into one AdamTensorArgs (adam_math.h) per
+// non-empty tensor. ATen only, no CUDA header: the CPU build includes it. Messages open with
+// the op's name ("adam_") and name the argument and index at fault.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -10,11 +12,83 @@
 #include <cstddef>
 #include <cstdint>
 #include <optional>
+#include <string>
+#include <vector>
 
 #include "adam_math.h"
 
 namespace statestore {
 namespace checks {
+
+// One op for every Adam update: the moments' encoding is an argument (`moments`: "fp32",
+// "bf16-nearest", "bf16-stochastic", "int8-nearest", "int8-stochastic"), the scalar
+// hyperparameters travel in one pack (`hyper`: AdamHyper's fields, adam_math.h), and the
+// per-tensor values in lists of one entry per tensor: step_sizes = lr / (1 - beta1^step) and
+// bc2_sqrts = sqrt(1 - beta2^step) (from each tensor's step count), seeds (two per tensor,
+// exp_avg's then exp_avg_sq's: stochastic rounding; empty otherwise) and offsets (the index
+// in its parameter of each tensor's first element; empty: all 0). exp_avg_scales /
+// exp_avg_sq_scales: int8's block scales (empty otherwise); max_exp_avg_sqs: amsgrad's
+// (empty: no amsgrad); masters: fp32 masters of low-precision params (empty, or None entries).
+constexpr const char* kAdamSchema =
+    "adam_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+    "Tensor(d!)[] exp_avg_scales, Tensor(e!)[] exp_avg_sq_scales, Tensor(f!)[] max_exp_avg_sqs, "
+    "Tensor(g!)?[] masters, float[] step_sizes, float[] bc2_sqrts, int[] seeds, int[] offsets, "
+    "float[] hyper, str moments) -> ()";
+
+#define STATESTORE_ADAM_OP_PARAMS                                                             \
+  at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,                      \
+      at::TensorList exp_avg_sqs, at::TensorList exp_avg_scales,                              \
+      at::TensorList exp_avg_sq_scales, at::TensorList max_exp_avg_sqs,                       \
+      const c10::List<std::optional<at::Tensor>>&masters, at::ArrayRef<double> step_sizes,   \
+      at::ArrayRef<double> bc2_sqrts, at::ArrayRef<int64_t> seeds,                            \
+      at::ArrayRef<int64_t> offsets, at::ArrayRef<double> hyper, c10::string_view moments
+#define STATESTORE_ADAM_OP_ARGS                                                               \
+  ::statestore::checks::AdamOpArgs {                                                          \
+    params, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_scales, max_exp_avg_sqs, \
+        masters, step_sizes, bc2_sqrts, seeds, offsets, hyper, moments                        \
+  }
+
+struct AdamOpArgs {
+  at::TensorList params, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_scales,
+      max_exp_avg_sqs;
+  const c10::List<std::optional<at::Tensor>>& masters;
+  at::ArrayRef<double> step_sizes, bc2_sqrts;
+  at::ArrayRef<int64_t> seeds, offsets;
+  at::ArrayRef<double> hyper;
+  c10::string_view moments;
+};
+
+struct MomentCoding {
+  MomentKind kind;
+  bool stochastic;
+};
+
+// The encoding named by `moments`.
+inline MomentCoding moment_coding(c10::string_view moments) {
+  const std::string m(moments.data(), moments.size());
+  if (m == "fp32") return {MomentKind::kF32, false};
+  if (m == "bf16-nearest") return {MomentKind::kBF16, false};
+  if (m == "bf16-stochastic") return {MomentKind::kBF16, true};
+  if (m == "int8-nearest") return {MomentKind::kInt8, false};
+  if (m == "int8-stochastic") return {MomentKind::kInt8, true};
+  TORCH_CHECK(false, "adam_: moments must be fp32, bf16-nearest, bf16-stochastic, int8-nearest or "
+              "int8-stochastic, got '", m, "'");
+  return {MomentKind::kF32, false};
+}
+
+// The hyperparameter pack: kAdamHyperLen values, grad_scale positive and finite, the flags 0/1.
+inline AdamHyper adam_hyper(at::ArrayRef<double> h) {
+  TORCH_CHECK(h.size() == static_cast<size_t>(kAdamHyperLen), "adam_: hyper must hold ",
+              kAdamHyperLen, " values (lr, beta1, beta2, eps, weight_decay, grad_scale, "
+              "adamw_mode, maximize), got ", h.size());
+  TORCH_CHECK(std::isfinite(h[5]) && h[5] > 0, "adam_: grad_scale must be a positive finite "
+              "number, got ", h[5]);
+  for (int k : {6, 7}) {
+    TORCH_CHECK(h[k] == 0.0 || h[k] == 1.0, "adam_: hyper[", k, "] (",
+                k == 6 ? "adamw_mode" : "maximize", ") must be 0 or 1, got ", h[k]);
+  }
+  return AdamHyper{h[0], h[1], h[2], h[3], h[4], h[5], h[6] != 0.0, h[7] != 0.0};
+}
 
 // The storage type of a param or grad dtype; DType::kNone for any other dtype.
 inline DType storage_of(at::ScalarType t) {
@@ -28,166 +102,142 @@ inline DType storage_of(at::ScalarType t) {
 
 // `name[i]` is defined, on `dev` (nullptr: on the CPU), contiguous, with `numel` elements.
 inline void check_tensor(const at::Tensor& t, const char* name, size_t i, int64_t numel,
-                         const at::Device* dev = nullptr) {
-  TORCH_CHECK(t.defined(), "adam_step_: ", name, "[", i, "] is undefined");
+                         const at::Device* dev) {
+  TORCH_CHECK(t.defined(), "adam_: ", name, "[", i, "] is undefined");
   if (dev == nullptr) {
-    TORCH_CHECK(t.device().is_cpu(), "adam_step_: ", name, "[", i, "] is on ", t.device(),
+    TORCH_CHECK(t.device().is_cpu(), "adam_: ", name, "[", i, "] is on ", t.device(),
                 ", expected cpu");
   } else {
-    TORCH_CHECK(t.device() == *dev, "adam_step_: ", name, "[", i, "] is on ", t.device(),
+    TORCH_CHECK(t.device() == *dev, "adam_: ", name, "[", i, "] is on ", t.device(),
                 ", params[0] is on ", *dev);
   }
-  TORCH_CHECK(t.is_contiguous(), "adam_step_: ", name, "[", i,
+  TORCH_CHECK(t.is_contiguous(), "adam_: ", name, "[", i,
               "] is not contiguous; call .contiguous() or use the reference path");
-  TORCH_CHECK(t.numel() == numel, "adam_step_: ", name, "[", i, "] has ", t.numel(),
+  TORCH_CHECK(t.numel() == numel, "adam_: ", name, "[", i, "] has ", t.numel(),
               " elements, params[", i, "] has ", numel);
 }
 
-inline void check_f32(const at::Tensor& t, const char* name, size_t i) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat, "adam_step_: ", name, "[", i,
-              "] must be float32, got ", t.scalar_type());
+inline void check_dtype(const at::Tensor& t, at::ScalarType want, const char* name, size_t i) {
+  TORCH_CHECK(t.scalar_type() == want, "adam_: ", name, "[", i, "] must be ", want, ", got ",
+              t.scalar_type());
 }
 
-// check_tensor then check_f32: an fp32 tensor of one element per param element
-// (max_exp_avg_sqs, masters).
-inline void check_f32_tensor(const at::Tensor& t, const char* name, size_t i, int64_t numel,
-                             const at::Device* dev = nullptr) {
-  check_tensor(t, name, i, numel, dev);
-  check_f32(t, name, i);
+// The lists: one entry per param each (the optional ones empty where allowed).
+inline void check_lists(const AdamOpArgs& a, const MomentCoding& mc) {
+  const size_t n = a.params.size();
+  TORCH_CHECK(a.grads.size() == n && a.exp_avgs.size() == n && a.exp_avg_sqs.size() == n,
+              "adam_: grads, exp_avgs and exp_avg_sqs need one tensor per param (", n,
+              "), got ", a.grads.size(), ", ", a.exp_avgs.size(), ", ", a.exp_avg_sqs.size());
+  const bool int8 = mc.kind == MomentKind::kInt8;
+  TORCH_CHECK(int8 ? (a.exp_avg_scales.size() == n && a.exp_avg_sq_scales.size() == n)
+                   : (a.exp_avg_scales.empty() && a.exp_avg_sq_scales.empty()),
+              "adam_: exp_avg_scales and exp_avg_sq_scales need one tensor per param with int8 "
+              "moments and none otherwise, got ", a.exp_avg_scales.size(), " and ",
+              a.exp_avg_sq_scales.size(), " for ", n, " params");
+  TORCH_CHECK(a.max_exp_avg_sqs.empty() || a.max_exp_avg_sqs.size() == n,
+              "adam_: max_exp_avg_sqs must be empty (no amsgrad) or have one tensor per param, "
+              "got ", a.max_exp_avg_sqs.size(), " for ", n, " params");
+  TORCH_CHECK(a.masters.empty() || a.masters.size() == n,
+              "adam_: masters must be empty or have one entry per param, got ", a.masters.size(),
+              " for ", n, " params");
+  TORCH_CHECK(a.step_sizes.size() == n && a.bc2_sqrts.size() == n,
+              "adam_: step_sizes and bc2_sqrts need one value per param (", n, "), got ",
+              a.step_sizes.size(), " and ", a.bc2_sqrts.size());
+  TORCH_CHECK(a.seeds.size() == 2 * n || (a.seeds.empty() && !mc.stochastic),
+              "adam_: seeds need two values per param (", 2 * n, ") with stochastic rounding, "
+              "got ", a.seeds.size());
+  TORCH_CHECK(a.offsets.empty() || a.offsets.size() == n,
+              "adam_: offsets must be empty or have one value per param, got ",
+              a.offsets.size(), " for ", n, " params");
 }
 
-// The int8 moments' block scales of param i: `nb` fp32 values each.
-inline void check_scales(const at::Tensor& exp_avg_scale, const at::Tensor& exp_avg_sq_scale,
-                         size_t i, int64_t nb, const at::Device* dev = nullptr) {
-  check_tensor(exp_avg_scale, "exp_avg_scales", i, nb, dev);
-  check_tensor(exp_avg_sq_scale, "exp_avg_sq_scales", i, nb, dev);
-  check_f32(exp_avg_scale, "exp_avg_scales", i);
-  check_f32(exp_avg_sq_scale, "exp_avg_sq_scales", i);
-}
-
-inline void check_grad_scale(const char* op, double grad_scale) {
-  TORCH_CHECK(std::isfinite(grad_scale) && grad_scale > 0, op,
-              ": grad_scale must be a positive finite number, got ", grad_scale);
-}
-
-// The storage type of grads[i], which must be fp32, fp16 or bf16.
-inline DType grad_dtype(const char* op, const at::Tensor& g, size_t i) {
-  const DType d = storage_of(g.scalar_type());
-  TORCH_CHECK(d != DType::kNone, op, ": grads[", i,
-              "] must be float32, float16 or bfloat16, got ", g.scalar_type());
-  return d;
-}
-
-// The storage type of params[i] written from an fp32 master: fp32, fp16 or bf16.
-inline DType param_dtype_with_master(const char* op, const at::Tensor& p, size_t i) {
-  const DType d = storage_of(p.scalar_type());
-  TORCH_CHECK(d != DType::kNone, op, ": params[", i,
-              "] (with an fp32 master) must be float32, float16 or bfloat16, got ",
-              p.scalar_type());
-  return d;
-}
-
-// params[i] without a master is updated in place, so must be fp32.
-inline void check_param_without_master(const char* op, const at::Tensor& p, size_t i) {
-  TORCH_CHECK(p.scalar_type() == at::kFloat, op, ": params[", i, "] is ", p.scalar_type(),
-              " without an fp32 master; pass masters[", i, "]");
-}
-
-// The four tensors every op reads per param: params[i], grads[i], exp_avgs[i] and
-// exp_avg_sqs[i], each defined, on `dev` (nullptr: the CPU), contiguous, `numel` elements.
-inline void check_param_tensors(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m,
-                                const at::Tensor& v, size_t i, int64_t numel,
-                                const at::Device* dev = nullptr) {
-  check_tensor(p, "params", i, numel, dev);
-  check_tensor(g, "grads", i, numel, dev);
-  check_tensor(m, "exp_avgs", i, numel, dev);
-  check_tensor(v, "exp_avg_sqs", i, numel, dev);
-}
-
-// masters[i] where one is given (masters not empty and entry i defined), else nullopt.
-inline std::optional<at::Tensor> master_of(const c10::List<std::optional<at::Tensor>>& masters,
-                                           size_t i) {
-  if (masters.empty()) return std::nullopt;
-  std::optional<at::Tensor> m = masters.get(i);
-  if (m.has_value() && !m->defined()) return std::nullopt;
-  return m;
-}
-
-// adam_step_'s lists: one entry per param each (max_exp_avg_sqs and masters where not empty),
-// and grad_scale.
-inline void check_adam_lists(size_t n, at::TensorList grads, at::TensorList exp_avgs,
-                             at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
-                             const c10::List<std::optional<at::Tensor>>& masters,
-                             at::ArrayRef<double> step_sizes, at::ArrayRef<double> bc2_sqrts,
-                             double grad_scale) {
-  TORCH_CHECK(grads.size() == n, "adam_step_: grads has ", grads.size(), " tensors, params has ", n);
-  TORCH_CHECK(exp_avgs.size() == n, "adam_step_: exp_avgs has ", exp_avgs.size(),
-              " tensors, params has ", n);
-  TORCH_CHECK(exp_avg_sqs.size() == n, "adam_step_: exp_avg_sqs has ", exp_avg_sqs.size(),
-              " tensors, params has ", n);
-  TORCH_CHECK(max_exp_avg_sqs.empty() || max_exp_avg_sqs.size() == n,
-              "adam_step_: max_exp_avg_sqs must be empty (no amsgrad) or have one tensor per "
-              "param, got ", max_exp_avg_sqs.size(), " for ", n, " params");
-  TORCH_CHECK(masters.empty() || masters.size() == n,
-              "adam_step_: masters must be empty or have one entry per param, got ",
-              masters.size(), " for ", n, " params");
-  TORCH_CHECK(step_sizes.size() == n && bc2_sqrts.size() == n,
-              "adam_step_: step_sizes and bc2_sqrts need one value per param (", n, "), got ",
-              step_sizes.size(), " and ", bc2_sqrts.size());
-  check_grad_scale("adam_step_", grad_scale);
-}
-
-// adam_step_moments_'s codes of param i: bfloat16 / bfloat16, or int8 / uint8.
-inline void check_moment_codes(const at::Tensor& m, const at::Tensor& v, bool int8, size_t i) {
-  const at::ScalarType want_m = int8 ? at::kChar : at::kBFloat16;
-  const at::ScalarType want_v = int8 ? at::kByte : at::kBFloat16;
-  TORCH_CHECK(m.scalar_type() == want_m, "adam_step_moments_: exp_avgs[", i, "] must be ",
-              want_m, ", got ", m.scalar_type());
-  TORCH_CHECK(v.scalar_type() == want_v, "adam_step_moments_: exp_avg_sqs[", i, "] must be ",
-              want_v, ", got ", v.scalar_type());
-}
-
-// adam_step_moments_'s int8 blocks of param i: `nb` fp32 scales each, and an offset in the
-// parameter that is a multiple of kQBlock (blocks never straddle two calls).
-inline void check_int8_blocks(const at::Tensor& exp_avg_scale, const at::Tensor& exp_avg_sq_scale,
-                              int64_t offset, size_t i, int64_t nb,
-                              const at::Device* dev = nullptr) {
-  check_scales(exp_avg_scale, exp_avg_sq_scale, i, nb, dev);
-  TORCH_CHECK(offset % kQBlock == 0, "adam_step_moments_: offsets[", i, "] = ", offset,
-              " is not a multiple of ", kQBlock);
-}
-
-// adam_step_moments_'s kind: 1 (bf16) or 2 (int8).
-inline MomentKind moment_kind(int64_t kind) {
-  TORCH_CHECK(kind == static_cast<int64_t>(MomentKind::kBF16) ||
-                  kind == static_cast<int64_t>(MomentKind::kInt8),
-              "adam_step_moments_: kind must be 1 (bf16) or 2 (int8), got ", kind);
-  return static_cast<MomentKind>(kind);
-}
-
-// adam_step_moments_'s lists: one entry per param each (the scales only for int8,
-// max_exp_avg_sqs and masters where not empty), and grad_scale.
-inline void check_moment_lists(size_t n, bool int8, at::TensorList grads,
-                               at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-                               at::TensorList exp_avg_scales,
-                               at::TensorList exp_avg_sq_scales, at::TensorList max_exp_avg_sqs,
-                               const c10::List<std::optional<at::Tensor>>& masters,
-                               at::ArrayRef<double> step_sizes, at::ArrayRef<double> bc2_sqrts,
-                               at::ArrayRef<int64_t> seeds_m, at::ArrayRef<int64_t> seeds_v,
-                               at::ArrayRef<int64_t> offsets, double grad_scale) {
-  TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n,
-              "adam_step_moments_: grads, exp_avgs and exp_avg_sqs need one tensor per param (",
-              n, "), got ", grads.size(), ", ", exp_avgs.size(), ", ", exp_avg_sqs.size());
-  TORCH_CHECK(!int8 || (exp_avg_scales.size() == n && exp_avg_sq_scales.size() == n),
-              "adam_step_moments_: int8 needs exp_avg_scales and exp_avg_sq_scales, one per param");
-  TORCH_CHECK(max_exp_avg_sqs.empty() || max_exp_avg_sqs.size() == n,
-              "adam_step_moments_: max_exp_avg_sqs must be empty or have one tensor per param");
-  TORCH_CHECK(masters.empty() || masters.size() == n,
-              "adam_step_moments_: masters must be empty or have one entry per param");
-  TORCH_CHECK(step_sizes.size() == n && bc2_sqrts.size() == n && seeds_m.size() == n &&
-                  seeds_v.size() == n && offsets.size() == n,
-              "adam_step_moments_: step_sizes, bc2_sqrts, seeds and offsets need one value per param");
-  check_grad_scale("adam_step_moments_", grad_scale);
+// Checks every argument and returns one AdamTensorArgs per param with elements, on `dev`
+// (nullptr: the CPU; else every tensor must be on *dev).
+inline std::vector<AdamTensorArgs> adam_jobs(const AdamOpArgs& a, const at::Device* dev) {
+  const MomentCoding mc = moment_coding(a.moments);
+  const AdamHyper hy = adam_hyper(a.hyper);
+  check_lists(a, mc);
+  const size_t n = a.params.size();
+  const bool amsgrad = !a.max_exp_avg_sqs.empty();
+  std::vector<AdamTensorArgs> jobs;
+  jobs.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& p = a.params[i];
+    const int64_t numel = p.numel();
+    check_tensor(p, "params", i, numel, dev);
+    check_tensor(a.grads[i], "grads", i, numel, dev);
+    check_tensor(a.exp_avgs[i], "exp_avgs", i, numel, dev);
+    check_tensor(a.exp_avg_sqs[i], "exp_avg_sqs", i, numel, dev);
+    AdamTensorArgs t{};
+    t.kind = mc.kind;
+    t.stochastic = mc.stochastic;
+    switch (mc.kind) {
+      case MomentKind::kF32:
+        check_dtype(a.exp_avgs[i], at::kFloat, "exp_avgs", i);
+        check_dtype(a.exp_avg_sqs[i], at::kFloat, "exp_avg_sqs", i);
+        break;
+      case MomentKind::kBF16:
+        check_dtype(a.exp_avgs[i], at::kBFloat16, "exp_avgs", i);
+        check_dtype(a.exp_avg_sqs[i], at::kBFloat16, "exp_avg_sqs", i);
+        break;
+      case MomentKind::kInt8: {
+        check_dtype(a.exp_avgs[i], at::kChar, "exp_avgs", i);
+        check_dtype(a.exp_avg_sqs[i], at::kByte, "exp_avg_sqs", i);
+        const int64_t nb = (numel + kQBlock - 1) / kQBlock;
+        check_tensor(a.exp_avg_scales[i], "exp_avg_scales", i, nb, dev);
+        check_tensor(a.exp_avg_sq_scales[i], "exp_avg_sq_scales", i, nb, dev);
+        check_dtype(a.exp_avg_scales[i], at::kFloat, "exp_avg_scales", i);
+        check_dtype(a.exp_avg_sq_scales[i], at::kFloat, "exp_avg_sq_scales", i);
+        t.m_scale = a.exp_avg_scales[i].data_ptr<float>();
+        t.v_scale = a.exp_avg_sq_scales[i].data_ptr<float>();
+        break;
+      }
+    }
+    t.offset = a.offsets.empty() ? 0 : a.offsets[i];
+    TORCH_CHECK(mc.kind != MomentKind::kInt8 || t.offset % kQBlock == 0, "adam_: offsets[", i,
+                "] = ", t.offset, " is not a multiple of ", kQBlock);
+    TORCH_CHECK(t.offset >= 0, "adam_: offsets[", i, "] = ", t.offset, " is negative");
+    if (!a.seeds.empty()) {
+      t.seed_m = static_cast<uint32_t>(a.seeds[2 * i]);
+      t.seed_v = static_cast<uint32_t>(a.seeds[2 * i + 1]);
+    }
+    t.g_dtype = storage_of(a.grads[i].scalar_type());
+    TORCH_CHECK(t.g_dtype != DType::kNone, "adam_: grads[", i,
+                "] must be float32, float16 or bfloat16, got ", a.grads[i].scalar_type());
+    if (amsgrad) {
+      check_tensor(a.max_exp_avg_sqs[i], "max_exp_avg_sqs", i, numel, dev);
+      check_dtype(a.max_exp_avg_sqs[i], at::kFloat, "max_exp_avg_sqs", i);
+      t.vmax = a.max_exp_avg_sqs[i].data_ptr<float>();
+    }
+    std::optional<at::Tensor> master;
+    if (!a.masters.empty()) {
+      master = a.masters.get(i);
+      if (master.has_value() && !master->defined()) master.reset();
+    }
+    if (master.has_value()) {
+      check_tensor(*master, "masters", i, numel, dev);
+      check_dtype(*master, at::kFloat, "masters", i);
+      t.p_dtype = storage_of(p.scalar_type());
+      TORCH_CHECK(t.p_dtype != DType::kNone, "adam_: params[", i,
+                  "] (with an fp32 master) must be float32, float16 or bfloat16, got ",
+                  p.scalar_type());
+      t.w = master->data_ptr<float>();
+      t.p_out = p.data_ptr();
+    } else {
+      TORCH_CHECK(p.scalar_type() == at::kFloat, "adam_: params[", i, "] is ", p.scalar_type(),
+                  " without an fp32 master; pass masters[", i, "]");
+      t.p_dtype = DType::kNone;
+      t.w = p.data_ptr<float>();
+      t.p_out = nullptr;
+    }
+    t.g = a.grads[i].data_ptr();
+    t.m = a.exp_avgs[i].data_ptr();
+    t.v = a.exp_avg_sqs[i].data_ptr();
+    t.n = numel;
+    t.s = make_adam_scalars(hy, a.step_sizes[i], a.bc2_sqrts[i]);
+    if (numel > 0) jobs.push_back(t);
+  }
+  return jobs;
 }
 
 }  // namespace checks

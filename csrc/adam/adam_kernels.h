@@ -11,27 +11,9 @@
 namespace statestore {
 namespace cpu {
 
-// One tensor of an Adam step, as raw pointers. w is fp32 (the parameter, or its fp32
-// master); p_out the low-precision parameter written from w (nullptr when w is the
-// parameter); vmax is nullptr without amsgrad.
-struct AdamTensorArgs {
-  float* w;
-  const void* g;
-  float* m;
-  float* v;
-  float* vmax;
-  void* p_out;
-  DType g_dtype;
-  DType p_dtype;  // kNone when p_out is nullptr
-  int64_t n;
-  AdamScalars s;
-};
-
-// Updates elements [begin, end) of one tensor.
+// Updates elements [begin, end) of one tensor (AdamTensorArgs, adam_math.h), whatever its
+// moments' encoding (int8: begin a multiple of kQBlock).
 using AdamRangeFn = void (*)(const AdamTensorArgs& a, int64_t begin, int64_t end);
-// Updates elements [begin, end) of one compressed-moment tensor (int8: begin a multiple of
-// kQBlock).
-using MomentRangeFn = void (*)(const MomentTensorArgs& a, int64_t begin, int64_t end);
 // True when elements [begin, end) of a float buffer of kind `dtype` are all finite.
 using FiniteRangeFn = bool (*)(const void* data, DType dtype, int64_t begin, int64_t end);
 
@@ -53,7 +35,6 @@ struct SimdKernels {
   FiniteRangeFn finite;
   ProbeRangeFn probe;
   StreamCopyFn stream_copy;
-  MomentRangeFn adam_moments;
 };
 
 // Software prefetch for the streaming loops: every 16 elements (one 64-byte line of fp32),
@@ -166,7 +147,7 @@ void dispatch_adam_range(const AdamTensorArgs& a, int64_t begin, int64_t end) {
 // Calls Impl::template run<GD, PD, kAmsgrad, MK, kStochastic>(a, begin, end) for a
 // compressed-moment tensor's dtypes, encoding and rounding.
 template <class Impl>
-void dispatch_moments_range(const MomentTensorArgs& a, int64_t begin, int64_t end) {
+void dispatch_moments_range(const AdamTensorArgs& a, int64_t begin, int64_t end) {
   const bool ams = a.vmax != nullptr;
 #define SS_MOM_CASE_S(GD, PD, MK)                                                            \
   if (a.stochastic) {                                                                        \
@@ -198,10 +179,21 @@ void dispatch_moments_range(const MomentTensorArgs& a, int64_t begin, int64_t en
 #undef SS_MOM_CASE_S
 }
 
+// Calls Fp32Impl::template run<GD, PD, kAmsgrad>(a, begin, end) for fp32 moments and
+// MomentImpl::template run<GD, PD, kAmsgrad, MK, kStochastic>(a, begin, end) for the others.
+template <class Fp32Impl, class MomentImpl>
+void dispatch_range(const AdamTensorArgs& a, int64_t begin, int64_t end) {
+  if (a.kind == MomentKind::kF32) {
+    dispatch_adam_range<Fp32Impl>(a, begin, end);
+  } else {
+    dispatch_moments_range<MomentImpl>(a, begin, end);
+  }
+}
+
 // Scalar compressed-moment loop over [begin, end): bf16 element by element, int8 block by
 // block (the last block may be partial).
 template <DType GD, DType PD, bool kAmsgrad, MomentKind MK>
-inline void moments_scalar_range(const MomentTensorArgs& a, int64_t begin, int64_t end) {
+inline void moments_scalar_range(const AdamTensorArgs& a, int64_t begin, int64_t end) {
   if constexpr (MK == MomentKind::kBF16) {
     for (int64_t i = begin; i < end; ++i) adam_element_bf16m<GD, PD, kAmsgrad>(i, a);
   } else {
@@ -217,7 +209,8 @@ inline void moments_scalar_range(const MomentTensorArgs& a, int64_t begin, int64
 template <DType GD, DType PD, bool kAmsgrad>
 inline void adam_scalar_range(const AdamTensorArgs& a, int64_t begin, int64_t end) {
   for (int64_t i = begin; i < end; ++i) {
-    adam_element<GD, PD, kAmsgrad>(i, a.w, a.g, a.m, a.v, a.vmax, a.p_out, a.s);
+    adam_element<GD, PD, kAmsgrad>(i, a.w, a.g, static_cast<float*>(a.m), static_cast<float*>(a.v),
+                                   a.vmax, a.p_out, a.s);
   }
 }
 

@@ -23,7 +23,6 @@
 // codes leave in one pack.
 
 using statestore::MomentKind;
-using statestore::MomentTensorArgs;
 using statestore::QScale;
 
 template <class V>
@@ -168,7 +167,7 @@ struct SimdMoments {
   static constexpr int64_t W = V::kWidth;
 
   template <DType GD, DType PD, bool kAmsgrad, MomentKind MK, bool kStoch>
-  static void run(const MomentTensorArgs& a, int64_t begin, int64_t end) {
+  static void run(const AdamTensorArgs& a, int64_t begin, int64_t end) {
     if constexpr (MK == MomentKind::kBF16) {
       run_bf16<GD, PD, kAmsgrad, kStoch>(a, begin, end);
     } else {
@@ -185,7 +184,7 @@ struct SimdMoments {
   // the fp32 and gradient lines every 16 elements, the parameter's and the codes' lines as
   // often as their size needs. i: the element about to be read; `end`: the range's end.
   template <DType GD, DType PD, int kCodeBytes>
-  static void prefetch(const MomentTensorArgs& a, int64_t i, int64_t end) {
+  static void prefetch(const AdamTensorArgs& a, int64_t i, int64_t end) {
     using statestore::cpu::kPrefetchElems;
     using statestore::cpu::prefetch_ahead;
     if ((i & 15) != 0 || i + kPrefetchElems >= end) return;
@@ -201,7 +200,7 @@ struct SimdMoments {
   }
 
   template <DType GD, DType PD, bool kAmsgrad, bool kStoch>
-  static void run_bf16(const MomentTensorArgs& a, int64_t begin, int64_t end) {
+  static void run_bf16(const AdamTensorArgs& a, int64_t begin, int64_t end) {
     const VecAdam<V> c(a.s);
     uint16_t* const mp = static_cast<uint16_t*>(a.m);
     uint16_t* const vp = static_cast<uint16_t*>(a.v);
@@ -234,7 +233,7 @@ struct SimdMoments {
   // and which is zeros. kVNormal (with kOk): every sqrt(v) of the block is at least 2^-14 of
   // its scale, so exp_avg_sq's codes need no subnormal step (f8_code's other branch).
   template <bool kStoch, bool kOk, bool kVNormal>
-  static int64_t encode_int8(const MomentTensorArgs& a, int64_t b, int64_t e, const float* mt,
+  static int64_t encode_int8(const AdamTensorArgs& a, int64_t b, int64_t e, const float* mt,
                              const float* vt, const QScale& qm, const QScale& qv) {
     int8_t* const mo = static_cast<int8_t*>(a.m);
     uint8_t* const vo = static_cast<uint8_t*>(a.v);
@@ -278,7 +277,7 @@ struct SimdMoments {
   // 0x7F7FFFFF); smin: the smallest bits of sqrt(v) as signed integers (below those of any
   // positive float for -0 or a NaN with its sign bit set: a conservative test in pass 2).
   template <DType GD, DType PD, bool kAmsgrad, bool kFast>
-  static int64_t update_int8(const MomentTensorArgs& a, int64_t b, int64_t e, int64_t end,
+  static int64_t update_int8(const AdamTensorArgs& a, int64_t b, int64_t e, int64_t end,
                              float* mt, float* vt, float sm, float sv, I& am, I& av, I& smin) {
     const VecAdam<V> c(a.s);
     const int8_t* const mc = static_cast<const int8_t*>(a.m);
@@ -305,7 +304,7 @@ struct SimdMoments {
   }
 
   template <DType GD, DType PD, bool kAmsgrad, bool kStoch>
-  static void block_int8(const MomentTensorArgs& a, int64_t b, int64_t e, int64_t end, float* mt,
+  static void block_int8(const AdamTensorArgs& a, int64_t b, int64_t e, int64_t end, float* mt,
                          float* vt) {
     const int64_t blk = b / statestore::kQBlock;
     const float sm = a.m_scale[blk], sv = a.v_scale[blk];

@@ -87,8 +87,6 @@ pybind11::tuple simd_in_use() {
   return pybind11::make_tuple(std::string(k->name), k->width_bits);
 }
 
-using checks::check_f32;
-using checks::check_f32_tensor;
 using checks::storage_of;
 
 // Runs kernel(job, b, e) over every element range [b, e) of every job, in parallel over fixed
@@ -118,128 +116,14 @@ void run_chunked(const std::vector<Job>& jobs, Kernel kernel) {
   });
 }
 
-// Runs k.adam over every tensor, in parallel over fixed chunks.
-// The fields both ops fill alike (AdamTensorArgs and MomentTensorArgs): the gradient and
-// its dtype, amsgrad's running max (vmax: null without amsgrad), and where the update goes:
-// the fp32 master, then converted into the low-precision parameter, or the fp32 parameter.
-template <class Args>
-void fill_param_args(Args& a, const char* op, const at::Tensor& p, const at::Tensor& grad,
-                     const std::optional<at::Tensor>& master, bool has_master,
-                     const at::Tensor* vmax, size_t i, int64_t numel) {
-  a.g_dtype = checks::grad_dtype(op, grad, i);
-  if (vmax != nullptr) {
-    check_f32_tensor(*vmax, "max_exp_avg_sqs", i, numel);
-    a.vmax = vmax->data_ptr<float>();
-  }
-  if (has_master) {
-    check_f32_tensor(*master, "masters", i, numel);
-    a.p_dtype = checks::param_dtype_with_master(op, p, i);
-    a.w = master->data_ptr<float>();
-    a.p_out = p.data_ptr();
-  } else {
-    checks::check_param_without_master(op, p, i);
-    a.p_dtype = DType::kNone;
-    a.w = p.data_ptr<float>();
-    a.p_out = nullptr;
-  }
-  a.g = grad.data_ptr();
-}
-
-void run_adam(const SimdKernels& k, const std::vector<AdamTensorArgs>& jobs) {
-  run_chunked(jobs, k.adam);
-}
-
-void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                   at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
-                   const c10::List<std::optional<at::Tensor>>& masters,
-                   at::ArrayRef<double> step_sizes, at::ArrayRef<double> bc2_sqrts, double lr,
-                   double beta1, double beta2, double eps, double weight_decay, bool adamw_mode,
-                   bool maximize, double grad_scale) {
-  const size_t n = params.size();
-  checks::check_adam_lists(n, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, step_sizes,
-                           bc2_sqrts, grad_scale);
-  const bool amsgrad = !max_exp_avg_sqs.empty();
-
-  std::vector<AdamTensorArgs> jobs;
-  jobs.reserve(n);
-  for (size_t i = 0; i < n; ++i) {
-    const at::Tensor& p = params[i];
-    const std::optional<at::Tensor> master = checks::master_of(masters, i);
-    const bool has_master = master.has_value();
-    const int64_t numel = p.numel();
-    checks::check_param_tensors(p, grads[i], exp_avgs[i], exp_avg_sqs[i], i, numel);
-    check_f32(exp_avgs[i], "exp_avgs", i);
-    check_f32(exp_avg_sqs[i], "exp_avg_sqs", i);
-    AdamTensorArgs a{};
-    fill_param_args(a, "adam_step_", p, grads[i], master, has_master,
-                    amsgrad ? &max_exp_avg_sqs[i] : nullptr, i, numel);
-    a.m = exp_avgs[i].data_ptr<float>();
-    a.v = exp_avg_sqs[i].data_ptr<float>();
-    a.n = numel;
-    a.s = make_adam_scalars(lr, beta1, beta2, eps, weight_decay, adamw_mode, maximize,
-                            grad_scale, step_sizes[i], bc2_sqrts[i]);
-    if (numel > 0) jobs.push_back(a);
-  }
-  run_adam(*active().load(), jobs);
-}
-
-// Runs k.adam_moments over every tensor, in parallel over fixed chunks (kChunk is a multiple
-// of kQBlock, so int8 blocks never straddle two threads).
-void run_moments(const SimdKernels& k, const std::vector<MomentTensorArgs>& jobs) {
+// The `statestore::adam_` op on CPU, every encoding of the moments: the arguments are
+// checked once (checks::adam_jobs, shared with the CUDA binding), then every tensor is
+// updated in parallel over fixed chunks (kChunk is a multiple of kQBlock, so int8 blocks
+// never straddle two threads).
+void adam_cpu(STATESTORE_ADAM_OP_PARAMS) {
   static_assert(kChunk % kQBlock == 0, "chunks must hold whole int8 blocks");
-  run_chunked(jobs, k.adam_moments);
-}
-
-// Adam over compressed moments: exp_avgs / exp_avg_sqs hold bf16 codes (kind 1) or int8 /
-// uint8 codes with one fp32 scale per block of kQBlock elements (kind 2).
-void adam_step_moments_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                           at::TensorList exp_avg_sqs, at::TensorList exp_avg_scales,
-                           at::TensorList exp_avg_sq_scales, at::TensorList max_exp_avg_sqs,
-                           const c10::List<std::optional<at::Tensor>>& masters,
-                           at::ArrayRef<double> step_sizes, at::ArrayRef<double> bc2_sqrts,
-                           at::ArrayRef<int64_t> seeds_m, at::ArrayRef<int64_t> seeds_v,
-                           at::ArrayRef<int64_t> offsets, int64_t kind, bool stochastic,
-                           double lr, double beta1, double beta2, double eps,
-                           double weight_decay, bool adamw_mode, bool maximize,
-                           double grad_scale) {
-  const size_t n = params.size();
-  const MomentKind mk = checks::moment_kind(kind);
-  const bool int8 = mk == MomentKind::kInt8;
-  checks::check_moment_lists(n, int8, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_scales, max_exp_avg_sqs,
-                             masters, step_sizes, bc2_sqrts, seeds_m, seeds_v, offsets,
-                             grad_scale);
-  const bool amsgrad = !max_exp_avg_sqs.empty();
-  std::vector<MomentTensorArgs> jobs;
-  jobs.reserve(n);
-  for (size_t i = 0; i < n; ++i) {
-    const at::Tensor& p = params[i];
-    const std::optional<at::Tensor> master = checks::master_of(masters, i);
-    const bool has_master = master.has_value();
-    const int64_t numel = p.numel();
-    checks::check_param_tensors(p, grads[i], exp_avgs[i], exp_avg_sqs[i], i, numel);
-    checks::check_moment_codes(exp_avgs[i], exp_avg_sqs[i], int8, i);
-    MomentTensorArgs a{};
-    if (int8) {
-      const int64_t nb = (numel + kQBlock - 1) / kQBlock;
-      checks::check_int8_blocks(exp_avg_scales[i], exp_avg_sq_scales[i], offsets[i], i, nb);
-      a.m_scale = exp_avg_scales[i].data_ptr<float>();
-      a.v_scale = exp_avg_sq_scales[i].data_ptr<float>();
-    }
-    fill_param_args(a, "adam_step_moments_", p, grads[i], master, has_master,
-                    amsgrad ? &max_exp_avg_sqs[i] : nullptr, i, numel);
-    a.m = exp_avgs[i].data_ptr();
-    a.v = exp_avg_sqs[i].data_ptr();
-    a.kind = mk;
-    a.stochastic = stochastic;
-    a.seed_m = static_cast<uint32_t>(seeds_m[i]);
-    a.seed_v = static_cast<uint32_t>(seeds_v[i]);
-    a.offset = offsets[i];
-    a.n = numel;
-    a.s = make_adam_scalars(lr, beta1, beta2, eps, weight_decay, adamw_mode, maximize,
-                            grad_scale, step_sizes[i], bc2_sqrts[i]);
-    if (numel > 0) jobs.push_back(a);
-  }
-  run_moments(*active().load(), jobs);
+  const std::vector<AdamTensorArgs> jobs = checks::adam_jobs(STATESTORE_ADAM_OP_ARGS, nullptr);
+  run_chunked(jobs, active().load()->adam);
 }
 
 bool grads_finite_cpu(at::TensorList grads) {
@@ -277,7 +161,7 @@ bool grads_finite_cpu(at::TensorList grads) {
 }
 
 // Roofline probe (benchmarks only): p += g; m += g; v += g over fp32 tensors, with the
-// threading of adam_step_.
+// threading of adam_.
 void bandwidth_probe(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m,
                      const at::Tensor& v) {
   for (const at::Tensor* t : {&p, &g, &m, &v}) {
@@ -329,29 +213,17 @@ void stream_copy(const at::Tensor& dst, const at::Tensor& src) {
 }  // namespace statestore
 
 TORCH_LIBRARY(statestore, m) {
-  m.def(
-      "adam_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
-      "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)?[] masters, "
-      "float[] step_sizes, float[] bc2_sqrts, float lr, float beta1, float beta2, float eps, "
-      "float weight_decay, bool adamw_mode, bool maximize, float grad_scale) -> ()");
+  m.def(statestore::checks::kAdamSchema);
   m.def("grads_finite(Tensor[] grads) -> bool");
-  m.def(
-      "adam_step_moments_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
-      "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] exp_avg_scales, Tensor(e!)[] exp_avg_sq_scales, "
-      "Tensor(f!)[] max_exp_avg_sqs, Tensor(g!)?[] masters, float[] step_sizes, "
-      "float[] bc2_sqrts, int[] seeds_m, int[] seeds_v, int[] offsets, int kind, "
-      "bool stochastic, float lr, float beta1, float beta2, float eps, float weight_decay, "
-      "bool adamw_mode, bool maximize, float grad_scale) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(statestore, CPU, m) {
-  m.impl("adam_step_", &statestore::cpu::adam_step_cpu);
+  m.impl("adam_", &statestore::cpu::adam_cpu);
   m.impl("grads_finite", &statestore::cpu::grads_finite_cpu);
-  m.impl("adam_step_moments_", &statestore::cpu::adam_step_moments_cpu);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "statestore's Adam kernels; the ops are torch.ops.statestore.adam_step_ / grads_finite";
+  m.doc() = "statestore's Adam kernels; the ops are torch.ops.statestore.adam_ / grads_finite";
   m.def("set_simd", &statestore::cpu::set_simd, pybind11::arg("name"),
         "Select the CPU path: 'avx512', 'avx2', 'scalar' or 'auto'. Raises where the processor "
         "lacks it. Returns the name selected.");

@@ -14,14 +14,10 @@ struct ScalarAdam {
 
 struct ScalarMoments {
   template <DType GD, DType PD, bool kAmsgrad, MomentKind MK, bool kStochastic>
-  static void run(const MomentTensorArgs& a, int64_t begin, int64_t end) {  // a.stochastic read
+  static void run(const AdamTensorArgs& a, int64_t begin, int64_t end) {  // a.stochastic read
     moments_scalar_range<GD, PD, kAmsgrad, MK>(a, begin, end);
   }
 };
-
-void scalar_moments(const MomentTensorArgs& a, int64_t begin, int64_t end) {
-  dispatch_moments_range<ScalarMoments>(a, begin, end);
-}
 
 STATESTORE_DEFINE_PROBE(scalar_probe)
 
@@ -31,14 +27,13 @@ void scalar_stream_copy(void* dst, const void* src, int64_t n) {
 }
 
 void scalar_adam(const AdamTensorArgs& a, int64_t begin, int64_t end) {
-  dispatch_adam_range<ScalarAdam>(a, begin, end);
+  dispatch_range<ScalarAdam, ScalarMoments>(a, begin, end);
 }
 
 }  // namespace
 
 const SimdKernels& scalar_kernels() {
-  static const SimdKernels k{"scalar", 32, &scalar_adam, &finite_range_scalar, &scalar_probe, &scalar_stream_copy,
-                                &scalar_moments};
+  static const SimdKernels k{"scalar", 32, &scalar_adam, &finite_range_scalar, &scalar_probe, &scalar_stream_copy};
   return k;
 }
 

@@ -11,7 +11,7 @@
 
 using statestore::AdamScalars;
 using statestore::DType;
-using statestore::cpu::AdamTensorArgs;
+using statestore::AdamTensorArgs;
 
 template <class V, DType D> struct VecIO;
 template <class V> struct VecIO<V, DType::kF32> {
@@ -71,8 +71,8 @@ struct SimdAdam {
     const AdamScalars& s = a.s;
     const VecAdam<V> c(s);
     float* const wp = a.w;
-    float* const mp = a.m;
-    float* const vp = a.v;
+    float* const mp = static_cast<float*>(a.m);
+    float* const vp = static_cast<float*>(a.v);
     float* const vmaxp = a.vmax;
     constexpr int kGradBytes = GD == DType::kF32 ? 4 : 2;
     int64_t i = begin;
@@ -94,7 +94,7 @@ struct SimdAdam {
       if constexpr (PD != DType::kNone) VecIO<V, PD>::store(a.p_out, i, w);
     }
     for (; i < end; ++i) {
-      statestore::adam_element<GD, PD, kAmsgrad>(i, a.w, a.g, a.m, a.v, a.vmax, a.p_out, s);
+      statestore::adam_element<GD, PD, kAmsgrad>(i, a.w, a.g, mp, vp, a.vmax, a.p_out, s);
     }
   }
 };

@@ -13,15 +13,16 @@ namespace cuda {
 namespace {
 
 template <DType GD, DType PD, bool kAmsgrad>
-__device__ __forceinline__ void adam_chunk(const CudaAdamTensor& t, int64_t begin, int64_t end) {
+__device__ __forceinline__ void adam_chunk(const AdamTensorArgs& t, int64_t begin, int64_t end) {
   for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
-    adam_element<GD, PD, kAmsgrad>(i, t.w, t.g, t.m, t.v, t.vmax, t.p_out, t.s);
+    adam_element<GD, PD, kAmsgrad>(i, t.w, t.g, static_cast<float*>(t.m), static_cast<float*>(t.v),
+                                   t.vmax, t.p_out, t.s);
   }
 }
 
 template <DType GD, bool kAmsgrad>
-__device__ __forceinline__ void adam_chunk_p(const CudaAdamTensor& t, int64_t b, int64_t e) {
-  switch (static_cast<DType>(t.p_dtype)) {
+__device__ __forceinline__ void adam_chunk_p(const AdamTensorArgs& t, int64_t b, int64_t e) {
+  switch (t.p_dtype) {
     case DType::kNone: adam_chunk<GD, DType::kNone, kAmsgrad>(t, b, e); break;
     case DType::kF32: adam_chunk<GD, DType::kF32, kAmsgrad>(t, b, e); break;
     case DType::kF16: adam_chunk<GD, DType::kF16, kAmsgrad>(t, b, e); break;
@@ -32,7 +33,7 @@ __device__ __forceinline__ void adam_chunk_p(const CudaAdamTensor& t, int64_t b,
 // Grid-stride over chunks of all tensors; a chunk's tensor is found by binary search in the
 // prefix sums of chunk counts.
 template <bool kAmsgrad>
-__global__ void fused_adam_kernel(const CudaAdamTensor* __restrict__ meta,
+__global__ void fused_adam_kernel(const AdamTensorArgs* __restrict__ meta,
                                   const int64_t* __restrict__ prefix, int ntensors,
                                   int64_t nchunks) {
   for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
@@ -41,10 +42,10 @@ __global__ void fused_adam_kernel(const CudaAdamTensor* __restrict__ meta,
       const int mid = (lo + hi + 1) / 2;
       if (prefix[mid] <= c) lo = mid; else hi = mid - 1;
     }
-    const CudaAdamTensor t = meta[lo];
+    const AdamTensorArgs t = meta[lo];
     const int64_t begin = (c - prefix[lo]) * kCudaChunk;
     const int64_t end = begin + kCudaChunk < t.n ? begin + kCudaChunk : t.n;
-    switch (static_cast<DType>(t.g_dtype)) {
+    switch (t.g_dtype) {
       case DType::kF32: adam_chunk_p<DType::kF32, kAmsgrad>(t, begin, end); break;
       case DType::kF16: adam_chunk_p<DType::kF16, kAmsgrad>(t, begin, end); break;
       case DType::kBF16: adam_chunk_p<DType::kBF16, kAmsgrad>(t, begin, end); break;
@@ -55,7 +56,7 @@ __global__ void fused_adam_kernel(const CudaAdamTensor* __restrict__ meta,
 
 }  // namespace
 
-int launch_fused_adam(const CudaAdamTensor* meta, const int64_t* chunk_prefix, int ntensors,
+int launch_fused_adam(const AdamTensorArgs* meta, const int64_t* chunk_prefix, int ntensors,
                       int64_t nchunks, bool amsgrad, int num_sms, void* stream) {
   if (ntensors <= 0 || nchunks <= 0) return 0;
   constexpr int kThreads = 256;

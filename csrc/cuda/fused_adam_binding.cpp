@@ -1,5 +1,5 @@
-// Torch binding of the fused CUDA Adam (fused_adam.cu): the CUDA implementations of the
-// `statestore` ops declared in csrc/adam/adam_ops.cpp. Compiled only when torch has CUDA
+// Torch binding of the fused CUDA Adam (fused_adam.cu, fused_adam_moments.cu): the CUDA
+// implementations of the `statestore` ops declared in csrc/adam/adam_ops.cpp. Compiled only when torch has CUDA
 // (setup.py); the kernel source itself has no torch header.
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -18,8 +18,6 @@
 namespace statestore {
 namespace cuda {
 namespace {
-
-using checks::check_f32;
 
 // Copies meta and prefix into one pinned buffer (prefix at *prefix_off, 16-byte aligned), then
 // asynchronously to `dev` on the current stream; the caching host allocator keeps the buffer
@@ -48,149 +46,35 @@ int sm_count(const at::Device& dev) {
   return num_sms;
 }
 
-void adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                    at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
-                    const c10::List<std::optional<at::Tensor>>& masters,
-                    at::ArrayRef<double> step_sizes, at::ArrayRef<double> bc2_sqrts, double lr,
-                    double beta1, double beta2, double eps, double weight_decay,
-                    bool adamw_mode, bool maximize, double grad_scale) {
-  const size_t n = params.size();
-  if (n == 0) return;
-  checks::check_adam_lists(n, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, step_sizes,
-                           bc2_sqrts, grad_scale);
+// The `statestore::adam_` op on CUDA, every encoding of the moments: the arguments are
+// checked once (checks::adam_jobs, shared with the CPU op), then one launch updates every
+// tensor: fp32 moments in chunks of kCudaChunk elements, compressed ones in int8-sized blocks
+// of kQBlock (one thread block each).
+void adam_cuda(STATESTORE_ADAM_OP_PARAMS) {
+  if (params.size() == 0) return;
   const at::Device dev = params[0].device();
-  TORCH_CHECK(dev.is_cuda(), "adam_step_: params[0] is on ", dev, ", expected a CUDA device");
-  const bool amsgrad = !max_exp_avg_sqs.empty();
+  TORCH_CHECK(dev.is_cuda(), "adam_: params[0] is on ", dev, ", expected a CUDA device");
   const c10::cuda::CUDAGuard guard(dev);
-
-  std::vector<CudaAdamTensor> meta;
-  std::vector<int64_t> prefix(1, 0);
-  meta.reserve(n);
-  for (size_t i = 0; i < n; ++i) {
-    const at::Tensor& p = params[i];
-    const int64_t numel = p.numel();
-    checks::check_param_tensors(p, grads[i], exp_avgs[i], exp_avg_sqs[i], i, numel, &dev);
-    check_f32(exp_avgs[i], "exp_avgs", i);
-    check_f32(exp_avg_sqs[i], "exp_avg_sqs", i);
-    CudaAdamTensor t{};
-    t.g_dtype = static_cast<int32_t>(checks::grad_dtype("adam_step_", grads[i], i));
-    if (amsgrad) {
-      checks::check_f32_tensor(max_exp_avg_sqs[i], "max_exp_avg_sqs", i, numel, &dev);
-      t.vmax = max_exp_avg_sqs[i].data_ptr<float>();
-    }
-    const std::optional<at::Tensor> master = checks::master_of(masters, i);
-    if (master.has_value()) {
-      checks::check_f32_tensor(*master, "masters", i, numel, &dev);
-      t.p_dtype = static_cast<int32_t>(checks::param_dtype_with_master("adam_step_", p, i));
-      t.w = master->data_ptr<float>();
-      t.p_out = p.data_ptr();
-    } else {
-      checks::check_param_without_master("adam_step_", p, i);
-      t.p_dtype = static_cast<int32_t>(DType::kNone);
-      t.w = p.data_ptr<float>();
-      t.p_out = nullptr;
-    }
-    t.g = grads[i].data_ptr();
-    t.m = exp_avgs[i].data_ptr<float>();
-    t.v = exp_avg_sqs[i].data_ptr<float>();
-    t.n = numel;
-    t.s = make_adam_scalars(lr, beta1, beta2, eps, weight_decay, adamw_mode, maximize,
-                            grad_scale, step_sizes[i], bc2_sqrts[i]);
-    if (numel == 0) continue;
-    meta.push_back(t);
-    prefix.push_back(prefix.back() + (numel + kCudaChunk - 1) / kCudaChunk);
-  }
+  const std::vector<AdamTensorArgs> meta = checks::adam_jobs(STATESTORE_ADAM_OP_ARGS, &dev);
   if (meta.empty()) return;
-
+  const bool fp32 = meta[0].kind == MomentKind::kF32;
+  const int64_t chunk = fp32 ? kCudaChunk : kQBlock;
+  std::vector<int64_t> prefix(1, 0);
+  for (const AdamTensorArgs& t : meta) prefix.push_back(prefix.back() + (t.n + chunk - 1) / chunk);
   size_t prefix_off = 0;
   at::Tensor dmeta = upload_meta(meta, prefix, dev, &prefix_off);
   const char* base = static_cast<const char*>(dmeta.data_ptr());
-  const int num_sms = sm_count(dev);
-  const int err = launch_fused_adam(reinterpret_cast<const CudaAdamTensor*>(base),
-                                    reinterpret_cast<const int64_t*>(base + prefix_off),
-                                    static_cast<int>(meta.size()), prefix.back(), amsgrad,
-                                    num_sms, c10::cuda::getCurrentCUDAStream().stream());
-  TORCH_CHECK(err == 0, "adam_step_: CUDA kernel launch failed: ",
-              cudaGetErrorString(static_cast<cudaError_t>(err)));
-}
-
-// Adam over compressed moments on CUDA (the CPU op's contract: csrc/adam/adam_ops.cpp).
-void adam_step_moments_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                            at::TensorList exp_avg_sqs, at::TensorList exp_avg_scales,
-                            at::TensorList exp_avg_sq_scales, at::TensorList max_exp_avg_sqs,
-                            const c10::List<std::optional<at::Tensor>>& masters,
-                            at::ArrayRef<double> step_sizes, at::ArrayRef<double> bc2_sqrts,
-                            at::ArrayRef<int64_t> seeds_m, at::ArrayRef<int64_t> seeds_v,
-                            at::ArrayRef<int64_t> offsets, int64_t kind, bool stochastic,
-                            double lr, double beta1, double beta2, double eps,
-                            double weight_decay, bool adamw_mode, bool maximize,
-                            double grad_scale) {
-  const size_t n = params.size();
-  if (n == 0) return;
-  const bool int8 = checks::moment_kind(kind) == MomentKind::kInt8;
-  checks::check_moment_lists(n, int8, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_scales, max_exp_avg_sqs,
-                             masters, step_sizes, bc2_sqrts, seeds_m, seeds_v, offsets,
-                             grad_scale);
-  const at::Device dev = params[0].device();
-  TORCH_CHECK(dev.is_cuda(), "adam_step_moments_: params[0] is on ", dev, ", expected CUDA");
+  const auto* dm = reinterpret_cast<const AdamTensorArgs*>(base);
+  const auto* dp = reinterpret_cast<const int64_t*>(base + prefix_off);
+  const int n = static_cast<int>(meta.size());
   const bool amsgrad = !max_exp_avg_sqs.empty();
-  const c10::cuda::CUDAGuard guard(dev);
-  std::vector<MomentTensorArgs> meta;
-  std::vector<int64_t> prefix(1, 0);
-  for (size_t i = 0; i < n; ++i) {
-    const at::Tensor& p = params[i];
-    const int64_t numel = p.numel();
-    checks::check_param_tensors(p, grads[i], exp_avgs[i], exp_avg_sqs[i], i, numel, &dev);
-    checks::check_moment_codes(exp_avgs[i], exp_avg_sqs[i], int8, i);
-    MomentTensorArgs t{};
-    if (int8) {
-      const int64_t nb = (numel + kQBlock - 1) / kQBlock;
-      checks::check_int8_blocks(exp_avg_scales[i], exp_avg_sq_scales[i], offsets[i], i, nb,
-                                &dev);
-      t.m_scale = exp_avg_scales[i].data_ptr<float>();
-      t.v_scale = exp_avg_sq_scales[i].data_ptr<float>();
-    }
-    t.g_dtype = checks::grad_dtype("adam_step_moments_", grads[i], i);
-    if (amsgrad) {
-      checks::check_f32_tensor(max_exp_avg_sqs[i], "max_exp_avg_sqs", i, numel, &dev);
-      t.vmax = max_exp_avg_sqs[i].data_ptr<float>();
-    }
-    const std::optional<at::Tensor> master = checks::master_of(masters, i);
-    if (master.has_value()) {
-      checks::check_f32_tensor(*master, "masters", i, numel, &dev);
-      t.p_dtype = checks::param_dtype_with_master("adam_step_moments_", p, i);
-      t.w = master->data_ptr<float>();
-      t.p_out = p.data_ptr();
-    } else {
-      checks::check_param_without_master("adam_step_moments_", p, i);
-      t.p_dtype = DType::kNone;
-      t.w = p.data_ptr<float>();
-    }
-    t.g = grads[i].data_ptr();
-    t.m = exp_avgs[i].data_ptr();
-    t.v = exp_avg_sqs[i].data_ptr();
-    t.kind = int8 ? MomentKind::kInt8 : MomentKind::kBF16;
-    t.stochastic = stochastic;
-    t.seed_m = static_cast<uint32_t>(seeds_m[i]);
-    t.seed_v = static_cast<uint32_t>(seeds_v[i]);
-    t.offset = offsets[i];
-    t.n = numel;
-    t.s = make_adam_scalars(lr, beta1, beta2, eps, weight_decay, adamw_mode, maximize,
-                            grad_scale, step_sizes[i], bc2_sqrts[i]);
-    if (numel == 0) continue;
-    meta.push_back(t);
-    prefix.push_back(prefix.back() + (numel + kQBlock - 1) / kQBlock);
-  }
-  if (meta.empty()) return;
-  size_t prefix_off = 0;
-  at::Tensor dmeta = upload_meta(meta, prefix, dev, &prefix_off);
-  const char* base = static_cast<const char*>(dmeta.data_ptr());
   const int num_sms = sm_count(dev);
-  const int err = launch_fused_adam_moments(
-      reinterpret_cast<const MomentTensorArgs*>(base),
-      reinterpret_cast<const int64_t*>(base + prefix_off), static_cast<int>(meta.size()),
-      prefix.back(), amsgrad, int8, num_sms, c10::cuda::getCurrentCUDAStream().stream());
-  TORCH_CHECK(err == 0, "adam_step_moments_: CUDA kernel launch failed: ",
+  void* stream = c10::cuda::getCurrentCUDAStream().stream();
+  const int err = fp32 ? launch_fused_adam(dm, dp, n, prefix.back(), amsgrad, num_sms, stream)
+                       : launch_fused_adam_moments(dm, dp, n, prefix.back(), amsgrad,
+                                                   meta[0].kind == MomentKind::kInt8, num_sms,
+                                                   stream);
+  TORCH_CHECK(err == 0, "adam_: CUDA kernel launch failed: ",
               cudaGetErrorString(static_cast<cudaError_t>(err)));
 }
 
@@ -207,7 +91,6 @@ bool grads_finite_cuda(at::TensorList grads) {
 }  // namespace statestore
 
 TORCH_LIBRARY_IMPL(statestore, CUDA, m) {
-  m.impl("adam_step_", &statestore::cuda::adam_step_cuda);
+  m.impl("adam_", &statestore::cuda::adam_cuda);
   m.impl("grads_finite", &statestore::cuda::grads_finite_cuda);
-  m.impl("adam_step_moments_", &statestore::cuda::adam_step_moments_cuda);
 }

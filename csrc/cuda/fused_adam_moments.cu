@@ -19,7 +19,7 @@ constexpr int kThreads = kQBlock;
 constexpr int kWarps = kThreads / 32;
 
 template <DType GD, DType PD, bool kAmsgrad>
-__device__ __forceinline__ void bf16_chunk(const MomentTensorArgs& t, int64_t b, int64_t e) {
+__device__ __forceinline__ void bf16_chunk(const AdamTensorArgs& t, int64_t b, int64_t e) {
   const int64_t i = b + threadIdx.x;
   if (i < e) adam_element_bf16m<GD, PD, kAmsgrad>(i, t);
 }
@@ -30,7 +30,7 @@ __device__ __forceinline__ float warp_max(float x) {
 }
 
 template <DType GD, DType PD, bool kAmsgrad>
-__device__ __forceinline__ void int8_chunk(const MomentTensorArgs& t, int64_t b, int64_t e,
+__device__ __forceinline__ void int8_chunk(const AdamTensorArgs& t, int64_t b, int64_t e,
                                            float* red_m, float* red_v) {
   const int64_t i = b + threadIdx.x;
   const bool in = i < e;
@@ -66,7 +66,7 @@ __device__ __forceinline__ void int8_chunk(const MomentTensorArgs& t, int64_t b,
 }
 
 template <bool kInt8, DType GD, bool kAmsgrad>
-__device__ __forceinline__ void chunk_p(const MomentTensorArgs& t, int64_t b, int64_t e,
+__device__ __forceinline__ void chunk_p(const AdamTensorArgs& t, int64_t b, int64_t e,
                                         float* rm, float* rv) {
 #define SS_CHUNK(PD)                                                 \
   if (kInt8) int8_chunk<GD, PD, kAmsgrad>(t, b, e, rm, rv);          \
@@ -84,7 +84,7 @@ __device__ __forceinline__ void chunk_p(const MomentTensorArgs& t, int64_t b, in
 // so the block-wide barriers of int8 are reached by all of them).
 template <bool kInt8, bool kAmsgrad>
 __global__ void __launch_bounds__(kThreads)
-fused_moments_kernel(const MomentTensorArgs* __restrict__ meta,
+fused_moments_kernel(const AdamTensorArgs* __restrict__ meta,
                      const int64_t* __restrict__ prefix, int ntensors, int64_t nchunks) {
   __shared__ float red_m[kWarps];
   __shared__ float red_v[kWarps];
@@ -94,7 +94,7 @@ fused_moments_kernel(const MomentTensorArgs* __restrict__ meta,
       const int mid = (lo + hi + 1) / 2;
       if (prefix[mid] <= c) lo = mid; else hi = mid - 1;
     }
-    const MomentTensorArgs t = meta[lo];
+    const AdamTensorArgs t = meta[lo];
     const int64_t begin = (c - prefix[lo]) * kQBlock;
     const int64_t end = begin + kQBlock < t.n ? begin + kQBlock : t.n;
     switch (t.g_dtype) {
@@ -108,7 +108,7 @@ fused_moments_kernel(const MomentTensorArgs* __restrict__ meta,
 
 }  // namespace
 
-int launch_fused_adam_moments(const MomentTensorArgs* meta, const int64_t* chunk_prefix,
+int launch_fused_adam_moments(const AdamTensorArgs* meta, const int64_t* chunk_prefix,
                               int ntensors, int64_t nchunks, bool amsgrad, bool int8,
                               int num_sms, void* stream) {
   if (ntensors <= 0 || nchunks <= 0) return 0;

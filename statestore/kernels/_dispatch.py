@@ -18,14 +18,15 @@ import math
 import os
 import threading
 import warnings
-from typing import Optional, Sequence
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from ._reference import adam_step_reference
 
-__all__ = ["adam_step", "grads_finite", "kernels_info", "stream_copy_", "set_simd"]
+__all__ = ["AdamHyper", "adam_step", "grads_finite", "kernels_info", "stream_copy_", "set_simd"]
 
 _SIMD_NAMES = ("avx512", "avx2", "scalar", "auto")
 _KERNEL_GRAD_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -76,12 +77,46 @@ def _register_fake() -> None:
     """Shape-only implementation of the mutating op, so that torch.compile / FakeTensor
     tracing (and ``torch.library.opcheck``) can see through it."""
     try:
-        @torch.library.register_fake("statestore::adam_step_")
-        def _(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, step_sizes,
-              bc2_sqrts, lr, beta1, beta2, eps, weight_decay, adamw_mode, maximize, grad_scale):
+        @torch.library.register_fake("statestore::adam_")
+        def _(params, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_scales,
+              max_exp_avg_sqs, masters, step_sizes, bc2_sqrts, seeds, offsets, hyper, moments):
             return None
     except RuntimeError:  # already registered (module reloaded)
         pass
+
+
+@dataclass(frozen=True)
+class AdamHyper:
+    """The scalar hyperparameters of one Adam update, as the op ``statestore::adam_`` takes
+    them: :meth:`pack` gives its ``hyper`` argument (``csrc/adam_math.h``, ``AdamHyper``)."""
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    adamw_mode: bool
+    maximize: bool = False
+    grad_scale: float = 1.0
+
+    def pack(self) -> List[float]:
+        return [float(self.lr), float(self.beta1), float(self.beta2), float(self.eps),
+                float(self.weight_decay), float(self.grad_scale), float(bool(self.adamw_mode)),
+                float(bool(self.maximize))]
+
+
+def run_op(params, grads, exp_avgs, exp_avg_sqs, *, steps, hyper: AdamHyper, moments: str,
+           exp_avg_scales=(), exp_avg_sq_scales=(), max_exp_avg_sqs=(), masters=(), seeds=(),
+           offsets=()) -> None:
+    """One call of the compiled op ``statestore::adam_`` for tensors it takes as they are:
+    ``moments`` is its encoding argument ("fp32", "bf16-nearest", "bf16-stochastic",
+    "int8-nearest", "int8-stochastic"); ``seeds``: (exp_avg, exp_avg_sq) pairs; the optional
+    lists empty where unused (``csrc/adam/adam_checks.h`` documents every argument)."""
+    step_sizes, bc2_sqrts = bias_terms(steps, hyper.lr, hyper.beta1, hyper.beta2)
+    torch.ops.statestore.adam_(
+        list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(exp_avg_scales),
+        list(exp_avg_sq_scales), list(max_exp_avg_sqs), list(masters), step_sizes, bc2_sqrts,
+        [int(x) for pair in seeds for x in pair], [int(o) for o in offsets], hyper.pack(),
+        moments)
 
 
 def load_extension():
@@ -287,13 +322,10 @@ def adam_step(
     with torch.no_grad():
         if fast:
             sel = (lambda lst: [lst[i] for i in fast]) if slow else (lambda lst: list(lst))
-            step_sizes, bc2_sqrts = bias_terms(sel(steps), lr, beta1, beta2)
-            torch.ops.statestore.adam_step_(
-                sel(params), sel(grads), sel(exp_avgs), sel(exp_avg_sqs),
-                sel(max_exp_avg_sqs) if amsgrad else [],
-                sel(masters) if masters is not None else [],
-                step_sizes, bc2_sqrts, float(lr), float(beta1), float(beta2), float(eps),
-                float(weight_decay), bool(adamw_mode), bool(maximize), float(grad_scale))
+            run_op(sel(params), sel(grads), sel(exp_avgs), sel(exp_avg_sqs), steps=sel(steps),
+                   hyper=AdamHyper(**kw), moments="fp32",
+                   max_exp_avg_sqs=sel(max_exp_avg_sqs) if amsgrad else (),
+                   masters=sel(masters) if masters is not None else ())
         if slow:
             pick = lambda lst: [lst[i] for i in slow]  # noqa: E731
             adam_step_reference(pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs),

@@ -16,28 +16,12 @@ import torch
 from torch import Tensor
 
 from . import _quant as Q
-from ._dispatch import adam_step, bias_terms, force_reference, load_extension
+from ._dispatch import AdamHyper, adam_step, force_reference, load_extension, run_op
 
 __all__ = ["adam_step_moments", "MOMENT_KINDS"]
 
-#: kernel codes of the encodings (csrc/adam_math.h MomentKind)
-MOMENT_KINDS = {"bf16": 1, "int8": 2}
-
-
-_registered = []
-
-
-def _register_fake() -> None:
-    """Shape-only implementation of the op for torch.compile / FakeTensor tracing."""
-    if _registered:
-        return
-    _registered.append(True)
-    try:
-        @torch.library.register_fake("statestore::adam_step_moments_")
-        def _(*args):
-            return None
-    except (RuntimeError, AttributeError):   # already registered, or no such op
-        pass
+#: the compressed encodings (the op's ``moments`` argument is "<kind>-<rounding>")
+MOMENT_KINDS = ("bf16", "int8")
 
 
 def _fused_ok(kind, p, g, m, v, ms, vs, vmax, master) -> bool:
@@ -126,12 +110,10 @@ def adam_step_moments(
     vmax_l = list(max_exp_avg_sqs) if amsgrad else [None] * n
     mas_l = list(masters) if masters is not None else [None] * n
     ext = None if force_reference() else load_extension()
-    if ext is not None:
-        _register_fake()
     fused, slow = [], []
     for i in range(n):
         dev = params[i].device.type
-        can = ext is not None and hasattr(torch.ops.statestore, "adam_step_moments_") and (
+        can = ext is not None and (
             dev == "cpu" or (dev == "cuda" and getattr(ext, "with_cuda", False)))
         if can and _fused_ok(kind, params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], ms_l[i],
                              vs_l[i], vmax_l[i], mas_l[i]):
@@ -141,16 +123,13 @@ def adam_step_moments(
     with torch.no_grad():
         if fused:
             pick = lambda lst: [lst[i] for i in fused]  # noqa: E731
-            step_sizes, bc2_sqrts = bias_terms(pick(steps), lr, beta1, beta2)
-            torch.ops.statestore.adam_step_moments_(
-                pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs),
-                pick(ms_l) if kind == "int8" else [], pick(vs_l) if kind == "int8" else [],
-                pick(vmax_l) if amsgrad else [], pick(mas_l) if masters is not None else [],
-                step_sizes, bc2_sqrts, [int(seeds[i][0]) for i in fused],
-                [int(seeds[i][1]) for i in fused], [int(offsets[i]) for i in fused],
-                MOMENT_KINDS[kind], rounding == "stochastic", float(lr), float(beta1),
-                float(beta2), float(eps), float(weight_decay), bool(adamw_mode),
-                bool(maximize), float(grad_scale))
+            run_op(pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs),
+                   steps=pick(steps), hyper=AdamHyper(**kw), moments=f"{kind}-{rounding}",
+                   exp_avg_scales=pick(ms_l) if kind == "int8" else (),
+                   exp_avg_sq_scales=pick(vs_l) if kind == "int8" else (),
+                   max_exp_avg_sqs=pick(vmax_l) if amsgrad else (),
+                   masters=pick(mas_l) if masters is not None else (),
+                   seeds=pick(seeds), offsets=pick(offsets))
         if slow:
             _unfused(slow, params, grads, exp_avgs, exp_avg_sqs, ms_l, vs_l, vmax_l, mas_l,
                      kind, rounding, steps, seeds, offsets, amsgrad, masters is not None, kw)
