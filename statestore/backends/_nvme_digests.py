@@ -1,17 +1,19 @@
-"""Checksums (the checkpoint's xxh3-64) of NVMeStore states computed as they are written by
+"""Checksums (the checkpoint's xxh3-64) of NVMeStore states: computed as they are written by
 puts and checkpoint loads, so that a linked save need not read those states back to hash
-them (docs/nvme.md)."""
+them (:class:`WriteDigests`), and checked as they are read from files a checkpoint shares
+(:class:`FrozenReads`) (docs/nvme.md)."""
 from __future__ import annotations
 
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Dict, Iterable, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
 import xxhash
 
 from .._types import Slice, StateKey
+from ..errors import CheckpointCorruptError
 
-__all__ = ["WriteDigests"]
+__all__ = ["WriteDigests", "FrozenReads"]
 
 
 class _Digest:
@@ -101,3 +103,113 @@ class WriteDigests:
             self._digests.clear()
             self._hashing.clear()
             self._finishing.clear()
+
+
+class _CheckedRead:
+    """A read's future whose bytes are hashed when its outcome is taken (``result()``): the
+    pipeline takes the outcomes of a state's slices in order, before it hands them out, so
+    the hash runs in order and before anyone changes the bytes."""
+    __slots__ = ("_fut", "_check")
+
+    def __init__(self, fut, check: Callable[[], None]):
+        self._fut, self._check = fut, check
+
+    def done(self) -> bool:
+        return self._fut.done()
+
+    def result(self, timeout: Optional[float] = None):
+        n = self._fut.result(timeout)
+        check, self._check = self._check, None
+        if check is not None:
+            check()
+        return n
+
+    def exception(self, timeout: Optional[float] = None):
+        try:
+            self.result(timeout)
+        except BaseException as e:      # noqa: BLE001 - a future's exception() returns it
+            return e
+        return None
+
+
+class FrozenReads:
+    """Checks the states an NVMeStore reads from a *frozen* file (a checkpoint shares it by
+    hard link) against the checksums recorded when it froze: the checkpoint's own file can be
+    altered in place through its name, and the store would otherwise train on the altered
+    bytes (and save their updates with checksums that match). Every read of a state from its
+    frozen file, from its first element to its last in order (as pipelines read), is hashed
+    as the pipeline takes it; a mismatch raises :class:`CheckpointCorruptError` before the
+    last slice is handed out. A read that does not continue the state's run (out of order)
+    and copies out of a frozen file (``NVMeStore._materialize``) verify the whole state first
+    (``whole(sf, key)``). Reads of files that are not frozen cost nothing.
+
+    Args:
+        span: ``span(key)`` gives ``(data offset, nbytes)`` of a state in its files.
+        read: ``read(sf, offset, n)`` reads ``n`` bytes (at most ``CHUNK``, 4096-aligned) of
+            ``sf`` synchronously and returns them (a uint8 tensor).
+    """
+
+    CHUNK = 1 << 20
+
+    def __init__(self, span: Callable[[StateKey], Tuple[int, int]],
+                 read: Callable[[Any, int, int], Any]):
+        self._span, self._read = span, read
+        self._runs: Dict[StateKey, Tuple[Any, int, Any]] = {}     # key -> (file, next, hash)
+        self._submitted: Dict[StateKey, int] = {}                 # key -> next element read
+
+    def read(self, sf, s: Slice, numel: int, view: memoryview, fut):
+        """``fut`` reads slice ``s`` of a state of ``numel`` elements from ``sf`` into
+        ``view``: returned as is, or wrapped to verify the state when ``sf`` is frozen with
+        the state's checksum recorded."""
+        k = s.key
+        want = sf.hashes.get(k) if sf.frozen else None
+        if want is None or s.stop <= s.start:
+            return fut
+        if s.start != 0 and self._submitted.get(k) != s.start:
+            self.verify(sf, k)              # not the next slice of a run: the whole state now
+            return fut
+        self._submitted[k] = s.stop
+
+        def check() -> None:
+            run = self._runs.pop(k, None)
+            if s.start == 0:
+                run = (sf, 0, xxhash.xxh3_64())
+            elif run is None or run[0] is not sf or run[1] != s.start:
+                return                      # its run was verified whole at submission
+            run[2].update(view)
+            if s.stop < numel:
+                self._runs[k] = (sf, s.stop, run[2])
+            elif run[2].hexdigest() != want:
+                raise _mismatch(sf.path, k)
+        return _CheckedRead(fut, check)
+
+    def verify(self, sf, k: StateKey) -> None:
+        """Verify the whole state ``k`` in the frozen file ``sf`` (when its checksum is
+        recorded). Raises :class:`CheckpointCorruptError` on a mismatch."""
+        want = sf.hashes.get(k) if sf.frozen else None
+        if want is None:
+            return
+        pos, nbytes = self._span(k)
+        end, h = pos + nbytes, xxhash.xxh3_64()
+        while pos < end:
+            n = min(self.CHUNK, -(-(end - pos) // 4096) * 4096)
+            h.update(self._read(sf, pos, n)[:min(n, end - pos)].numpy())
+            pos += n
+        if h.hexdigest() != want:
+            raise _mismatch(sf.path, k)
+
+    def forget(self, k: StateKey) -> None:
+        self._runs.pop(k, None)
+        self._submitted.pop(k, None)
+
+
+def _mismatch(path: str, k: StateKey) -> CheckpointCorruptError:
+    """The error of a mismatch; ``.tensor`` names the state (a linked load names the
+    checkpoint's shard instead of the store's link to it)."""
+    err = CheckpointCorruptError(
+        f"{path}: checksum mismatch in tensor {str(k)!r}: the store reads this state from a "
+        f"file it shares with a checkpoint (a hard link), and that file was altered or damaged "
+        f"since the checkpoint was saved or loaded (edited in place through the checkpoint's "
+        f"name?); the store's value of the state is lost: load an intact checkpoint")
+    err.tensor = str(k)
+    return err

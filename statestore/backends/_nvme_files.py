@@ -3,16 +3,19 @@ successor, checksums), where a state's data starts in it, and the element-range 
 copy-on-write (docs/nvme.md, "Layout")."""
 from __future__ import annotations
 
+import errno
 import os
 from concurrent.futures import Future
 from typing import Dict, List, Optional
 
 from .._types import StateKey
+from ..errors import StateStoreIOError
 from ..io import IOFile
 from ._futures import when_all
 
 __all__ = ["ALIGN", "COPY_CHUNK", "MAX_DATA_ALIGN", "MAX_FILE_DATA", "StateFile", "add_range",
-           "after_both", "covered", "data_alignment", "round_up", "still_named", "unlink_all"]
+           "after_both", "check_present", "check_size", "covered", "data_alignment", "round_up",
+           "still_named", "unlink_all"]
 
 ALIGN = 4096
 # Most bytes of states in one file (a larger state gets a file of its own): the default bound
@@ -117,3 +120,34 @@ def still_named(sf: StateFile) -> bool:
     except OSError:
         return False
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def check_present(sf: StateFile) -> None:
+    """Raise (once per file) when ``sf`` was removed while the store is open."""
+    if sf.removed_reported:
+        return
+    try:
+        nlink = os.fstat(sf.file.fd).st_nlink
+    except OSError as e:
+        raise StateStoreIOError(e.errno, f"NVMeStore: fstat of {sf.path} failed: {e.strerror}",
+                                sf.path) from e
+    if nlink == 0:
+        sf.removed_reported = True
+        raise StateStoreIOError(errno.ENOENT, f"NVMeStore: state file {sf.path} was removed "
+                                "while the store was open; its states live on in the open "
+                                "file until close(), save a checkpoint to keep them", sf.path)
+
+
+def check_size(sf: StateFile) -> None:
+    """Raise when ``sf`` was truncated under the open store (its states past the end are
+    lost)."""
+    try:
+        size = os.fstat(sf.file.fd).st_size
+    except OSError as e:
+        raise StateStoreIOError(e.errno, f"NVMeStore: fstat of {sf.path} failed: "
+                                f"{e.strerror}", sf.path) from e
+    if size < sf.size:
+        raise StateStoreIOError(
+            errno.EIO, f"NVMeStore: state file {sf.path} was truncated to {size} bytes "
+            f"while the store was open (it had {sf.size}); the states past that point "
+            "are lost: load a checkpoint", sf.path)

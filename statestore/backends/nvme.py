@@ -37,9 +37,10 @@ from ..errors import StateStoreIOError, StateStoreValueError
 from ..io import IOEngine, IOFile, alloc_buffer, make_engine
 from ._dirs import StoreLock, create_laid_out, prepare_dir
 from ._futures import completed
-from ._nvme_digests import WriteDigests
+from ._nvme_digests import FrozenReads, WriteDigests
 from ._nvme_files import (ALIGN, COPY_CHUNK, MAX_DATA_ALIGN, MAX_FILE_DATA, StateFile, add_range,
-                          after_both, covered, data_alignment, round_up, still_named, unlink_all)
+                          after_both, check_present, check_size, covered, data_alignment,
+                          round_up, still_named, unlink_all)
 from ._nvme_links import CheckpointLinks
 from ._space import check_space, no_space
 from .base import StreamingStore
@@ -125,6 +126,9 @@ class NVMeStore(CheckpointLinks, StreamingStore):
         self._where: Dict[StateKey, Tuple[StateFile, int]] = {}   # key -> (file, data offset)
         # xxh3-64 of states put or loaded in order since their last other write
         self._digests = WriteDigests()
+        # states read from a frozen file (a checkpoint's too) are checked against its checksums
+        self._frozen_reads = FrozenReads(lambda k: (self._where[k][1], self._specs[k].nbytes),
+                                         self._read_sync)
         # States of a frozen file written in part since: key -> element ranges whose current
         # value is in the file's successor (the rest is still in the frozen file).
         self._cow: Dict[StateKey, List[List[int]]] = {}
@@ -225,6 +229,7 @@ class NVMeStore(CheckpointLinks, StreamingStore):
             sf, _ = self._where.pop(k)
             self._cow.pop(k, None)
             self._digests.forget(k)
+            self._frozen_reads.forget(k)
             self._leave(sf, k)
 
     def _leave(self, sf: StateFile, k: StateKey) -> None:
@@ -287,7 +292,17 @@ class NVMeStore(CheckpointLinks, StreamingStore):
         if nbytes == 0:
             return completed(0)
         n = round_up(nbytes)
-        return self._engine.read(sf.file, self._bytes_view(out, n), off, n)
+        view = self._bytes_view(out, n)
+        fut = self._engine.read(sf.file, view, off, n)
+        return self._frozen_reads.read(sf, s, self._specs[s.key].numel, view[:nbytes].numpy(), fut)
+
+    def _read_sync(self, sf: StateFile, off: int, n: int) -> torch.Tensor:
+        """``n`` (<= COPY_CHUNK, aligned) bytes of ``sf`` from ``off``, read now."""
+        if self._copy_buf is None:
+            self._copy_buf = alloc_buffer(COPY_CHUNK, pinned=False)
+        buf = self._copy_buf.tensor[:n]
+        self._engine.read(sf.file, buf, off, n).result()
+        return buf
 
     def _submit_write(self, s: Slice, src: torch.Tensor, *, optimizer_pass: bool = False):
         spec = self._specs[s.key]
@@ -442,18 +457,15 @@ class NVMeStore(CheckpointLinks, StreamingStore):
                 gaps.append((pos, a))
             pos = max(pos, b)
         if gaps:
+            self._frozen_reads.verify(old, k)       # its bytes there are the checkpoint's
             self._check_present(new)
             new.dirty = True
-            if self._copy_buf is None:
-                self._copy_buf = alloc_buffer(COPY_CHUNK, pinned=False)
-            buf = self._copy_buf.tensor
         for a, b in gaps:
             lo = base + a * spec.itemsize            # aligned: gaps start at unit starts
             hi = round_up(base + b * spec.itemsize)  # in this state's blocks (layout aligns)
             while lo < hi:
                 n = min(COPY_CHUNK, hi - lo)
-                self._engine.read(old.file, buf[:n], lo, n).result()
-                self._engine.write(new.file, buf[:n], lo, n).result()
+                self._engine.write(new.file, self._read_sync(old, lo, n), lo, n).result()
                 lo += n
         self._move(k)
 
@@ -474,35 +486,15 @@ class NVMeStore(CheckpointLinks, StreamingStore):
         return self._buffer.tensor[:nbytes]
 
     def _check_present(self, sf: StateFile) -> None:
-        if sf.removed_reported:
-            return
-        try:
-            nlink = os.fstat(sf.file.fd).st_nlink
-        except OSError as e:
-            raise StateStoreIOError(e.errno, f"NVMeStore: fstat of {sf.path} failed: {e.strerror}",
-                                    sf.path) from e
-        if nlink == 0:
-            sf.removed_reported = True
-            raise StateStoreIOError(errno.ENOENT, f"NVMeStore: state file {sf.path} was removed "
-                                    "while the store was open; its states live on in the open "
-                                    "file until close(), save a checkpoint to keep them", sf.path)
+        check_present(sf)
 
     def _check_files(self) -> None:
         # Before any pipeline: a removed file is reported once (its states live on in the open
         # file until close()); a truncated one every time (the states past its end are gone,
         # and a later write would silently refill the gap with zeros).
         for sf in list(self._files.values()):
-            self._check_present(sf)
-            try:
-                size = os.fstat(sf.file.fd).st_size
-            except OSError as e:
-                raise StateStoreIOError(e.errno, f"NVMeStore: fstat of {sf.path} failed: "
-                                        f"{e.strerror}", sf.path) from e
-            if size < sf.size:
-                raise StateStoreIOError(
-                    errno.EIO, f"NVMeStore: state file {sf.path} was truncated to {size} bytes "
-                    f"while the store was open (it had {sf.size}); the states past that point "
-                    "are lost: load a checkpoint", sf.path)
+            check_present(sf)
+            check_size(sf)
 
     def _flush(self) -> None:
         for sf in list(self._files.values()):

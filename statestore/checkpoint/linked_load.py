@@ -59,9 +59,16 @@ def verify_linked(store, m: Manifest, linked: Dict[str, List[ManifestRow]], bar)
     for name, rs in linked.items():
         by_key = {r.state_key: r for r in rs}
         hashes = {k: xxhash.xxh3_64() for k in by_key}
-        for k, chunk in read_states(store, list(by_key)):
-            hashes[k].update(chunk)
-            bar.update(len(chunk))
+        try:
+            for k, chunk in read_states(store, list(by_key)):
+                hashes[k].update(chunk)
+                bar.update(len(chunk))
+        except CheckpointCorruptError as e:
+            # The store checks what it reads from a file a checkpoint shares (the file it
+            # adopted): name the checkpoint's shard, as the check below does.
+            raise CheckpointCorruptError(f"{join(m.root, name)}: checksum mismatch in tensor "
+                                         f"{getattr(e, 'tensor', '?')!r} (the file was "
+                                         f"altered or damaged)") from e
         for k, r in by_key.items():
             if hashes[k].hexdigest() != r.checksum:
                 raise CheckpointCorruptError(f"{join(m.root, name)}: checksum mismatch in tensor "
