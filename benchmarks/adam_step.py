@@ -6,14 +6,15 @@ same run.
     .venv/bin/python benchmarks/adam_step.py --quick         # 16M only, fewer repetitions
     .venv/bin/python benchmarks/adam_step.py --peers-python benchmarks/.venv-peers/bin/python
 
-Peers: DeepSpeed and ColossalAI are not dependencies of statestore. Where they are not
+Peers: DeepSpeed, ColossalAI and bitsandbytes (its 8-bit AdamW, CPU path) are not
+dependencies of statestore. Where they are not
 importable here, and a peers interpreter exists (``--peers-python``, default
 ``benchmarks/.venv-peers/bin/python`` when present), the script runs itself again under that
 interpreter with the repository on ``sys.path``, so that every contestant runs in ONE process,
 interleaved, on the same buffers. That interpreter must import the same torch (e.g. a venv
 with a ``.pth`` file pointing at ``.venv``'s site-packages, then
-``DS_BUILD_OPS=0 pip install deepspeed==0.19.8 py-cpuinfo psutil``). Peers that cannot be
-imported are listed with the reason.
+``DS_BUILD_OPS=0 pip install deepspeed==0.19.8 py-cpuinfo psutil bitsandbytes==0.50.2``). Peers
+that cannot be imported are listed with the reason.
 
 Method: per configuration (size, layout, threads, grad dtype) the buffers are allocated once;
 each contestant is warmed up, then the contestants are timed in rotating order, one step at a
@@ -86,8 +87,9 @@ class Contestant:
     name = "?"
     peer = True
 
-    def __init__(self, params, grads, gdtype):
+    def __init__(self, params, grads, gdtype, masters=None):
         self.params, self.grads, self.gdtype = params, grads, gdtype
+        self.masters = masters      # fp32 masters of low-precision params (statestore only)
 
     def step(self):
         raise NotImplementedError
@@ -97,19 +99,20 @@ class Ours(Contestant):
     name = "statestore"
     peer = False
 
-    def __init__(self, params, grads, gdtype):
+    def __init__(self, params, grads, gdtype, masters=None):
         import torch
         from statestore.kernels import adam_step
-        super().__init__(params, grads, gdtype)
-        self.m = [torch.zeros_like(p) for p in params]
-        self.v = [torch.zeros_like(p) for p in params]
+        super().__init__(params, grads, gdtype, masters)
+        self.m = [torch.zeros(p.shape) for p in params]
+        self.v = [torch.zeros(p.shape) for p in params]
         self.n = 0
         self._step = adam_step
 
     def step(self):
         self.n += 1
         self._step(self.params, self.grads, self.m, self.v, steps=[self.n] * len(self.params),
-                   lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, adamw_mode=True)
+                   lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, adamw_mode=True,
+                   masters=self.masters)
 
 
 class OursMoments(Contestant):
@@ -117,11 +120,11 @@ class OursMoments(Contestant):
     peer = False
     kind = "bf16"
 
-    def __init__(self, params, grads, gdtype):
+    def __init__(self, params, grads, gdtype, masters=None):
         import torch
         from statestore.kernels import _quant as Q
         from statestore.kernels._moments import adam_step_moments
-        super().__init__(params, grads, gdtype)
+        super().__init__(params, grads, gdtype, masters)
         cm, cv = (torch.bfloat16, torch.bfloat16) if self.kind == "bf16" else (torch.int8, torch.uint8)
         self.m = [torch.zeros(p.shape, dtype=cm) for p in params]
         self.v = [torch.zeros(p.shape, dtype=cv) for p in params]
@@ -138,7 +141,7 @@ class OursMoments(Contestant):
                    rounding=self.rounding, steps=[self.n] * k, seeds=[(self.n, ~self.n)] * k,
                    offsets=[0] * k, exp_avg_scales=self.ms, exp_avg_sq_scales=self.vs,
                    lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
-                   adamw_mode=True)
+                   adamw_mode=True, masters=self.masters)
 
 
 class OursBF16(OursMoments):
@@ -154,12 +157,13 @@ class OursInt8(OursMoments):
 MOMENT_CLASSES = {"bf16": OursBF16, "int8": OursInt8}
 
 
-def moment_bytes(kind: str, gdtype_bytes: int) -> float:
-    """Bytes an update moves per parameter (fp32 params): read p, g, m, v; write p, m, v;
-    int8 adds the two scales per 256 elements, read and written."""
+def moment_bytes(kind: str, gdtype_bytes: int, bf16_params: bool = False) -> float:
+    """Bytes an update moves per parameter: read p, g, m, v; write p, m, v; int8 adds the two
+    scales per 256 elements, read and written; bf16 params with fp32 masters: read and write
+    the master, write the bf16 param (2 more)."""
     mb = {"fp32": 4, "bf16": 2, "int8": 1}[kind]
     extra = 4 * 4 / 256 if kind == "int8" else 0.0
-    return 4 + gdtype_bytes + 2 * mb + 4 + 2 * mb + extra
+    return 4 + gdtype_bytes + 2 * mb + 4 + 2 * mb + extra + (2 if bf16_params else 0)
 
 
 def _upcast_into(bufs, grads):
@@ -182,7 +186,7 @@ def _upcast_into(bufs, grads):
 class TorchAdamW(Contestant):
     kind = "fused"
 
-    def __init__(self, params, grads, gdtype):
+    def __init__(self, params, grads, gdtype, masters=None):
         import torch
         super().__init__(params, grads, gdtype)
         self.tp = [torch.nn.Parameter(p, requires_grad=True) for p in params]
@@ -211,7 +215,7 @@ class TorchForeach(TorchAdamW):
 class DeepSpeed(Contestant):
     name = "DeepSpeedCPUAdam"
 
-    def __init__(self, params, grads, gdtype):
+    def __init__(self, params, grads, gdtype, masters=None):
         import torch
         from deepspeed.ops.adam import DeepSpeedCPUAdam
         super().__init__(params, grads, gdtype)
@@ -229,7 +233,7 @@ class DeepSpeed(Contestant):
 class Colossal(Contestant):
     name = "ColossalAI CPUAdam"
 
-    def __init__(self, params, grads, gdtype):
+    def __init__(self, params, grads, gdtype, masters=None):
         import torch
         from colossalai.nn.optimizer import CPUAdam
         super().__init__(params, grads, gdtype)
@@ -244,11 +248,36 @@ class Colossal(Contestant):
         self.opt.step()
 
 
+class BnbAdamW8bit(Contestant):
+    """bitsandbytes' 8-bit AdamW (blockwise dynamic-map states) on CPU."""
+    name = "bitsandbytes AdamW8bit"
+
+    def __init__(self, params, grads, gdtype, masters=None):
+        import bitsandbytes as bnb
+        import torch
+        super().__init__(params, grads, gdtype)
+        self.tp = [torch.nn.Parameter(p, requires_grad=True) for p in params]
+        self.opt = bnb.optim.AdamW8bit(self.tp, lr=1e-3, weight_decay=0.01)
+
+    def step(self):
+        self.bufs, gs = _upcast_into(getattr(self, "bufs", None), self.grads)
+        for p, g in zip(self.tp, gs):
+            p.grad = g
+        self.opt.step()
+
+
+#: the moments each peer keeps (for the per-moment-dtype table)
+PEER_MOMENTS = {"torch AdamW fused": "fp32", "torch AdamW foreach": "fp32",
+                "DeepSpeedCPUAdam": "fp32", "ColossalAI CPUAdam": "fp32",
+                "bitsandbytes AdamW8bit": "int8"}
+
+
 def available_peers():
     """(classes usable, {name: reason skipped})."""
     usable, skipped = [TorchFused, TorchForeach], {}
     import torch
-    for cls, mod in ((DeepSpeed, "deepspeed.ops.adam"), (Colossal, "colossalai.nn.optimizer")):
+    for cls, mod in ((DeepSpeed, "deepspeed.ops.adam"), (Colossal, "colossalai.nn.optimizer"),
+                     (BnbAdamW8bit, "bitsandbytes")):
         try:
             p = torch.nn.Parameter(torch.randn(64))
             p.grad = torch.randn(64)
@@ -276,13 +305,19 @@ class Roofline(Contestant):
         self.ext.bandwidth_probe(*self.bufs)
 
 
-def run_config(classes, n, ntensors, gdtype, reps, ext):
+def run_config(classes, n, ntensors, gdtype, reps, ext, bf16_params=False):
+    """Median step time of each contestant and of the roofline probe, interleaved. With
+    bf16_params the parameters are bf16 with fp32 masters (statestore's contestants only)."""
     import torch
     sizes = [n // ntensors] * ntensors
     sizes[-1] += n - sum(sizes)
     params = [torch.randn(s) for s in sizes]
     grads = [(torch.randn(s) * 1e-2).to(gdtype) for s in sizes]
-    contestants = [cls(params, grads, gdtype) for cls in classes] + [Roofline(n, ext)]
+    masters = None
+    if bf16_params:
+        masters, params = params, [p.to(torch.bfloat16) for p in params]
+        classes = [c for c in classes if not c.peer]
+    contestants = [cls(params, grads, gdtype, masters) for cls in classes] + [Roofline(n, ext)]
     for c in contestants:  # warm-up: state allocation, first touch
         c.step()
     times = {c.name: [] for c in contestants}
@@ -440,6 +475,9 @@ def main():
     ap.add_argument("--tensors", default="1,100", help="tensor counts per step")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--grads", default="fp32,bf16")
+    ap.add_argument("--params", default="fp32",
+                    help="param dtypes: fp32 and/or bf16 (bf16 params with fp32 masters: "
+                         "statestore's kernels only, in the per-moment table)")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--quick", action="store_true", help="16M only, 5 reps")
     ap.add_argument("--no-foreach", action="store_true", help="skip torch foreach (slow)")
@@ -505,29 +543,39 @@ def main():
     for size in [int(s) for s in args.sizes.split(",")]:
         for nt in [int(s) for s in args.tensors.split(",")]:
             for thr in [int(s) for s in args.threads.split(",")]:
-                for g in args.grads.split(","):
+                for g, pd in [(g, pd) for pd in args.params.split(",") for g in args.grads.split(",")]:
                     torch.set_num_threads(thr)
+                    bf16p = pd == "bf16"
                     med, roof_t = run_config(classes + mclasses, size * M, nt, gd[g], args.reps,
-                                             ext)
+                                             ext, bf16_params=bf16p)
                     n = size * M
                     rate = {k: n / t for k, t in med.items()}
-                    best_peer = max(v for k, v in rate.items() if k != Ours.name)
                     roof = n / roof_t
-                    row = [f"{size}M", str(nt), str(thr), g]
-                    row += [f"{rate[k] / 1e9:.2f} G" for k in names]
-                    row += [f"{roof / 1e9:.2f} G ({roof * 28 / 1e9:.0f} GB/s)",
-                            f"{rate[Ours.name] / best_peer:.2f}x",
-                            f"{100 * rate[Ours.name] / roof:.0f}%"]
-                    rows.append(row)
-                    print(" | ".join(row), flush=True)
+                    if not bf16p:
+                        best_peer = max(v for k, v in rate.items() if k != Ours.name
+                                        and k in names)
+                        row = [f"{size}M", str(nt), str(thr), g]
+                        row += [f"{rate[k] / 1e9:.2f} G" for k in names]
+                        row += [f"{roof / 1e9:.2f} G ({roof * 28 / 1e9:.0f} GB/s)",
+                                f"{rate[Ours.name] / best_peer:.2f}x",
+                                f"{100 * rate[Ours.name] / roof:.0f}%"]
+                        rows.append(row)
+                        print(" | ".join(row), flush=True)
                     roof_bps = roof * 28
-                    for kind, cname in [("fp32", Ours.name)] + [(c.kind, c.name) for c in mclasses]:
-                        b = moment_bytes(kind, gd[g].itemsize)
+                    mlist = [("fp32", Ours.name, "statestore")]
+                    mlist += [(c.kind, c.name, "statestore") for c in mclasses]
+                    mlist += [(PEER_MOMENTS[c.name], c.name, c.name) for c in classes
+                              if c.name in PEER_MOMENTS and c.name in rate]
+                    for kind, cname, who in mlist:
+                        b = moment_bytes(kind, gd[g].itemsize, bf16p)
                         r = rate[cname]
-                        mrows.append([f"{size}M", str(nt), str(thr), g, kind, f"{r / 1e9:.2f} G",
-                                      f"{b:.2f}", f"{roof_bps / b / 1e9:.2f} G",
+                        mrows.append([f"{size}M", str(nt), str(thr), g,
+                                      "bf16 + fp32 master" if bf16p else "fp32", who, kind,
+                                      f"{r / 1e9:.2f} G", f"{b:.2f}",
+                                      f"{roof_bps / b / 1e9:.2f} G",
                                       f"{100 * r / (roof_bps / b):.0f}%",
                                       f"{r / rate[Ours.name]:.2f}x"])
+                        print(" | ".join(mrows[-1]), flush=True)
     torch.set_num_threads(old_threads)
     print()
     print("| " + " | ".join(header) + " |")
@@ -538,15 +586,18 @@ def main():
           "peers with bf16 grads include the upcast they need (into preallocated fp32 "
           "buffers)." % args.reps)
     if mclasses:
-        mh = ["params", "tensors", "thr", "grads", "moments", "params/s", "B/param",
+        mh = ["params", "tensors", "thr", "grads", "param dtype", "optimizer", "moments",
+              "params/s", "B/param",
               "roofline at B/param", "of roofline", "vs fp32 moments"]
         print("\n| " + " | ".join(mh) + " |")
         print("|" + "---|" * len(mh))
         for r in mrows:
             print("| " + " | ".join(r) + " |")
         print("\nB/param: bytes an update moves per fp32 parameter (read p, g, m, v; write p, "
-              "m, v; int8: plus 2 fp32 scales per 256 elements each way); roofline at B/param "
-              "= the probe's bytes/s / B/param.")
+              "m, v; int8: plus 2 fp32 scales per 256 elements each way; a peer given bf16 "
+              "grads is counted with them, though it reads its fp32 copy too); roofline at "
+              "B/param = the probe's bytes/s / B/param; vs fp32 moments: params/s against "
+              "statestore's fp32-moment kernel in the same configuration.")
 
 
 def _cpu_name():
