@@ -40,6 +40,7 @@ import torch
 
 from .._snapshot import unlinked_buffer
 from ..errors import CheckpointMismatchError
+from ..optim._dtensor import as_param_layout, local
 from ..optim._sharding import SHARD_KEY
 from ._common import find_store_optimizer
 
@@ -122,13 +123,13 @@ class StateStoreStateful:
             for n in want:
                 entry[n] = st[n]
             state[name] = entry
-        if missing:
-            numels = [p.numel() for _, _, p, want in missing for _ in want]
+        if missing:     # DTensor parameters (FSDP2): zeros of the local shard, as DTensors
+            numels = [local(p).numel() for _, _, p, want in missing for _ in want]
             zeros = iter(_zeros_mapped(numels, self._directory()))
             for i, name, p, want in missing:
                 entry = {"step": torch.zeros((), dtype=torch.float32)}
                 for n in want:
-                    entry[n] = next(zeros).view(p.shape)
+                    entry[n] = as_param_layout(p, next(zeros).view(local(p).shape))
                 state[name] = entry
         groups = []
         for sg, g in zip(torch_sd["param_groups"], self.optimizer.param_groups):

@@ -35,6 +35,7 @@ from torch import Tensor
 from ..errors import StateStoreError
 from ._metadata import short_names
 from ._table import ParamTable
+from ._dtensor import local
 from ._units import checked_grad, plan_step
 
 __all__ = ["misuse_reason", "refused_message", "mixed_message", "PassState", "BackwardStepper",
@@ -190,7 +191,7 @@ class BackwardStepper:
         if p.grad is not None:
             self.seen[p] = (p.grad, p.grad._version)
             if self.release_grads:
-                self.held_grad_bytes += p.grad.numel() * p.grad.element_size()
+                self.held_grad_bytes += local(p.grad).numel() * p.grad.element_size()
         table = self.table
         if table.failed or self.second_grad:
             return
@@ -295,9 +296,9 @@ class BackwardStepper:
         if early:
             for e in sel_e:
                 p = e[0]
-                if self.release_grads and e[2] == p.numel():     # its last slice
+                if self.release_grads and e[2] == local(p).numel():     # its last slice
                     g = p.grad
-                    self.held_grad_bytes -= g.numel() * g.element_size()
+                    self.held_grad_bytes -= local(g).numel() * g.element_size()
                     p.grad = None
                     self.seen.pop(p, None)     # it held the gradient too
                     self.released.add(p)

@@ -19,6 +19,8 @@ from torch import Tensor
 
 from .._safetensors_layout import layout
 from .._types import StateKey
+from ..errors import StateStoreError
+from ._dtensor import as_param_layout, is_dtensor, local, region_of
 
 __all__ = ["master_weights", "save_master_weights"]
 
@@ -44,17 +46,20 @@ def master_weights(table) -> Dict[str, Tensor]:
     out: Dict[str, Tensor] = {}
     for key, p, store in _sources(table):
         if store is None:
-            out[key] = p.detach().to("cpu", torch.float32, copy=True)
+            t = local(p).detach().to("cpu", torch.float32, copy=True)
         else:
             t = store.get(StateKey(key, "master"))
-            out[key] = t.detach().to("cpu", copy=True) if store.resident else t
+            t = t.detach().to("cpu", copy=True) if store.resident else t
+        if is_dtensor(p):       # FSDP2: a DTensor of the parameter's layout, as its state dict
+            t = as_param_layout(p, t.to(local(p).device))
+        out[key] = t
     return out
 
 
 def _chunks(key: str, p: Tensor, store):
     """The fp32 values of ``key``, flat, a chunk at a time."""
     if store is None:
-        flat = p.detach().reshape(-1)
+        flat = local(p).detach().reshape(-1)
         step = max(1, _CHUNK // 4)
         for a in range(0, flat.numel(), step):
             yield flat[a:a + step].to("cpu", torch.float32)
@@ -72,8 +77,14 @@ def save_master_weights(table, path: str) -> None:
     """Stream :func:`master_weights` of the optimizer's ``table`` into one safetensors file
     at ``path`` (local or fsspec), written to a temporary name and moved into place."""
     import fsspec
-    fs, root = fsspec.core.url_to_fs(os.fspath(path))
     items = _sources(table)
+    for key, p, _ in items:
+        if region_of(p) is not None:
+            raise StateStoreError(
+                f"save_master_weights writes whole parameters, and this rank holds a shard of "
+                f"{key!r} (FSDP2); take master_weights() (DTensors) through "
+                f"torch.distributed.checkpoint (dcp.save) instead")
+    fs, root = fsspec.core.url_to_fs(os.fspath(path))
     lay = layout([(key, torch.float32, tuple(p.shape)) for key, p, _ in items],
                  metadata={"format": "pt", "statestore": "fp32 master weights"})
     parent = root.rsplit("/", 1)[0] if "/" in root else ""

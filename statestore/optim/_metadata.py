@@ -34,10 +34,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from .._regions import Region
 from ..checkpoint.metadata import optimizer_metadata_problem
 from ..errors import CheckpointMismatchError, StateStoreError
 from ..offload._seam import PARAM_STATE
 from ._args import validate_hyper
+from ._dtensor import local, region_of
 from ._moments import SCALE_OF
 from ._table import ParamTable, failed_message
 
@@ -269,7 +271,10 @@ def resume(store, table: ParamTable, param_groups: List[dict], fmt, *, sharded: 
     """
     keys = table.keys
     ours = {keys[p]: p for p, s in table.stores.items() if s is store}
-    store.load_deferred(list(ours))          # states a sharded load left to other ranks
+    # DTensor parameters: the store holds (and a load fetches) each one's local shard
+    regions = {n: region_of(p) for n, p in ours.items()}
+    store.load_deferred(list(ours), {n: r for n, r in regions.items() if r is not None})
+    store.record_regions({n: r or Region.whole(local(ours[n]).shape) for n, r in regions.items()})
     if sharded:                              # drop states other ranks own
         every_name = set(keys.values())
         theirs = [k for k in store.keys() if k.param in every_name and k.param not in ours]
@@ -331,7 +336,7 @@ def resume(store, table: ParamTable, param_groups: List[dict], fmt, *, sharded: 
         report.add("states", fmt.encoding_mismatch(meta))
     for name, p in ours.items():
         if name in stored_params:       # else a new parameter: its states start fresh
-            _check_states(report, name, p, stored_params[name], groups[p], fmt)
+            _check_states(report, name, local(p), stored_params[name], groups[p], fmt)
     report.raise_if_any()
     for g, h in zip(param_groups, new_hyper):
         merged = {**g, **h}

@@ -42,6 +42,8 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ._dtensor import local, local_grad
+
 __all__ = ["OffloadPath", "CudaLane", "attach_offload_path", "default_select", "install"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -215,7 +217,7 @@ class OffloadPath:
             lane = self._lane(dev)
             offsets, pos = [], 0
             for p in ps:
-                n, item = p.numel(), p.element_size()
+                n, item = local(p).numel(), p.element_size()       # a DTensor: its shard
                 pos += (-pos) % _ALIGN
                 g_off = pos
                 pos += n * item
@@ -228,7 +230,7 @@ class OffloadPath:
             else:
                 self.pageable_bytes += slab.numel()
             for p, (g_off, p_off) in zip(ps, offsets):
-                nb = p.numel() * p.element_size()
+                nb = local(p).numel() * p.element_size()
                 self._staging[p] = _Staging(slab[g_off:g_off + nb].view(p.dtype),
                                             slab[p_off:p_off + nb].view(p.dtype), lane)
 
@@ -241,6 +243,7 @@ class OffloadPath:
             self._prepare([p] + [q for q in self._watched if q is not p])
             st = self._staging[p]
         lane = st.lane
+        g, lp = local_grad(p, g), local(p)        # DTensor parameters: the local shards
         if g.dtype != st.grad.dtype:        # a gradient of another dtype than the parameter
             buf, locked = lane.alloc(g.numel() * g.element_size())
             if locked:
@@ -251,8 +254,8 @@ class OffloadPath:
         st.grad_event = lane.copy(st.grad, g.detach().reshape(-1))
         st.grad_src = (weakref.ref(g), g._version)
         if p.dtype not in _LOW_PRECISION:
-            st.param_event = lane.copy(st.param, p.detach().reshape(-1))
-            st.param_src = (p.data_ptr(), p._version)
+            st.param_event = lane.copy(st.param, lp.detach().reshape(-1))
+            st.param_src = (lp.data_ptr(), lp._version)
         self._used[p.device] = lane
 
     def _fresh(self, st: _Staging, p: Tensor, g: Tensor, param: bool) -> bool:
@@ -260,7 +263,9 @@ class OffloadPath:
         value of an fp32 ``p`` is ``p`` as it is now)."""
         if st.grad_src is None or st.grad_src[0]() is not g or st.grad_src[1] != g._version:
             return False
-        if param and p.dtype not in _LOW_PRECISION and st.param_src != (p.data_ptr(), p._version):
+        lp = local(p)
+        if param and p.dtype not in _LOW_PRECISION and \
+                st.param_src != (lp.data_ptr(), lp._version):
             return False
         return True
 
@@ -300,7 +305,7 @@ class OffloadPath:
         on the current stream from now on (on the device: the host does not wait) runs after
         it, so anything that reads ``p`` later in the step sees the update."""
         st = self._staging[p]
-        st.upload_event = st.lane.copy(p.detach().view(-1)[a:b], st.param[a:b])
+        st.upload_event = st.lane.copy(local(p).detach().view(-1)[a:b], st.param[a:b])
         st.lane.join()
         st.updated = True
         self._used[p.device] = st.lane

@@ -11,6 +11,11 @@ stores, a fresh copy through the pipeline's RAM budget on disk stores), so holdi
 costs no memory. Assigning a tensor writes it into the store; assigning ``"step"`` sets the
 step count.
 
+For a DTensor parameter (FSDP2) a state reads as a DTensor with the parameter's mesh and
+placements over the rank's local state, as torch's optimizers keep them, so DCP's
+``get_optimizer_state_dict`` and resharding see the layout; assigning takes the local part of
+a DTensor or of a tensor of the parameter's global shape.
+
 The entries are ``Mapping`` objects, not ``dict``: code that copies every ``dict`` entry of an
 optimizer's state to a device (Lightning's ``_optimizer_to_device``) leaves them alone instead
 of reading every state into memory.
@@ -27,6 +32,7 @@ from torch import Tensor
 
 from .._types import StateKey
 from ..errors import StateStoreError, StateStoreValueError
+from ._dtensor import as_param_layout, local_state
 from ._metadata import STATE_NAMES
 from ._table import ParamTable
 
@@ -75,7 +81,8 @@ class ParamState(MutableMapping):
                 raise KeyError(name) from None
         if name not in self:
             raise KeyError(name)
-        return self._store().get(StateKey(self._key, name))
+        # a DTensor parameter's state: a DTensor of its layout over the local shard's state
+        return as_param_layout(self._p, self._store().get(StateKey(self._key, name)))
 
     def __setitem__(self, name: str, value: Any) -> None:
         key = self._key
@@ -97,11 +104,12 @@ class ParamState(MutableMapping):
                 f"{tuple(self._p.shape)}, got "
                 f"{tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__}")
         store, sk = self._store(), StateKey(key, name)
+        value = local_state(self._p, key, name, value)     # DTensor parameters: the local part
         self._table.next_plans.clear()             # the set of states may change: plan afresh
         if sk in store:
             store.put(sk, value.detach())
         else:
-            store.create(sk, tuple(self._p.shape), torch.float32, value.detach().float())
+            store.create(sk, tuple(value.shape), torch.float32, value.detach().float())
 
     def __delitem__(self, name: str) -> None:
         if name == "step":

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from .._signals import deferred_signals
 from ..errors import StateStoreError
+from ._dtensor import region_of
 
 __all__ = ["ParamTable", "StepUndo", "failed_message", "index_keys", "assign_stores",
            "offload_store"]
@@ -174,7 +175,7 @@ def assign_stores(table: ParamTable, state_store, owns: Callable[[Tensor], bool]
     """Give each parameter this rank keeps and that has no store yet its store:
     ``state_store``, or where None a :class:`~statestore.DeviceStore` on the parameter's
     device (created here, one per device, and appended to ``owned``: the optimizer closes
-    them)."""
+    them). The store of a DTensor parameter's local shard records its region."""
     default: Dict[torch.device, object] = {}
     stores = table.stores
     for p in table.params:
@@ -182,12 +183,15 @@ def assign_stores(table: ParamTable, state_store, owns: Callable[[Tensor], bool]
             continue
         if state_store is not None:
             stores[p] = state_store
-            continue
-        if p.device not in default:
-            from ..backends.device import DeviceStore
-            default[p.device] = DeviceStore(p.device)
-            owned.append(default[p.device])
-        stores[p] = default[p.device]
+        else:
+            if p.device not in default:
+                from ..backends.device import DeviceStore
+                default[p.device] = DeviceStore(p.device)
+                owned.append(default[p.device])
+            stores[p] = default[p.device]
+        region = region_of(p)
+        if region is not None:
+            stores[p].record_regions({table.keys[p]: region})
 
 
 def offload_store(fraction: float, directory: Optional[str]):

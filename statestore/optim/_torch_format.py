@@ -20,6 +20,7 @@ from .._types import StateKey
 from ..errors import CheckpointError, CheckpointMismatchError
 from ..offload._seam import param_value
 from ._args import is_real, validate_hyper
+from ._dtensor import as_param_layout, local, local_state
 from ._metadata import ALL_STATE_NAMES, MismatchReport, saved_group_hyper, short_names, state_names
 from ._moments import SCALE_OF, MomentFormat, export_fp32
 from ._table import ParamTable
@@ -37,14 +38,13 @@ LoadPlan = List[Tuple[Tensor, str, Any, List[Tuple[str, Tensor]], int]]
 
 def torch_group(group: Dict[str, Any], ids: List[int]) -> Dict[str, Any]:
     """``group`` (an optimizer's param group or a metadata group) in torch's format, its
-    parameters as ``ids``: every key but ``params``, ``betas`` as a tuple, ``adamw_mode`` also
-    as torch's ``decoupled_weight_decay``, and torch's switches where missing."""
+    parameters as ``ids``: every key but ``params``, ``betas`` as a tuple, ``adamw_mode`` as
+    torch's ``decoupled_weight_decay`` (only: a group with exactly torch's keys is what
+    ``torch.distributed.checkpoint`` needs to load torch's optimizer checkpoints into ours and
+    ours into torch's), and torch's switches where missing."""
     ng = {k: v for k, v in group.items() if k not in ("params", "adamw_mode")}
     ng["betas"] = tuple(group.get("betas", (0.9, 0.999)))
-    adamw = bool(group.get("adamw_mode", True))
-    ng["decoupled_weight_decay"] = adamw
-    if "adamw_mode" in group:
-        ng["adamw_mode"] = adamw
+    ng["decoupled_weight_decay"] = bool(group.get("adamw_mode", True))
     for k, v in _TORCH_GROUP_DEFAULTS:
         ng.setdefault(k, v)
     ng["params"] = ids
@@ -77,7 +77,8 @@ def export_state_dict(param_groups: List[dict], table: ParamTable,
         tensors = _export_states(store, [StateKey(keys[p], n) for p in ps for n in plain
                                          if StateKey(keys[p], n) in store])
         if fmt.compressed:      # decoded to fp32: torch's format
-            tensors.update(export_fp32(store, fmt, [(keys[p], tuple(p.shape)) for p in ps]))
+            tensors.update(export_fp32(store, fmt, [(keys[p], tuple(local(p).shape))
+                                                    for p in ps]))
         for p in ps:
             k = keys[p]
             if k not in steps:
@@ -86,7 +87,7 @@ def export_state_dict(param_groups: List[dict], table: ParamTable,
             for n in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master"):
                 t = tensors.get(StateKey(k, n))
                 if t is not None:
-                    entry[n] = t
+                    entry[n] = as_param_layout(p, t)      # DTensor parameters: DTensors
             state[index[p]] = entry
     return {"state": state, "param_groups": groups}
 
@@ -190,7 +191,8 @@ def _match_ids(saved_groups, saved_ids, param_groups: List[dict],
 
 def _read_entries(p: Tensor, key: str, st: Dict[str, Any],
                   group: dict) -> List[Tuple[str, Tensor]]:
-    """The states of parameter ``p`` in ``st`` (a missing ``master`` is the parameter)."""
+    """The states of parameter ``p`` in ``st`` (a missing ``master`` is the parameter); a
+    DTensor parameter's are the local parts (:func:`statestore.optim._dtensor.local_state`)."""
     names = state_names(p, group)
     for n in names:
         if n != "master" and n not in st:
@@ -210,7 +212,7 @@ def _read_entries(p: Tensor, key: str, st: Dict[str, Any],
         if tuple(src.shape) != tuple(p.shape):
             raise ValueError(f"state {n!r} of parameter {key!r} has shape "
                              f"{tuple(src.shape)}, parameter has {tuple(p.shape)}")
-        entries.append((n, src))
+        entries.append((n, local_state(p, key, n, src)))
     return entries
 
 
@@ -241,7 +243,7 @@ def write_states(param_groups: List[dict], new_hyper: List[Dict[str, Any]], plan
             enc = fmt.from_fp32(n, src) \
                 if fmt.compressed and n in SCALE_OF else {n: src.detach().float().cpu()}
             for sn, t in enc.items():
-                shape, dtype = fmt.spec(sn, tuple(p.shape))
+                shape, dtype = fmt.spec(sn, tuple(local(p).shape))
                 t = t.reshape(shape)
                 new.append((StateKey(key, sn), shape, dtype,
                             t if store.device.type == "cpu" else t.to(store.device)))

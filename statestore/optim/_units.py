@@ -17,6 +17,7 @@ from ..kernels import adam_step
 from ..kernels._moments import adam_step_moments
 from ..offload._seam import is_offloaded, param_value
 from ..pipeline import plan_units
+from ._dtensor import local, local_grad
 from ._metadata import state_names
 
 __all__ = ["collect_work", "work_of", "plan_step", "ensure_states", "checked_grad", "UnitTensors", "Entry"]
@@ -75,7 +76,7 @@ def plan_step(store, items, keys: Dict[Tensor, str], fmt,
         itemsize = 1 if fmt.compressed else 4
         groups_ = [[None] * fmt.unit_itemsize(ns)[1] for ns in names] if fmt.compressed \
             else skeys
-        plan = plan_units(groups_, [p.numel() for p in ps], itemsize, store.unit_bytes,
+        plan = plan_units(groups_, [local(p).numel() for p in ps], itemsize, store.unit_bytes,
                           align, slice_round=store.alignment)
         for unit in plan:
             rank = max(order.get(ps[i], last) for i, _, _ in unit) if order else 0
@@ -89,10 +90,12 @@ def plan_step(store, items, keys: Dict[Tensor, str], fmt,
 def ensure_states(store, params: Sequence[Tensor], keys: Dict[Tensor, str],
                   group_of: Dict[Tensor, dict], fmt) -> None:
     """Create, zero-filled, the states of ``params`` that ``store`` does not hold yet; a
-    ``master`` starts as the parameter's value."""
+    ``master`` starts as the parameter's value. A DTensor parameter's states are its local
+    shard's."""
     entries, later = [], []
     for p in params:
         key = keys[p]
+        lp = local(p)
         for name in fmt.stored_names(state_names(p, group_of[p])):
             sk = StateKey(key, name)
             if sk in store:
@@ -103,8 +106,8 @@ def ensure_states(store, params: Sequence[Tensor], keys: Dict[Tensor, str],
             else:
                 # the parameter itself: the store converts it a chunk at a time (a whole
                 # fp32 copy of every parameter would come before the first step)
-                init = p.detach() if name == "master" else None
-            entries.append((sk, *fmt.spec(name, tuple(p.shape)), init))
+                init = lp.detach() if name == "master" else None
+            entries.append((sk, *fmt.spec(name, tuple(lp.shape)), init))
     if entries:
         store.create_many(entries)
     for sk, p in later:
@@ -113,7 +116,7 @@ def ensure_states(store, params: Sequence[Tensor], keys: Dict[Tensor, str],
 
 def checked_grad(p: Tensor, key: str, owner: str) -> Tensor:
     """``p.grad``, contiguous, after checking it fits ``p`` (``owner``: the optimizer's class
-    name, for messages).
+    name, for messages); a DTensor parameter's is the local shard of its gradient.
 
     Raises:
         RuntimeError: a sparse gradient.
@@ -123,6 +126,7 @@ def checked_grad(p: Tensor, key: str, owner: str) -> Tensor:
     g = p.grad
     if g.is_sparse:
         raise RuntimeError(f"{owner} does not support sparse gradients (parameter {key!r})")
+    g, p = local_grad(p, g), local(p)
     if g.device != p.device:
         raise StateStoreValueError(f"parameter {key!r} is on {p.device} but its "
                                    f"gradient is on {g.device}")
@@ -165,18 +169,19 @@ class UnitTensors:
         for p, a, b, names in entries:
             st = dict(zip(names, tensors[pos:pos + len(names)]))
             pos += len(names)
-            whole = a == 0 and b == p.numel()        # the common case: no slicing
-            pflat = p.view(-1) if p.is_contiguous() else None
+            lp = local(p)                            # a DTensor's local shard
+            whole = a == 0 and b == lp.numel()       # the common case: no slicing
+            pflat = lp.view(-1) if lp.is_contiguous() else None
             if off is not None and off.handles(p):
                 # CUDA parameter, host states: page-locked staging, side stream (docs/gpu.md)
                 g = off.grad_host(p, grads[p])[a:b]
                 w = off.param_host(p)[a:b]
                 uploads.append((p, a, b))
             else:
-                if pflat is None or p.device != dev:
-                    src = p.detach().reshape(-1)[a:b]
+                if pflat is None or lp.device != dev:
+                    src = lp.detach().reshape(-1)[a:b]
                     w = src.to(dev, copy=True)
-                    writeback.append((p, a, b, w))
+                    writeback.append((lp, a, b, w))
                 else:
                     w = pflat if whole else pflat[a:b]
                 g = grads[p].view(-1) if whole else grads[p].view(-1)[a:b]

@@ -24,10 +24,10 @@ import torch
 from torch import Tensor
 
 from ..errors import StateStoreError, StateStoreValueError
-from ..kernels import grads_finite
 from ..offload._seam import update_begin, update_end
 from ..store import StateStore
 from ._args import check_arguments, check_params, grad_scale_of, validate_hyper
+from ._dtensor import DTensorParams
 from ._in_backward import BackwardStepper, backward_hook
 from ._metadata import OPTIMIZER_METADATA_VERSION, metadata_source, resume
 from ._moments import MomentFormat
@@ -66,7 +66,8 @@ class _StoreAdam(torch.optim.Optimizer):
     """Adam/AdamW over a state store. Use :class:`CPUAdam` or :class:`HybridAdam`.
 
     Args:
-        params: parameters, ``named_parameters()`` pairs, or param-group dicts (as torch).
+        params: parameters, ``named_parameters()`` pairs, or param-group dicts (as torch);
+            DTensors of ``fully_shard`` (FSDP2) too (``docs/distributed.md``, "FSDP2").
         lr, betas, eps, weight_decay, amsgrad: as ``torch.optim.AdamW``; defaults are
             ColossalAI's (``weight_decay=0.0``; torch's AdamW defaults to 0.01).
         adamw_mode: True: decoupled weight decay (``AdamW``); False: L2 (``Adam``).
@@ -150,6 +151,8 @@ class _StoreAdam(torch.optim.Optimizer):
             table.keys, table.params, table.stores, table.steps)
         table.set_keys(*index_keys(self.param_groups))
         check_params(self._params, self._keys)
+        #: DTensor parameters (FSDP2): updates on local shards, DTensor states (_dtensor.py)
+        self._dtensors = DTensorParams(self._params, self._keys, process_group)
         self.process_group = process_group
         self._sharding: Optional[Sharding] = None
         if process_group is not None:
@@ -166,7 +169,7 @@ class _StoreAdam(torch.optim.Optimizer):
         for store in attached:
             resume(store, table, self.param_groups, self._moments,
                    sharded=self._sharding is not None)
-            store.attach_metadata(self._metadata_source(), process_group=self.process_group,
+            store.attach_metadata(self._metadata_source(), process_group=self._dtensors.group,
                                   on_load=self._store_loaded)
         self._prefetching: "weakref.WeakSet[StateStore]" = weakref.WeakSet()
         #: update_in_backward: the step made during backward (_in_backward.py)
@@ -240,6 +243,7 @@ class _StoreAdam(torch.optim.Optimizer):
                                           "construction)")
                 table.set_keys(*index_keys(self.param_groups))
                 check_params(self._params, self._keys)
+                dtensors = DTensorParams(self._params, self._keys, group=self._dtensors.group)
                 assign_stores(table, self.state_store, self._owns, self._owned_stores)
         except BaseException:
             del self.param_groups[n_groups:]
@@ -250,6 +254,7 @@ class _StoreAdam(torch.optim.Optimizer):
             raise
         if table is not None:
             added = self.param_groups[-1]["params"]
+            self._dtensors = dtensors
             self._offload = attach_offload_path(self._offload, self, added, self._stores)
             self._register_pump_hooks(added)
 
@@ -284,7 +289,7 @@ class _StoreAdam(torch.optim.Optimizer):
         self._prefetching.discard(store)
         resume(store, self._table, self.param_groups, self._moments,
                sharded=self._sharding is not None, loaded=True)
-        store.attach_metadata(self._metadata_source(), process_group=self.process_group,
+        store.attach_metadata(self._metadata_source(), process_group=self._dtensors.group,
                               on_load=self._store_loaded)
 
     def _metadata(self) -> dict:
@@ -345,10 +350,10 @@ class _StoreAdam(torch.optim.Optimizer):
         if not grads and not released:
             return loss
         if self._sharding is not None:
-            self._allreduce_grads(grads)
+            self._sharding.allreduce_grads(self._params, grads)
             work = {st: [(g, [p for p in ps if self._owns(p)]) for g, ps in items]
                     for st, items in work.items()}
-        if self.skip_nonfinite and not grads_finite(list(grads.values())):
+        if self.skip_nonfinite and not self._dtensors.all_finite(list(grads.values())):
             return loss
         grad_scale = 1.0 if scale is None else scale
         group_of = {p: g for g in self.param_groups for p in g["params"]}
@@ -381,7 +386,7 @@ class _StoreAdam(torch.optim.Optimizer):
         if self._sharding is not None:
             for store in work:
                 store.sync()
-            self._broadcast_params([p for p in self._params if p in grads])
+            self._sharding.broadcast_params([p for p in self._params if p in grads])
         return loss
 
     def _unplanned_work(self, params: Sequence[Tensor]) -> Dict[StateStore, list]:
@@ -397,12 +402,6 @@ class _StoreAdam(torch.optim.Optimizer):
             ensure_states(store, [p for _, ps in items for p in ps], self._keys, group_of,
                           self._moments)
         return work
-
-    def _allreduce_grads(self, grads: Dict[Tensor, Tensor]) -> None:
-        self._sharding.allreduce_grads(self._params, grads)
-
-    def _broadcast_params(self, params: List[Tensor]) -> None:
-        self._sharding.broadcast_params(params)
 
     def _plan(self, store: StateStore, items, order: Optional[Dict[Tensor, int]] = None):
         return plan_step(store, items, self._keys, self._moments, order)

@@ -1,0 +1,236 @@
+"""DTensor parameters (FSDP2's ``fully_shard``, or any DTensor on a 1-D mesh): the local
+tensor an update runs on, the region of its parameter it is, and the DTensor views of its
+states that ``optimizer.state`` and ``state_dict()`` give (``docs/distributed.md``, "FSDP2").
+
+An optimizer keeps the user's parameters (DTensors) in its groups, as torch's do, so that
+``torch.distributed.checkpoint`` maps them to their names. Everything that touches data goes
+through :func:`local`: the update runs on each rank's local shard with statestore's kernels,
+no DTensor dispatch in the step; the states are the shard's, in the rank's store, keyed by the
+parameter's name, of the shard's shape. :class:`DTensorParams` checks the placements once and
+gives the regions (:class:`statestore._regions.Region`) the store records and the process
+group its checkpoints are collective over; :func:`as_param_layout` wraps a local state as a
+DTensor of the parameter's mesh and placements, and :func:`local_state` takes the local part
+of a state given in torch's format (a DTensor of any placements, or a whole tensor).
+
+Supported: a 1-D mesh with ``Shard(d)`` (any ``d``, uneven and empty shards included) or
+``Replicate()``. Refused, naming the parameter and its placements: meshes of more than one
+dimension (HSDP, FSDP with tensor parallelism), ``Partial`` and strided shards.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Dict, List, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from .._regions import Region, chunk_region
+from ..errors import StateStoreError, StateStoreValueError
+
+__all__ = ["is_dtensor", "local", "local_grad", "DTensorParams", "as_param_layout",
+           "local_state", "region_of"]
+
+
+def _dtensor_type():
+    """torch's DTensor class, or None while ``torch.distributed.tensor`` is not imported (no
+    DTensor can exist then, and importing it costs a fraction of a second)."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return getattr(mod, "DTensor", None) if mod is not None else None
+
+
+def is_dtensor(t) -> bool:
+    cls = _dtensor_type()
+    return cls is not None and isinstance(t, cls)
+
+
+def local(p: Tensor) -> Tensor:
+    """The tensor an update of ``p`` runs on: a DTensor's local shard (sharing its storage),
+    else ``p`` itself."""
+    if is_dtensor(p):
+        with torch.no_grad():
+            return p.to_local()
+    return p
+
+
+def local_grad(p: Tensor, g: Tensor) -> Tensor:
+    """The local part of ``p``'s gradient ``g``: a DTensor gradient is brought to ``p``'s
+    placements first if it has others (e.g. ``Partial`` after a tensor-parallel backward; a
+    collective, outside the hot path)."""
+    if not is_dtensor(g):
+        return g
+    if is_dtensor(p) and tuple(g.placements) != tuple(p.placements):
+        g = g.redistribute(p.device_mesh, p.placements)
+    with torch.no_grad():
+        return g.to_local()
+
+
+def region_of(p: Tensor) -> Optional[Region]:
+    """The region of ``p``'s global tensor its local shard holds (None: the whole tensor,
+    or not a DTensor). ``Shard(d)`` on a 1-D mesh: :func:`statestore._regions.chunk_region`
+    at the rank's coordinate (checked against the local tensor's shape)."""
+    if not is_dtensor(p):
+        return None
+    from torch.distributed.tensor import Shard
+    pl = p.placements[0]
+    if type(pl) is not Shard:
+        return None
+    mesh = p.device_mesh
+    r = chunk_region(p.shape, pl.dim, mesh.get_local_rank(), mesh.size())
+    if tuple(local(p).shape) != r.shape:
+        raise StateStoreError(f"DTensor parameter of shape {tuple(p.shape)} placed {pl}: its "
+                              f"local shard has shape {tuple(local(p).shape)}, not the "
+                              f"{r.shape} torch.chunk gives this rank")
+    return None if r.is_whole else r
+
+
+def _placement_problem(p: Tensor) -> Optional[str]:
+    from torch.distributed.tensor import Replicate, Shard
+    mesh = p.device_mesh
+    if mesh.ndim != 1:
+        return (f"a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)} with placements "
+                f"{tuple(p.placements)}")
+    pl = p.placements[0]
+    if type(pl) in (Shard, Replicate):
+        return None
+    return f"a 1-D mesh with placement {pl!r}"
+
+
+_UNSET = object()
+
+
+class DTensorParams:
+    """The DTensor parameters of one optimizer, checked.
+
+    Args:
+        params: every parameter of the optimizer.
+        keys: each parameter's key.
+        process_group: the optimizer's ``process_group`` (data-parallel sharding of whole
+            parameters), refused with DTensor parameters.
+        group: for ``add_param_group``: the group the optimizer's stores save over, which
+            the parameters must keep.
+
+    Attributes:
+        group: the group the optimizer's stores save collectively over: ``process_group``,
+            else the process group of the parameters' mesh when one of them is sharded over
+            more than one rank, else None.
+
+    Raises:
+        StateStoreValueError: a DTensor parameter on a mesh of more than one dimension, or
+            with a placement other than ``Shard(d)``/``Replicate()``; DTensor parameters on
+            meshes of different process groups; DTensor parameters with a
+            ``process_group``; parameters added on another mesh than ``group``.
+    """
+
+    def __init__(self, params: Sequence[Tensor], keys: Dict[Tensor, str], process_group=None,
+                 group=_UNSET):
+        self.params: List[Tensor] = [p for p in params if is_dtensor(p)]
+        self.keys = keys
+        self.group = process_group
+        if self.params and process_group is not None:
+            raise StateStoreValueError(
+                f"process_group shards whole parameters over a group (data parallel), and "
+                f"parameter {keys[self.params[0]]!r} is a DTensor, already sharded (FSDP2): "
+                f"leave process_group out (the store's checkpoints are collective over the "
+                f"parameters' mesh)")
+        groups = []
+        for p in self.params:
+            problem = _placement_problem(p)
+            if problem is not None:
+                raise StateStoreValueError(
+                    f"parameter {keys[p]!r} is a DTensor on {problem}: statestore optimizers "
+                    f"take DTensor parameters sharded (Shard(d)) or replicated (Replicate()) "
+                    f"over a 1-D mesh, as FSDP2's fully_shard makes them; meshes of several "
+                    f"dimensions (HSDP, FSDP with tensor parallelism) and Partial or strided "
+                    f"placements are not supported")
+            groups.append(p.device_mesh.get_group())
+        if any(g is not groups[0] for g in groups):
+            raise StateStoreValueError(
+                "the optimizer's DTensor parameters are on meshes of different process groups; "
+                "give each mesh's parameters their own optimizer (each store saves over one "
+                "group)")
+        if self.params and max(p.device_mesh.size() for p in self.params) > 1:
+            self.group = groups[0]
+        if group is not _UNSET and self.group is not group:
+            raise StateStoreValueError(
+                "add_param_group: the new parameters would make the optimizer's checkpoints "
+                "collective over another process group than its stores save over; build the "
+                "optimizer with every DTensor parameter of one mesh from the start")
+
+    def __bool__(self) -> bool:
+        return bool(self.params)
+
+    def regions(self, among: Optional[Sequence[Tensor]] = None) -> Dict[str, Region]:
+        """``{key: region}`` of the parameters (of ``among``) whose shard is not the whole
+        tensor."""
+        out = {}
+        for p in self.params if among is None else [p for p in among if is_dtensor(p)]:
+            r = region_of(p)
+            if r is not None:
+                out[self.keys[p]] = r
+        return out
+
+    def all_finite(self, grads: List[Tensor]) -> bool:
+        """Whether ``grads`` (this rank's local gradients) and every other rank's of the
+        parameters' mesh are finite (so that ``skip_nonfinite`` skips a step on every rank
+        or on none)."""
+        from ..kernels import grads_finite
+        finite = grads_finite(grads)
+        if not self.params or self.group is None:
+            return finite
+        import torch.distributed as dist
+        flag = torch.tensor([1 if finite else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(flag.item())
+
+
+def as_param_layout(p: Tensor, t: Tensor) -> Tensor:
+    """A state ``t`` of ``p``'s local shard as torch's optimizers keep states of DTensor
+    parameters: a DTensor of ``p``'s mesh, placements and global shape (sharing ``t``'s
+    storage); ``t`` itself when ``p`` is not a DTensor."""
+    if not is_dtensor(p):
+        return t
+    from torch.distributed.tensor import DTensor
+    return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False,
+                              shape=p.shape, stride=_contiguous_strides(p.shape))
+
+
+def _contiguous_strides(shape) -> tuple:
+    out, acc = [], 1
+    for s in reversed(tuple(shape)):
+        out.append(acc)
+        acc *= s
+    return tuple(reversed(out))
+
+
+def local_state(p: Tensor, key: str, name: str, t: Tensor) -> Tensor:
+    """The part of state ``name`` (given in torch's format: a DTensor, or a tensor of the
+    whole parameter's shape) that ``p``'s local shard keeps.
+
+    Raises:
+        StateStoreValueError: a DTensor state on another mesh than ``p``'s.
+    """
+    if not is_dtensor(p):
+        if is_dtensor(t):
+            return t.full_tensor()
+        return t
+    if is_dtensor(t):
+        if t.device_mesh != p.device_mesh:
+            raise StateStoreValueError(f"state {name!r} of parameter {key!r} is a DTensor on "
+                                       f"mesh {t.device_mesh}, the parameter's is "
+                                       f"{p.device_mesh}")
+        if tuple(t.placements) != tuple(p.placements):
+            t = t.redistribute(p.device_mesh, p.placements)
+        with torch.no_grad():
+            return t.to_local()
+    r = region_of(p)
+    if r is None:
+        return t
+    return t[tuple(slice(o, o + n) for o, n in zip(r.offsets, r.shape))]
+
+
+def check_no_dtensor(params: Sequence[Tensor], keys: Dict[Tensor, str], what: str) -> None:
+    """Refuse ``what`` (an argument combination) for DTensor parameters."""
+    for p in params:
+        if is_dtensor(p):
+            raise StateStoreError(f"{what} with DTensor parameters (parameter {keys[p]!r}): "
+                                  f"FSDP2 already shards them")
