@@ -190,3 +190,18 @@ def test_fsdp2_train_save_and_resume_at_1_2_3(tmp_path):
                    f"{path}/manifest.parquet")
     with pytest.raises(CheckpointCorruptError, match="'l0.weight/exp_avg': region .* overlaps"):
         read_manifest(path)
+
+
+def test_param_groups_replaced_from_outside_are_refused():
+    """DeepSpeed's ZeRO-1/2 (and its fp16/bf16 wrappers) put flat partitions of their own in
+    a client optimizer's ``param_groups`` and step it on them: a statestore optimizer, whose
+    states are per parameter and by name, says so at that step instead of a KeyError."""
+    from statestore.optim import HybridAdam
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = HybridAdam([("w", p)])
+    flat = torch.zeros(4, requires_grad=True)
+    flat.grad = torch.ones(4)
+    opt.param_groups[0]["params"] = [flat]
+    with pytest.raises(ss.StateStoreError, match=r"param_groups\[0\]\['params'\] holds tensors "
+                                                 r"this optimizer was not given.*DeepSpeed"):
+        opt.step()

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from .._types import Slice, StateKey
-from ..errors import StateStoreValueError
+from ..errors import StateStoreError, StateStoreValueError
 from ..kernels import adam_step
 from ..kernels._moments import adam_step_moments
 from ..offload._seam import is_offloaded, param_value
@@ -33,7 +33,21 @@ def collect_work(param_groups: Sequence[dict], keys: Dict[Tensor, str],
     """What a step updates: ``{store: [(group, params)]}`` over the parameters with a
     gradient whose states this rank keeps (``owns``), plus those whose gradient backward
     applied and ``released``; and every parameter's gradient (checked:
-    :func:`checked_grad`, ``owner`` naming the optimizer)."""
+    :func:`checked_grad`, ``owner`` naming the optimizer).
+
+    Raises:
+        StateStoreError: a group holds tensors the optimizer was not given (its ``params``
+            replaced from outside, as DeepSpeed's ZeRO-1/2 and fp16 wrappers do).
+    """
+    for i, group in enumerate(param_groups):
+        if any(p not in keys for p in group["params"]):
+            raise StateStoreError(
+                f"{owner}: param_groups[{i}]['params'] holds tensors this optimizer was not "
+                f"given: they were replaced from outside (DeepSpeed's ZeRO stages 1-2 and its "
+                f"fp16/bf16 wrappers step a client optimizer on flat partitions of their own). "
+                f"A statestore optimizer keeps states per parameter, by name: use it without "
+                f"such a wrapper (FSDP2, or process_group=), or DeepSpeed's own offload "
+                f"(docs/distributed.md, \"DeepSpeed\")")
     grads: Dict[Tensor, Tensor] = {p: checked_grad(p, keys[p], owner)
                                    for group in param_groups for p in group["params"]
                                    if p.grad is not None}
