@@ -1,4 +1,4 @@
-"""Builds statestore's C++ extensions with torch's cpp_extension.
+"""Builds statestore's C++ extensions against the installed torch (torch.utils.cpp_extension).
 
 Two extensions, built independently so that a failure in one never removes the other:
 
@@ -8,20 +8,51 @@ Two extensions, built independently so that a failure in one never removes the o
   compiled in when Debian's liburing-dev / libaio-dev are installed, the thread-pool engine
   always.
 
-``STATESTORE_EXT=adam`` (or ``io``) builds only that extension, for quick iteration
-(``STATESTORE_EXT=io python setup.py build_ext --inplace``).
+Each extension records the torch (and CUDA) it was compiled against (``csrc/build_info.cpp``);
+``import statestore`` reads that record before loading anything and refuses a build for another
+torch with one error that names both versions and the rebuild command. The package's run-time
+requirement is the same torch release (``torch==X.Y.Z``), so pip never pairs a wheel with
+another torch. Build against your own torch with ``pip install --no-build-isolation .``: with
+build isolation pip builds against the ``torch`` of pyproject.toml's ``build-system.requires``
+in a temporary environment, and this script stops when the environment being installed into
+already has another torch (installing would replace it).
 
-Set ``STATESTORE_NO_EXT=1`` to install the pure-Python package only (the optimizers then use
-the vectorized torch path and warn once).
+Environment:
+
+* ``STATESTORE_EXT=adam`` (or ``io``) builds only that extension, for quick iteration
+  (``STATESTORE_EXT=io python setup.py build_ext --inplace``).
+* ``STATESTORE_NO_EXT=1`` installs the pure-Python package only (the optimizers then use the
+  vectorized torch path and warn once; the requirement is then any ``torch>=2.1``).
+* ``STATESTORE_NO_CUDA=1`` builds the CPU kernels only, even where nvcc is found.
+* ``STATESTORE_DEBUG=1`` keeps debug information (``-g``) and symbols; release builds (the
+  default) have neither.
+* ``MAX_JOBS=N``: parallel compile jobs (torch's setting; default: ninja's, cores + 2).
 """
 import glob
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 from setuptools import setup
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEBUG = os.environ.get("STATESTORE_DEBUG") == "1"
+
+
+def _say(msg):
+    print(f"statestore build: {msg}", file=sys.stderr, flush=True)
+
+
+def _fail(msg):
+    _say(f"FAILED: {msg}")
+    sys.exit(1)
+
+
+def _public(version):
+    """'2.13.0+cpu' -> '2.13.0' (the release, without a local label)."""
+    return version.split("+")[0]
 
 
 def _has_lib(header, lib):
@@ -36,17 +67,67 @@ def _has_lib(header, lib):
         return r.returncode == 0
 
 
+def _check_isolated_torch(torch):
+    """Under pip's build isolation the torch imported here is the temporary environment's.
+    When the environment pip installs into (the interpreter running this script, without
+    pip's overlay) has another torch release, stop: the wheel would require the build's
+    torch and pip would replace the user's."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONNOUSERSITE")}
+    r = subprocess.run([sys.executable, "-c", "import torch, os; "
+                        "print(torch.__version__, os.path.realpath(torch.__file__))"],
+                       env=env, cwd=tempfile.gettempdir(), capture_output=True, text=True)
+    if r.returncode != 0 or not r.stdout.strip():
+        return  # no torch there: pip installs the one the build used
+    theirs, where = r.stdout.split(maxsplit=1)
+    if os.path.realpath(torch.__file__) == where.strip():
+        return  # the same torch: no isolation
+    if _public(theirs) != _public(torch.__version__):
+        _fail(f"this environment has torch {theirs}, but pip's isolated build environment has "
+              f"torch {torch.__version__}; extensions built there would need torch=="
+              f"{_public(torch.__version__)} and pip would replace yours. Build against your "
+              f"torch instead: pip install --no-build-isolation <this directory> "
+              f"(with setuptools and ninja installed: pip install setuptools ninja)")
+    _say(f"building in pip's isolated environment against its torch {torch.__version__} "
+         f"(yours: {theirs}, the same release); --no-build-isolation uses yours directly")
+
+
+def _find_ninja():
+    """torch's BuildExtension runs `ninja` from PATH; a venv's ninja (pip install ninja) is
+    not on PATH when the venv is not activated: put the interpreter's bin directory first."""
+    bindir = os.path.dirname(sys.executable)
+    if os.path.exists(os.path.join(bindir, "ninja")):
+        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+    from shutil import which
+    return which("ninja")
+
+
 def _extensions():
     if os.environ.get("STATESTORE_NO_EXT") == "1":
-        return [], {}
-    import torch
-    from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension, CUDA_HOME
+        _say("STATESTORE_NO_EXT=1: no C++ extensions (the pure-Python package)")
+        return [], {}, "torch>=2.1"
+    try:
+        import torch
+        from torch.utils.cpp_extension import (BuildExtension, CppExtension, CUDAExtension,
+                                               CUDA_HOME)
+    except ImportError as e:
+        _fail(f"torch is not importable ({e}): statestore compiles its extensions against the "
+              f"installed torch. Install torch first (pip install torch), then pip install "
+              f"--no-build-isolation <this directory>; or STATESTORE_NO_EXT=1 for the "
+              f"pure-Python package")
+    _check_isolated_torch(torch)
 
-    here = os.path.dirname(os.path.abspath(__file__))
-    csrc = os.path.join(here, "csrc")
-    cxx = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno"]
+    csrc = os.path.join(HERE, "csrc")
+    # Release: no debug information (-g0 overrides the -g of Python's own CFLAGS), stripped
+    # at link (-s). The heavy part of each binding file is torch's headers: the bindings
+    # include only the ones they use.
+    debug = ["-g"] if DEBUG else ["-g0"]
+    link = [] if DEBUG else ["-s"]
+    # -fvisibility=hidden: only PyInit_* is exported (pybind11's advice; no visibility warnings)
+    cxx = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno", "-fvisibility=hidden"] + debug
     exts = []
     only = os.environ.get("STATESTORE_EXT", "")
+    # what each extension was compiled against, read back before import (_build_check.py)
+    info_src = [os.path.join("csrc", "build_info.cpp")]
 
     adam_src = sorted(glob.glob(os.path.join("csrc", "adam", "*.cpp")))
     cuda_src = sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
@@ -56,17 +137,19 @@ def _extensions():
         # -ffp-contract=off: the kernels fuse multiply-adds only where csrc/adam_math.h says
         # so, so that SIMD bodies and scalar tails give the same bits.
         adam_cxx = cxx + ["-ffp-contract=off"]
-        common = dict(include_dirs=[csrc], extra_link_args=["-fopenmp"])
+        common = dict(include_dirs=[csrc], extra_link_args=["-fopenmp"] + link)
         if want_cuda:
             cuda_bind = sorted(glob.glob(os.path.join("csrc", "cuda", "*.cpp")))
             exts.append(CUDAExtension(
-                "statestore._C_adam", adam_src + cuda_src + cuda_bind,
+                "statestore._C_adam", adam_src + cuda_src + cuda_bind + info_src,
                 define_macros=[("STATESTORE_WITH_CUDA", "1")],
                 # no --use_fast_math: it swaps IEEE sqrt/div for approximations
-                extra_compile_args={"cxx": adam_cxx, "nvcc": ["-O3", "-std=c++17", "--fmad=false"]},
+                extra_compile_args={"cxx": adam_cxx,
+                                    "nvcc": ["-O3", "-std=c++17", "--fmad=false"]
+                                    + (["-g"] if DEBUG else [])},
                 **common))
         else:
-            exts.append(CppExtension("statestore._C_adam", adam_src,
+            exts.append(CppExtension("statestore._C_adam", adam_src + info_src,
                                      extra_compile_args=adam_cxx, **common))
 
     io_src = sorted(glob.glob(os.path.join("csrc", "io", "*.cpp")))
@@ -76,17 +159,54 @@ def _extensions():
             macros.append(("STATESTORE_WITH_URING", "1"))
             libs.append("uring")
         else:
-            print("statestore: liburing not found, io_uring engine disabled", file=sys.stderr)
+            _say("liburing not found, io_uring engine disabled (apt-get install liburing-dev)")
         if _has_lib("libaio.h", "aio"):
             macros.append(("STATESTORE_WITH_AIO", "1"))
             libs.append("aio")
         else:
-            print("statestore: libaio not found, libaio engine disabled", file=sys.stderr)
-        exts.append(CppExtension("statestore._C_io", io_src, include_dirs=[csrc],
+            _say("libaio not found, libaio engine disabled (apt-get install libaio-dev)")
+        exts.append(CppExtension("statestore._C_io", io_src + info_src, include_dirs=[csrc],
                                  define_macros=macros, libraries=libs + ["pthread"],
-                                 extra_compile_args=["-O2", "-std=c++17"]))
-    return exts, {"build_ext": BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)}
+                                 extra_compile_args=["-O2", "-std=c++17",
+                                                     "-fvisibility=hidden"] + debug,
+                                 extra_link_args=link))
+
+    ninja = _find_ninja()
+    jobs = os.environ.get("MAX_JOBS") or f"ninja's default ({os.cpu_count()} cores + 2)"
+    cuda = (f"CPU and CUDA {torch.version.cuda} (nvcc in {CUDA_HOME})" if want_cuda
+            else "CPU only" + (f" (torch has CUDA {torch.version.cuda}, but no nvcc was found: "
+                               "set CUDA_HOME)" if torch.version.cuda and not CUDA_HOME else ""))
+    _say(f"torch {torch.__version__} ({os.path.dirname(torch.__file__)}), {cuda}; "
+         f"{'debug (-g, not stripped)' if DEBUG else 'release (no debug information, stripped)'}; "
+         + (f"ninja, {jobs} jobs" if ninja else
+            "ninja not found: one file at a time (pip install ninja builds in parallel)"))
+
+    class Build(BuildExtension):
+        """torch's BuildExtension, saying what it compiles and how long it took; each
+        extension in a build directory of its own (csrc/build_info.cpp is in both)."""
+
+        def build_extension(self, ext):
+            files = ", ".join(os.path.relpath(s, HERE) if os.path.isabs(s) else s
+                              for s in ext.sources)
+            _say(f"compiling {ext.name} ({len(ext.sources)} files: {files})")
+            base, t0 = self.build_temp, time.monotonic()
+            self.build_temp = os.path.join(base, ext.name.rsplit(".", 1)[-1])
+            try:
+                super().build_extension(ext)
+            finally:
+                self.build_temp = base
+            out = self.get_ext_fullpath(ext.name)
+            size = os.path.getsize(out) / 1e6 if os.path.exists(out) else 0.0
+            _say(f"{ext.name}: built in {time.monotonic() - t0:.0f} s ({size:.1f} MB)")
+
+    return (exts, {"build_ext": Build.with_options(use_ninja=ninja is not None)},
+            f"torch=={_public(torch.__version__)}")
 
 
-ext_modules, cmdclass = _extensions()
-setup(ext_modules=ext_modules, cmdclass=cmdclass)
+# pyproject.toml's run-time requirements are dynamic: torch (the release the extensions were
+# built against) and these (scripts/gpu_test.sh reads this list)
+REQUIRES = ["safetensors>=0.4", "fsspec>=2023.1", "pyarrow>=12", "tqdm>=4.60", "xxhash>=3",
+            "numpy"]
+
+ext_modules, cmdclass, torch_requirement = _extensions()
+setup(ext_modules=ext_modules, cmdclass=cmdclass, install_requires=[torch_requirement] + REQUIRES)

@@ -43,17 +43,17 @@ else
     say "installing torch==$TORCH_VERSION (CUDA build) into $VENV"
     "$PY" -m pip install -q --disable-pip-version-check ${idx[@]+"${idx[@]}"} "torch==$TORCH_VERSION"
   fi
-  # the package's own and its test dependencies, read from pyproject.toml; torch stays pinned
+  # the package's own (setup.py's REQUIRES) and its test dependencies (pyproject.toml); torch
+  # stays pinned
   mapfile -t deps < <("$PY" - <<'EOF'
-import re
-try:
-    import tomllib
-    p = tomllib.load(open("pyproject.toml", "rb"))["project"]
-    deps = p["dependencies"] + p["optional-dependencies"]["test"]
-except ImportError:             # Python 3.10: the two lists are simple enough to read
-    text = open("pyproject.toml").read()
-    deps = [d for block in re.findall(r"^(?:dependencies|test) = \[(.*?)\]", text, re.S | re.M)
-            for d in re.findall(r'"([^"]+)"', block)]
+import ast, re
+deps = []
+for node in ast.parse(open("setup.py").read()).body:
+    if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "REQUIRES":
+        deps += ast.literal_eval(node.value)
+text = open("pyproject.toml").read()
+block = re.search(r"^test = \[(.*?)\]", text, re.S | re.M).group(1)
+deps += re.findall(r'"([^"]+)"', block)
 for d in deps:
     if not d.replace(" ", "").startswith("torch"):
         print(d)

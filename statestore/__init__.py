@@ -11,7 +11,13 @@ Public API::
     from statestore.optim import CPUAdam, HybridAdam
     ss.offload_parameters(model, store, prefetch=2)                  # parameters in a store too
 """
-from ._types import Slice, StateKey, StateSpec
+# First, before anything loads a compiled extension: refuse ones built for another torch
+# (ExtensionMismatchError, naming both releases and the rebuild command).
+from ._build_check import check_extensions
+
+check_extensions()
+
+from ._types import Slice, StateKey, StateSpec  # noqa: E402
 from .backends import DeviceStore, FileStore, PinnedCPUStore, ResidentStore, StreamingStore
 from .errors import *  # noqa: F401,F403
 from .errors import __all__ as _errors_all

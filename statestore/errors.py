@@ -16,6 +16,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointCorruptError",
     "CheckpointMismatchError",
+    "ExtensionMismatchError",
 ]
 
 
@@ -62,3 +63,9 @@ class CheckpointCorruptError(CheckpointError):
 class CheckpointMismatchError(CheckpointError, ValueError):
     """A checkpoint does not match the parameters it is applied to; the message lists the
     differences."""
+
+
+class ExtensionMismatchError(StateStoreError, ImportError):
+    """statestore's compiled extensions were built against another torch (or CUDA) release
+    than the one installed, or carry no record of it; raised by ``import statestore`` before
+    anything is loaded. The message names both releases and the rebuild command."""

@@ -6,7 +6,8 @@
 // the op's name ("adam_") and name the argument and index at fault.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/List.h>
+#include <ATen/core/Tensor.h>
 
 #include <cmath>
 #include <cstddef>

@@ -6,8 +6,13 @@
 // elements); at::parallel_for hands each thread a contiguous run of chunks. The update is
 // elementwise with no reduction, and the SIMD body and the scalar tail compute the same bits,
 // so results do not depend on the number of threads.
-#include <torch/extension.h>
+// torch's headers are most of this file's compile time: only those used (not
+// <torch/extension.h>, the whole C++ frontend).
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/isfinite.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <atomic>

@@ -10,7 +10,11 @@
 #include <system_error>
 #include <tuple>
 
-#include <torch/extension.h>
+// not <torch/extension.h>: the tensor type, from_blob and the pybind11 casters are all this
+// file uses, and the rest of torch's headers tripled its compile time.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/from_blob.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include "io/queue.h"
 
@@ -28,7 +32,7 @@ namespace {
 // (a virtio disk here takes 254 segments a request; a 1 GiB write from a freshly allocated
 // 4 KiB-page buffer ran at about half the speed of the same write from huge pages).
 // Returns (uint8 tensor, locked, note): note says why locking was not done.
-std::tuple<torch::Tensor, bool, std::string> alloc_aligned(int64_t nbytes, bool lock) {
+std::tuple<at::Tensor, bool, std::string> alloc_aligned(int64_t nbytes, bool lock) {
   if (nbytes <= 0) throw std::invalid_argument("nbytes must be > 0, got " + std::to_string(nbytes));
   const int64_t page = 4096, huge = int64_t(2) << 20;
   const bool use_huge = nbytes >= huge;
@@ -68,7 +72,7 @@ std::tuple<torch::Tensor, bool, std::string> alloc_aligned(int64_t nbytes, bool 
     if (locked) ::munlock(q, static_cast<size_t>(len));  // result irrelevant: munmap unlocks too
     ::munmap(q, static_cast<size_t>(len));
   };
-  auto t = torch::from_blob(p, {nbytes}, deleter, torch::TensorOptions().dtype(torch::kUInt8));
+  auto t = at::from_blob(p, {nbytes}, deleter, at::TensorOptions().dtype(at::kByte));
   return {t, locked, note};
 }
 
