@@ -1,5 +1,6 @@
 """HF transformers Trainer with statestore: a small Llama (built from a config, nothing
-downloaded) trains with HybridAdam whose states live on an NVMeStore; the Trainer's
+downloaded) trains with HybridAdam whose states live on an NVMeStore (the Trainer builds it
+from the TrainingArguments: ``state_store=``); the Trainer's
 checkpoints save the optimizer through ``save_checkpoint`` (``checkpoint-N/statestore/``, hard
 links of the store's files) instead of ``torch.save(optimizer.state_dict())``. A second
 Trainer, in a fresh process, resumes from ``checkpoint-N`` and must end bit for bit where the
@@ -23,7 +24,6 @@ import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 import statestore as ss  # noqa: E402
-from statestore.optim import HybridAdam  # noqa: E402
 
 
 def make_model():
@@ -47,18 +47,17 @@ class Tokens(torch.utils.data.Dataset):
 
 
 def train(out_dir: str, store_dir: str, steps: int, save_at: int, resume: str = None):
-    from transformers import TrainingArguments, get_linear_schedule_with_warmup
+    from transformers import TrainingArguments
     from statestore.integrations.transformers import StateStoreTrainer   # <- statestore
 
     model = make_model()
     store = ss.NVMeStore(store_dir)
-    opt = HybridAdam(model.named_parameters(), lr=1e-3, weight_decay=0.01, state_store=store)
-    sched = get_linear_schedule_with_warmup(opt, num_warmup_steps=4, num_training_steps=steps)
     args = TrainingArguments(output_dir=out_dir, max_steps=steps, save_steps=save_at,
+                             learning_rate=1e-3, weight_decay=0.01, warmup_steps=4,
                              per_device_train_batch_size=4, logging_steps=save_at, report_to=[],
                              use_cpu=True, seed=7, disable_tqdm=True)
     trainer = StateStoreTrainer(model=model, args=args, train_dataset=Tokens(),  # <- statestore
-                                optimizers=(opt, sched))
+                                state_store=store)
     trainer.train(resume_from_checkpoint=resume)
     store.close()
     return {n: p.detach().clone().contiguous() for n, p in model.named_parameters()}

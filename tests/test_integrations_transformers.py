@@ -93,12 +93,102 @@ def test_trainer_builds_the_optimizer(tmp_path):
                                     optimizer_cls_and_kwargs=(HybridAdam, {"state_store": store}))
         trainer.train(resume_from_checkpoint=resume)
         assert trainer.optimizer.optimizer.state_store is store
+        # the Trainer's groups, named: the store (and its checkpoint) is keyed by names
+        assert {k.param for k in store.keys()} == {
+            n for n, p in model.named_parameters() if p.requires_grad}
         out = params_of(model)
         store.close()
         return out
     full = run("full")
     assert (tmp_path / "out" / f"checkpoint-{SAVE_AT}" / "statestore").is_dir()
     assert_same_params(full, run("resumed", str(tmp_path / "out" / f"checkpoint-{SAVE_AT}")))
+
+
+def _args_mapped(out, **kw):
+    args = _args(out)
+    args.learning_rate, args.adam_beta1, args.adam_beta2 = 3e-3, 0.8, 0.95
+    args.adam_epsilon, args.weight_decay = 1e-6, 0.1
+    args.lr_scheduler_type, args.warmup_steps = "linear", 2
+    for k, v in kw.items():
+        setattr(args, k, v)
+    return args
+
+
+def test_state_store_builds_hybridadam_from_the_training_arguments(tmp_path):
+    """StateStoreTrainer(..., state_store=store): HybridAdam from the TrainingArguments (lr,
+    betas, eps, weight decay on the Trainer's decay group only, its linear schedule), keyed by
+    parameter names; it trains as the plain Trainer's torch AdamW does (to float32 rounding),
+    checkpoints through the store and resumes bit for bit."""
+    import statestore as ss
+    from transformers import Trainer
+    from statestore.integrations import find_store_optimizer
+    from statestore.optim import HybridAdam
+
+    torch_model = tiny_llama()
+    Trainer(model=torch_model, args=_args_mapped(tmp_path / "torch"),
+            train_dataset=TokenDataset(32)).train()
+
+    def run(tag, resume=None):
+        model = tiny_llama()
+        store = ss.NVMeStore(str(tmp_path / f"store-{tag}"), budget_bytes=1 << 20)
+        trainer = StateStoreTrainer(model=model, args=_args_mapped(tmp_path / "out"),
+                                    train_dataset=TokenDataset(32), state_store=store)
+        trainer.train(resume_from_checkpoint=resume)
+        opt = find_store_optimizer(trainer.optimizer)
+        assert type(opt) is HybridAdam and opt.state_store is store
+        decay = set(trainer.get_decay_parameter_names(model))
+        g0, g1 = opt.param_groups
+        assert set(g0["param_names"]) == {n for n, p in model.named_parameters()
+                                          if p.requires_grad and n in decay}
+        assert g1["param_names"] and not set(g1["param_names"]) & decay
+        assert (g0["weight_decay"], g1["weight_decay"]) == (0.1, 0.0)
+        assert g0["betas"] == (0.8, 0.95) and g0["eps"] == 1e-6
+        assert g0["initial_lr"] == 3e-3 and g0["lr"] == 3e-3 * (STEPS - STEPS) / (STEPS - 2)
+        # the store (and its checkpoint) keyed by names, not indices
+        assert {k.param for k in store.keys()} == set(g0["param_names"]) | set(g1["param_names"])
+        out = params_of(model)
+        store.close()
+        return out
+    full = run("full")
+    ckpt = tmp_path / "out" / f"checkpoint-{SAVE_AT}"
+    assert (ckpt / "statestore").is_dir() and not (ckpt / "optimizer.pt").exists()
+    reference = params_of(torch_model)
+    for n, p in full.items():
+        torch.testing.assert_close(p, reference[n], rtol=1e-5, atol=1e-6, msg=n)
+    assert_same_params(full, run("resumed", str(ckpt)))
+
+
+def test_without_a_statestore_optimizer_the_trainer_says_so(tmp_path):
+    """No silent fallback to torch's AdamW and optimizer.pt: nothing given is an error naming
+    what to pass; a torch optimizer (or one without a store) a warning; optim arguments that
+    do not map to HybridAdam an error."""
+    import statestore as ss
+    from statestore.errors import StateStoreValueError
+    from statestore.optim import HybridAdam
+    model, ds, store = tiny_llama(), TokenDataset(4), ss.DeviceStore("cpu")
+    with pytest.raises(StateStoreValueError, match=r"needs a statestore optimizer.*state_store="):
+        StateStoreTrainer(model=model, args=_args(tmp_path), train_dataset=ds)
+    adamw = torch.optim.AdamW(model.parameters())
+    with pytest.warns(UserWarning, match=r"torch\.optim\.adamw\.AdamW, not a statestore optimizer.*"
+                                         r"plain Trainer \(optimizer\.pt\); pass state_store="):
+        StateStoreTrainer(model=model, args=_args(tmp_path), train_dataset=ds,
+                          optimizers=(adamw, None))
+    with pytest.warns(UserWarning, match="HybridAdam without state_store="):
+        StateStoreTrainer(model=model, args=_args(tmp_path), train_dataset=ds,
+                          optimizers=(HybridAdam(model.parameters()), None))
+    trainer = StateStoreTrainer(model=model, args=_args(tmp_path), train_dataset=ds,
+                                optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": 0.1}))
+    with pytest.warns(UserWarning, match="SGD, not a statestore optimizer"):
+        trainer.create_optimizer()
+    with pytest.raises(StateStoreValueError, match=r"optim='sgd' is not AdamW: use optim='adamw_torch'"):
+        StateStoreTrainer(model=model, args=_args_mapped(tmp_path, optim="sgd"),
+                          train_dataset=ds, state_store=store)
+    with pytest.raises(StateStoreValueError, match="optim_args='amsgrad=True' cannot be mapped"):
+        StateStoreTrainer(model=model, args=_args_mapped(tmp_path, optim_args="amsgrad=True"),
+                          train_dataset=ds, state_store=store)
+    with pytest.raises(StateStoreValueError, match="not both"):
+        StateStoreTrainer(model=model, args=_args(tmp_path), train_dataset=ds,
+                          state_store=store, optimizers=(adamw, None))
 
 
 def test_trainer_resume_colossalai_style_tiered(tmp_path):
