@@ -41,6 +41,7 @@ import torch
 
 from ._inflight import InFlightWrites, SliceIO
 from ._ring import RingArena, RingRegion, round_up as _round_up
+from ._trace import begin as _begin_span, end as _end_span, span as _span
 from ._types import Slice, StateKey
 from .errors import BudgetError, StateStoreValueError
 
@@ -189,13 +190,14 @@ class StatePipeline(ABC):
 
 
 class _Unit:
-    __slots__ = ("slices", "region", "tensors", "reads")
+    __slots__ = ("slices", "region", "tensors", "reads", "span")
 
     def __init__(self, slices):
         self.slices: List[Slice] = slices
         self.region: Optional[RingRegion] = None
         self.tensors: List[torch.Tensor] = []
         self.reads: List[SliceIO] = []     # its reads in flight
+        self.span = None                   # its "statestore::compute" span (profiling only)
 
 
 class Pipeline(StatePipeline):
@@ -299,18 +301,23 @@ class Pipeline(StatePipeline):
             unit.tensors = [self._store._view(s.key).view(-1)[s.start:s.stop] for s in unit.slices]
             self._current = unit
         else:
-            while self._next_submit < self._next_yield:
-                self._submit_blocking()
-            try:
-                for s, fut in unit.reads:
-                    self._writes.outcome(fut, s.key, "read")
-            except BaseException:
-                self._release_unit(unit)
-                raise
-            unit.reads = []
+            with _span("statestore::read_wait"):
+                self._await_reads(unit)
             self._current = unit    # before _fill: if it raises, cancel releases this unit
             self._fill(block=block)
+        unit.span = _begin_span("statestore::compute")
         return unit.tensors
+
+    def _await_reads(self, unit: _Unit) -> None:
+        while self._next_submit < self._next_yield:
+            self._submit_blocking()
+        try:
+            for s, fut in unit.reads:
+                self._writes.outcome(fut, s.key, "read")
+        except BaseException:
+            self._release_unit(unit)
+            raise
+        unit.reads = []
 
     def close(self) -> None:
         """Write back the current unit, release unread buffers, and (``wait=True``) wait for
@@ -322,7 +329,8 @@ class Pipeline(StatePipeline):
         if not self._resident:
             self._drop_unconsumed()
             if self.wait:
-                self._store.sync()
+                with _span("statestore::write_wait"):
+                    self._store.sync()
             else:
                 self._writes.raise_error()
 
@@ -332,6 +340,9 @@ class Pipeline(StatePipeline):
         in flight are drained and every buffer goes back to the ring."""
         unit, self._current = self._current, None
         self._closed = True
+        if unit is not None:
+            _end_span(unit.span)
+            unit.span = None
         if not self._resident:
             if unit is not None:
                 self._release_unit(unit)
@@ -340,6 +351,9 @@ class Pipeline(StatePipeline):
     # -- internals ---------------------------------------------------------------------------
     def _finish_current(self) -> None:
         unit, self._current = self._current, None
+        if unit is not None:
+            _end_span(unit.span)
+            unit.span = None
         if unit is None or self._resident:
             return
         if self._mode in ("rw", "w"):
@@ -347,8 +361,9 @@ class Pipeline(StatePipeline):
             try:
                 optimizer_pass = self._mode == "rw"
                 submit = self._store._submit_write
-                for s, t in zip(unit.slices, unit.tensors):
-                    futs.append(SliceIO(s, submit(s, t, optimizer_pass=optimizer_pass)))
+                with _span("statestore::write_submit"):
+                    for s, t in zip(unit.slices, unit.tensors):
+                        futs.append(SliceIO(s, submit(s, t, optimizer_pass=optimizer_pass)))
             except BaseException as e:
                 # The unit's new values are not (all) written: they are lost, so its states
                 # are stale until rewritten; reading them raises (InFlightWrites.check_damaged).
@@ -406,6 +421,7 @@ class Pipeline(StatePipeline):
             return False
         offset, unit.region = got
         unit.tensors = []
+        span = _begin_span("statestore::read_submit") if self._mode != "w" else None
         for s, nb in zip(unit.slices, sizes):
             spec = self._store.spec(s.key)
             raw = self._arena.view(offset, nb)
@@ -419,9 +435,11 @@ class Pipeline(StatePipeline):
                     writes.check_damaged(s.key)
                     unit.reads.append(SliceIO(s, self._store._submit_read(s, t)))
             except BaseException:
+                _end_span(span)
                 self._release_unit(unit)
                 raise
             offset += nb
+        _end_span(span)
         self._next_submit += 1
         return True
 
@@ -433,7 +451,9 @@ class Pipeline(StatePipeline):
 
     def _submit_blocking(self) -> None:
         while not self._try_submit():
-            if not self._writes.wait_oldest():
+            with _span("statestore::write_wait"):
+                waited = self._writes.wait_oldest()
+            if not waited:
                 raise BudgetError("pipeline deadlock: no pending write to wait for and no "
                                   "room in the RAM budget (internal error)")
 
