@@ -3,11 +3,13 @@
 Commands::
 
     statestore inspect CKPT                   a table of tensors, sizes, dtypes; steps; groups
-    statestore verify CKPT                    every checksum, with a progress bar; exit 1 on damage
+    statestore verify CKPT                    every checksum; exit 1 on damage
     statestore convert CKPT --to torch OUT.pt a torch.optim.AdamW-loadable state dict
 
 ``CKPT`` is a local path or any fsspec URL. Exit status: 0 success, 1 a damaged or missing
-checkpoint (problems printed on stderr), 2 a usage error.
+checkpoint (problems printed on stderr), 2 a usage error. The commands draw tqdm progress
+bars on stderr when it is a terminal (cleared when done); piped or redirected, or with
+``-q``, they draw none.
 """
 from __future__ import annotations
 
@@ -50,10 +52,16 @@ def _table(rows: List[List[str]], header: List[str]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
+def _progress(args) -> bool:
+    """Progress bars on a terminal (cleared when done); never when stderr is piped or
+    redirected, or with ``-q``."""
+    return not getattr(args, "quiet", False) and sys.stderr.isatty()
+
+
 # ------------------------------------------------------------------------------ inspect
 def _cmd_inspect(args) -> int:
     from .checkpoint import read_manifest
-    m = read_manifest(args.ckpt)
+    m = read_manifest(args.ckpt, progress=_progress(args))
     meta = m.metadata
     steps = meta.get("steps", {}) if isinstance(meta.get("steps"), dict) else {}
     out = [f"checkpoint   {args.ckpt}",
@@ -87,20 +95,20 @@ def _cmd_inspect(args) -> int:
 # ------------------------------------------------------------------------------ verify
 def _cmd_verify(args) -> int:
     from .checkpoint import read_manifest, verify_checkpoint
-    problems = verify_checkpoint(args.ckpt, progress=not args.quiet)
+    problems = verify_checkpoint(args.ckpt, progress=_progress(args))
     if problems:
         for p in problems:
             print(f"FAILED: {_shown(p)}", file=sys.stderr)
         print(f"{args.ckpt}: {len(problems)} problem(s)", file=sys.stderr)
         return 1
-    m = read_manifest(args.ckpt)
+    m = read_manifest(args.ckpt, progress=_progress(args))
     print(f"OK: {args.ckpt}: {len(m.rows)} tensors in {len(m.files)} shard(s), "
           f"{_human(m.nbytes)}, every {m.info['checksum']} checksum matches")
     return 0
 
 
 # ------------------------------------------------------------------------------ convert
-def _open_tensor(m, r, verify: bool):
+def _open_tensor(m, r, verify: bool, bar=None):
     """The tensor of manifest row ``r``: mapped copy-on-write from local shards (pages load
     on access and stay evictable page cache), read into RAM from other filesystems."""
     import numpy as np
@@ -121,27 +129,49 @@ def _open_tensor(m, r, verify: bool):
                                                     end=r["offset"] + spec.nbytes)), dtype=np.uint8)
     if verify and xxhash.xxh3_64(memoryview(raw)).hexdigest() != r["checksum"]:
         raise CheckpointCorruptError(f"{fpath}: checksum mismatch in tensor {r['key']!r}")
+    if bar is not None:
+        bar.update(spec.nbytes)
     return torch.from_numpy(raw).view(spec.dtype).view(spec.shape)
 
 
-def to_torch_state_dict(path: str, verify: bool = True) -> Dict[str, Any]:
+def to_torch_state_dict(path: str, verify: bool = True,
+                        progress: Optional[bool] = False) -> Dict[str, Any]:
     """The checkpoint at ``path`` as ``torch.optim.AdamW``'s ``state_dict()``.
 
     Parameters are numbered in the order of the optimizer metadata's ``param_groups`` (torch's
     numbering); tensors of local checkpoints are memory-mapped, so only the pages being
     written out are in RAM. ``verify`` checks every checksum on the way. Compressed moments
     (metadata ``moment_dtype`` "bf16"/"int8") are decoded to fp32 tensors (in RAM).
+    ``progress``: bars over the manifest and the bytes checked (True always, None for work
+    over a second, False never).
     """
     from .checkpoint import read_manifest
+    from .checkpoint.filesystem import progress as progress_bar
     from .checkpoint.shard_check import by_file, check_shard_header
     from .optim._torch_format import checkpoint_groups, checkpoint_states
-    m = read_manifest(path)
+    m = read_manifest(path, progress=progress)
     index, groups = checkpoint_groups(path, m.metadata)
     for name, rows in by_file(m.rows).items():
         check_shard_header(m, name, rows)
-    state = checkpoint_states(path, m.metadata, index, m.rows,
-                              lambda r: _open_tensor(m, r, verify))
+    with progress_bar(m.nbytes, "checksums", progress if verify else False) as bar:
+        state = checkpoint_states(path, m.metadata, index, m.rows,
+                                  lambda r: _open_tensor(m, r, verify, bar))
     return {"state": state, "param_groups": groups}
+
+
+class _CountingFile:
+    """A file object that counts the bytes written through it on a progress bar."""
+
+    def __init__(self, f, bar):
+        self._f, self._bar = f, bar
+
+    def write(self, data) -> int:
+        n = self._f.write(data)
+        self._bar.update(len(memoryview(data).cast("B")))
+        return n
+
+    def flush(self) -> None:
+        self._f.flush()
 
 
 def _cmd_convert(args) -> int:
@@ -154,10 +184,15 @@ def _cmd_convert(args) -> int:
         raise StateStoreValueError(f"output {args.out!r} is a directory; name a file")
     if not os.path.isdir(out_dir):
         raise StateStoreValueError(f"output {args.out!r}: directory {out_dir!r} does not exist")
-    sd = to_torch_state_dict(args.ckpt, verify=not args.no_verify)
+    from .checkpoint.filesystem import progress as progress_bar
+    sd = to_torch_state_dict(args.ckpt, verify=not args.no_verify, progress=_progress(args))
+    total = sum(t.nbytes for st in sd["state"].values() for t in st.values()
+                if isinstance(t, torch.Tensor))
     tmp = f"{args.out}.tmp-{os.getpid()}"
     try:
-        torch.save(sd, tmp)
+        with open(tmp, "wb") as f, progress_bar(total, f"write {os.path.basename(args.out)}",
+                                                _progress(args)) as bar:
+            torch.save(sd, _CountingFile(f, bar))
         os.replace(tmp, args.out)
     except (OSError, RuntimeError) as e:
         raise StateStoreIOError(getattr(e, "errno", None) or 0,
@@ -178,6 +213,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("inspect", help="list the tensors, steps and param groups of a checkpoint")
     a.add_argument("ckpt", help="checkpoint path or fsspec URL")
+    a.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     a = sub.add_parser("verify", help="check every checksum of a checkpoint (exit 1 on damage)")
     a.add_argument("ckpt")
     a.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
@@ -186,6 +222,7 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--to", required=True, choices=["torch"], help="target format")
     a.add_argument("out", help="output file (torch: a .pt file for torch.load)")
     a.add_argument("--no-verify", action="store_true", help="skip the checksums")
+    a.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     return p
 
 

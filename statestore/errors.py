@@ -1,4 +1,5 @@
-"""The ``StateStoreError`` family: every error statestore raises on purpose derives from it.
+"""The ``StateStoreError`` family: every error statestore raises on purpose derives from it;
+and :class:`ResumeWarning`, the category of its warnings about what a checkpoint replaced.
 
 Subclasses also derive from the built-in exception that fits, so callers catching
 ``ValueError``/``KeyError``/``OSError`` keep working.
@@ -17,6 +18,7 @@ __all__ = [
     "CheckpointCorruptError",
     "CheckpointMismatchError",
     "ExtensionMismatchError",
+    "ResumeWarning",
 ]
 
 
@@ -69,3 +71,11 @@ class ExtensionMismatchError(StateStoreError, ImportError):
     """statestore's compiled extensions were built against another torch (or CUDA) release
     than the one installed, or carry no record of it; raised by ``import statestore`` before
     anything is loaded. The message names both releases and the rebuild command."""
+
+
+class ResumeWarning(UserWarning):
+    """A checkpoint loaded into a live optimizer replaced what the caller had set: the states
+    and step counts of an optimizer that had already stepped, or a hyperparameter given to its
+    constructor. The checkpoint's values are applied (as ``load_state_dict`` does); the
+    message names what was replaced and how to keep it. Filter it with
+    ``warnings.filterwarnings("ignore", category=statestore.ResumeWarning)``."""

@@ -997,10 +997,12 @@ def _step_closed_store(c):
 def _step_rows() -> List[Row]:
     return [
         Row("step-grad-other-device", "a gradient on another device than its parameter",
-            StateStoreValueError, ("'w'", "cpu", "{other}"), _grad_on_other_device, True),
+            StateStoreValueError, ("'w'", "cpu", "{other}", "p.grad = p.grad.to(p.device)"),
+            _grad_on_other_device, True),
         Row("step-grad-shape", "a gradient of another shape", StateStoreValueError,
             ("'w'", "(5,)"), lambda c: _grad_changed(c, torch.randn(5)), True),
-        Row("step-grad-dtype", "an int32 gradient", TypeError, ("'w'", "int32"),
+        Row("step-grad-dtype", "an int32 gradient", TypeError,
+            ("'w'", "int32", "cast it", "accepts float32, float16 and bfloat16 gradients"),
             lambda c: _grad_changed(c, torch.ones(4, dtype=torch.int32)), True),
         Row("step-grad-sparse", "a sparse gradient (nn.Embedding(sparse=True))", RuntimeError,
             ("'weight'", "sparse"), _sparse_grad, True),

@@ -87,13 +87,30 @@ def test_inspect_lists_tensors_steps_groups(tmp_path, capsys):
     assert "group" in out and "0.01" in out and "0.003" in out   # both groups' lr
 
 
-def test_verify_ok_and_progress_bar(tmp_path, capsys):
+def test_progress_bars_on_a_terminal_only(tmp_path, capsys, monkeypatch):
+    """verify, inspect and convert draw tqdm bars on stderr when it is a terminal, none when
+    it is piped (as under pytest's capture) or with -q."""
     path, _ = _trained_checkpoint(tmp_path)
+    out = str(tmp_path / "sd.pt")
+    commands = {"verify": (["verify", path], ["verify", "manifest"]),
+                "inspect": (["inspect", path], ["manifest"]),
+                "convert": (["convert", path, "--to", "torch", out],
+                            ["manifest", "checksums", "write sd.pt"])}
+    for argv, _ in commands.values():
+        assert main(argv) == 0
+        cap = capsys.readouterr()
+        assert cap.err == "", argv                     # piped: quiet
+    assert cap.out.startswith("wrote ")
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    for argv, bars in commands.values():
+        assert main(argv) == 0
+        cap = capsys.readouterr()
+        for bar in bars:
+            assert f"{bar}:" in cap.err, (argv, cap.err[-500:])
+        assert main(argv[:1] + ["-q"] + argv[1:]) == 0
+        assert capsys.readouterr().err == ""
     assert main(["verify", path]) == 0
-    cap = capsys.readouterr()
-    assert cap.out.startswith("OK:") and "xxh3_64" in cap.out
-    assert "verify" in cap.err                         # tqdm writes its bar to stderr
-    assert main(["verify", "-q", path]) == 0
+    assert capsys.readouterr().out.startswith("OK:")
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "missing-shard", "no-manifest"])

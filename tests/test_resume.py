@@ -267,6 +267,10 @@ def test_mismatch_message_is_a_short_summary(tmp_path):
         assert len(msg) < 2500, msg
         assert "checkpoint has 300 parameters" in msg and "optimizer has 300" in msg
         assert "'layers.0.weight'" in msg and "named_parameters()" in msg
+        # the one-line fix comes right after the summary, before the list of differences
+        lines = msg.splitlines()
+        assert lines[1].startswith("fix: ") and "named_parameters()" in lines[1]
+        assert lines[2] == "differences:" and "'layers.0.weight'" in "".join(lines[3:])
 
 
 # ------------------------------------------------------------------ 3. optimizer.state, DCP

@@ -157,8 +157,8 @@ class _Bar(tqdm):
 _Bar.set_lock(threading.RLock())
 
 
-def progress(total: int, desc: str, enabled: Optional[bool]):
-    """A byte progress bar: ``enabled=True`` at once, ``None`` only for work over a second,
-    ``False`` never."""
-    return _Bar(total=total, desc=desc, unit="B", unit_scale=True,
+def progress(total: int, desc: str, enabled: Optional[bool], unit: str = "B", iterable=None):
+    """A progress bar of ``total`` bytes (or ``unit``s; over ``iterable`` when given):
+    ``enabled=True`` at once, ``None`` only for work over a second, ``False`` never."""
+    return _Bar(iterable, total=total, desc=desc, unit=unit, unit_scale=True,
                 delay=0.0 if enabled is True else 1.0, disable=(enabled is False), leave=False)

@@ -12,14 +12,14 @@ from __future__ import annotations
 import itertools
 import json
 import os
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from .digest import KEY, manifest_digest
-from .filesystem import is_local, join, resolve
+from .filesystem import is_local, join, progress as progress_bar, resolve
 from .foreign import missing_manifest_message
 from .format import (CHECKSUM, COLUMNS, FORMAT_NAME, FORMAT_VERSION, MANIFEST,
                      REGION_COLUMNS, REGION_FORMAT_VERSION, REGION_SCHEMA, SCHEMA,
@@ -112,8 +112,9 @@ def _check_digest(mpath: str, names, columns: Dict[str, list], smeta: Dict[str, 
                                      f"or metadata were altered or damaged)")
 
 
-def read_manifest(path: str) -> Manifest:
-    """Read and validate the manifest of the checkpoint at ``path``.
+def read_manifest(path: str, progress: Optional[bool] = False) -> Manifest:
+    """Read and validate the manifest of the checkpoint at ``path`` (``progress``: a bar over
+    its tensors: True always, None for reads over a second, False, the default, never).
 
     Decoding is bounded by the manifest's size (:mod:`statestore.checkpoint.parquet_guard`);
     shard files are not opened (:func:`statestore.checkpoint.shard_check.check_shard_header`
@@ -190,8 +191,10 @@ def read_manifest(path: str) -> Manifest:
     regions = zip(*(columns[n] for n in REGION_COLUMNS)) if len(names) > len(COLUMNS) \
         else itertools.repeat(None)
     cache: dict = {}
+    values = progress_bar(table.num_rows, "manifest", progress, unit="tensor",
+                          iterable=zip(zip(*base), regions))
     rows: List[ManifestRow] = [ManifestRow.parse(vals, mpath, seen, reg, cache)
-                               for vals, reg in zip(zip(*base), regions)]
+                               for vals, reg in values]
     for problem in tiling_problems(rows):
         raise CheckpointCorruptError(f"{mpath}: {problem}")
     _check_digest(mpath, names, columns, smeta)

@@ -41,6 +41,7 @@ from ..offload._seam import PARAM_STATE
 from ._args import validate_hyper
 from ._dtensor import local, region_of
 from ._moments import SCALE_OF
+from ._resume_warnings import warn_replaced
 from ._table import ParamTable, failed_message
 
 __all__ = ["OPTIMIZER_METADATA_VERSION", "HYPER", "STATE_NAMES", "ALL_STATE_NAMES",
@@ -168,13 +169,13 @@ class MismatchReport:
         head += f", optimizer has {len(self.opt_params)}"
         if self.opt_groups is not None:
             head += f" in {self.opt_groups} param group{'s' if self.opt_groups != 1 else ''}"
-        lines = [head]
+        # the fix first, then the differences
+        lines = [head, "fix: " + self.hint(), "differences:"]
         for kind in self._order:
             items = self._kinds[kind]
             lines += ["  " + x for x in items[:_SHOW]]
             if len(items) > _SHOW:
                 lines.append(f"  ... and {len(items) - _SHOW} more ({kind})")
-        lines.append("hint: " + self.hint())
         return "\n".join(lines)
 
     def hint(self) -> str:
@@ -341,6 +342,8 @@ def resume(store, table: ParamTable, param_groups: List[dict], fmt, *, sharded: 
     for g, h in zip(param_groups, new_hyper):
         merged = {**g, **h}
         validate_hyper(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])
+    # ResumeWarning (a failed load cleared the store: it raises, and says so itself)
+    warn_replaced(param_groups, new_hyper, table.steps, ours, loaded and ckpt is not None)
     # apply: a group becomes the saved one (as torch's load_state_dict), its parameters
     # and this optimizer's own hyperparameters kept where the checkpoint has none
     for g, h, sg in zip(param_groups, new_hyper, saved_groups or [None] * len(new_hyper)):

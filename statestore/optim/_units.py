@@ -143,12 +143,16 @@ def checked_grad(p: Tensor, key: str, owner: str) -> Tensor:
     g, p = local_grad(p, g), local(p)
     if g.device != p.device:
         raise StateStoreValueError(f"parameter {key!r} is on {p.device} but its "
-                                   f"gradient is on {g.device}")
+                                   f"gradient is on {g.device}; a gradient must be on its "
+                                   f"parameter's device: p.grad = p.grad.to(p.device)")
     if g.shape != p.shape:
         raise StateStoreValueError(f"parameter {key!r} has shape {tuple(p.shape)} "
                                    f"but its gradient has {tuple(g.shape)}")
     if g.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise TypeError(f"gradient of {key!r} has dtype {g.dtype}")
+        fix = ("train the model in float32 (model.float())" if p.dtype == torch.float64
+               else "cast it (p.grad = p.grad.float())")
+        raise TypeError(f"gradient of {key!r} has dtype {g.dtype}; {fix}: {owner} accepts "
+                        f"float32, float16 and bfloat16 gradients")
     return g if g.is_contiguous() else g.contiguous()
 
 
