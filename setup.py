@@ -85,7 +85,7 @@ def _check_isolated_torch(torch):
         _fail(f"this environment has torch {theirs}, but pip's isolated build environment has "
               f"torch {torch.__version__}; extensions built there would need torch=="
               f"{_public(torch.__version__)} and pip would replace yours. Build against your "
-              f"torch instead: pip install --no-build-isolation <this directory> "
+              f"torch instead: pip install --no-build-isolation {HERE} "
               f"(with setuptools and ninja installed: pip install setuptools ninja)")
     _say(f"building in pip's isolated environment against its torch {torch.__version__} "
          f"(yours: {theirs}, the same release); --no-build-isolation uses yours directly")
@@ -112,7 +112,7 @@ def _extensions():
     except ImportError as e:
         _fail(f"torch is not importable ({e}): statestore compiles its extensions against the "
               f"installed torch. Install torch first (pip install torch), then pip install "
-              f"--no-build-isolation <this directory>; or STATESTORE_NO_EXT=1 for the "
+              f"--no-build-isolation {HERE}; or STATESTORE_NO_EXT=1 for the "
               f"pure-Python package")
     _check_isolated_torch(torch)
 
