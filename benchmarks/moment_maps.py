@@ -1,5 +1,5 @@
 """Which int8 moment map trains like fp32 moments: a simulation that isolates ``exp_avg``'s and
-``exp_avg_sq``'s maps (docs/kernels.md, "Compressed moments", why this map).
+``exp_avg_sq``'s maps (docs/moments.md, why this map; figures in benchmarks/RESULTS.md).
 
 The model, data, batches and schedule of ``benchmarks/moments_training.py`` (GPT-2 config,
 byte-level LM); the optimizer is AdamW in fp32 (torch ops), and after every step each

@@ -1,6 +1,6 @@
 """Why bf16 moments round stochastically and int8 moments to nearest: Adam moments of a
 stream of gradients that shrink 100x over the run (per-element scales over 3 decades), kept
-in fp32 and in each encoding, compared at the end (docs/kernels.md, "Compressed moments").
+in fp32 and in each encoding, compared at the end (docs/moments.md, "Rounding"; figures in benchmarks/RESULTS.md).
 
     PYTHONPATH=. python benchmarks/moment_rounding.py [steps]
 """

@@ -229,7 +229,7 @@ SS_HD void adam_element(int64_t i, float* w, const void* g, float* m, float* v, 
 
 // ---- compressed moments (moment_dtype "bf16" / "int8"), written once ----------------------
 //
-// The encodings of statestore/kernels/_quant.py (its docstring and docs/kernels.md specify
+// The encodings of statestore/kernels/_quant.py (its docstring and docs/moments.md specify
 // them); every function below performs the same float32 operations in the same order as that
 // torch reference, so both give the same codes. The SIMD bodies (adam_moments_body.h) and the
 // CUDA kernel (fused_adam.cu) call these functions or mirror them operation by operation.

@@ -27,8 +27,8 @@ class PipelineAccess:
         """Element ranges of at most ``limit`` bytes, cut at :meth:`cut_alignment`, that
         :meth:`stream` moves ``spec``'s state in. Default: half the budget, and at most
         ``CHUNK_BYTES`` on streaming stores, so that copying one chunk overlaps the transfer
-        of the previous (256 MiB of puts into an NVMeStore: 3.7 GB/s with whole 64 MiB states
-        as chunks, 5.0 GB/s with 16 MiB chunks, same run)."""
+        of the previous (puts into an NVMeStore were faster with 16 MiB chunks than with whole
+        64 MiB states: benchmarks/RESULTS.md)."""
         if limit is None:
             limit = (self.budget_bytes // 2 if self.resident
                      else min(self.budget_bytes // 2, CHUNK_BYTES))

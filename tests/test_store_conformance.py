@@ -579,7 +579,7 @@ def test_large_states_of_a_slab_are_not_a_power_of_two_apart(backend, tmp_path):
     """A resident store's slab puts a parameter's states one after another; states of 1 MiB
     or more start 4 KiB further on, so exp_avg and exp_avg_sq of a 2^k-byte parameter are
     not exactly 2^k bytes apart (the update's streams would share DRAM banks:
-    docs/kernels.md, "The user's quick probe")."""
+    docs/kernels.md, "Speed")."""
     from conftest import make_store
     store = make_store(backend, tmp_path)
     try:

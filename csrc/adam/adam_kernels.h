@@ -39,12 +39,10 @@ struct SimdKernels {
 
 // Software prefetch for the streaming loops: every 16 elements (one 64-byte line of fp32),
 // touch the lines kPrefetchElems elements ahead, into L2 (prefetcht1), not L1. With the
-// hardware prefetchers alone one thread cannot keep enough misses in flight; a standalone
-// AVX2 Adam loop over 128M params here ran 0.99-1.11 G/s without it, 1.08-1.19 G/s at 1 KiB
-// ahead (0.93-1.07 at 4 KiB). Into L1 (prefetcht0, as first written) the prefetches held the
-// L1's miss buffers the demand loads need: the AVX-512 loop over 64M params, interleaved
-// with the same loop prefetching into L2, ran 4-7% slower at 1 and 2 threads, and slower
-// than without software prefetch at 2 threads (docs/kernels.md, "The user's quick probe").
+// hardware prefetchers alone one thread cannot keep enough misses in flight. Into L1
+// (prefetcht0, as first written) the prefetches held the L1's miss buffers the demand loads
+// need, and at 2 threads cost more than they gained. Distances and levels were measured with
+// benchmarks/adam_step.py and benchmarks/optimizer_probe.py (benchmarks/RESULTS.md).
 // The write hint is not used: without PRFCHW in the target it compiles to the same
 // instruction, and a load brings the line in exclusive anyway.
 // `static`: each ISA file gets its own copy, compiled for its instruction set (see below).

@@ -14,7 +14,7 @@
 // magnitudes and writes the codes (exp_avg_sq from the square root of its new value, which
 // the update computed for its denominator: one root saved).
 //
-// Where the cycles go (docs/kernels.md, "Where the cycles go"): the update's square root and
+// Where the cycles go (benchmarks/RESULTS.md, "Cycles per element of each moment stage"): the update's square root and
 // division, the random bits (three 32-bit multiplies per hash) and, for int8, the codes. So
 // the loops keep everything else off the vector units: rounding mode and amsgrad are template
 // parameters, a block's largest magnitude is an unsigned integer max of the float bits
@@ -102,7 +102,7 @@ struct VecF8 {
   // the subnormal f 2^(-126-MB) = f 2^-(14+MB) 2^-112. Exact, with no compare and blend; but
   // the codes below 2^MB become subnormal floats, so this is used only where subnormal
   // operands are not flushed (the DAZ bit: fast_decode_ok) and, as measured on the AMD hosts
-  // (docs/kernels.md), cost no more than normal ones.
+  // (benchmarks/adam_step.py --stages), cost no more than normal ones.
   template <int MB>
   static F val_2m112(I k) { return V::casti(V::template slli<23 - MB>(k)); }
   // exp_avg from codes c (sign-extended int8) and the block's scale: sign(c) val(|c|) scale

@@ -18,8 +18,8 @@ __all__ = ["SlabStore"]
 _ALIGN = 64
 # Large states of one slab start 4 KiB apart beyond their sizes: exp_avg and exp_avg_sq of a
 # parameter of a power-of-two size would otherwise sit exactly 2^k bytes apart, and the
-# update's two streams then contend for the same DRAM banks (docs/kernels.md, "The user's
-# quick probe": CPUAdam 0.72x of torch's fused AdamW as is, 1.03x staggered, 64M params).
+# update's two streams then contend for the same DRAM banks (measured with benchmarks/
+# optimizer_probe.py --layouts; figures in benchmarks/RESULTS.md).
 STAGGER = 4096
 STAGGER_MIN = 1 << 20
 

@@ -18,7 +18,7 @@ READ_THREADS = 4
 class ShardReader:
     """Reads byte ranges of one shard. Local files: pieces of :data:`READ_PIECE` bytes with
     up to :data:`READ_THREADS` ``preadv`` calls in flight (a disk serves several requests
-    faster than one stream: on this project's disk 0.8-1 GB/s against 0.3-0.5), hashed in
+    faster than one stream: benchmarks/RESULTS.md), hashed in
     order as they arrive. Other filesystems: fsspec's sequential reads."""
 
     def __init__(self, fs, fpath: str, pool: Optional[ThreadPoolExecutor]):

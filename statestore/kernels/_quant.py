@@ -3,8 +3,7 @@ reference of the compiled kernels (``csrc/adam_math.h``), bit for bit.
 
 Every function here computes in float32 with the same operations, in the same order, as the
 C++/CUDA code, so the reference, the SIMD paths and the CUDA kernel give the same codes for the
-same fp32 moments (the tests check it). The format is specified in ``docs/kernels.md``
-("Compressed moments"); in short:
+same fp32 moments (the tests check it). The format is specified in ``docs/moments.md``; in short:
 
 ``bf16``
     ``exp_avg`` and ``exp_avg_sq`` are bfloat16 tensors of the parameter's shape. Rounding is
@@ -13,7 +12,7 @@ same fp32 moments (the tests check it). The format is specified in ``docs/kernel
     bits before truncation; ``"nearest"`` is round to nearest even (torch's ``.to()``).
     Why stochastic: with ``beta2=0.999`` an ``exp_avg_sq`` that should decay moves by 0.1% a
     step, below half a bf16 ulp (0.2-0.4%), so nearest rounding never lets it decrease
-    (``docs/kernels.md`` has the measurement).
+    (``docs/moments.md``, "Rounding").
 
 ``int8``
     Blockwise: each run of :data:`BLOCK` = 256 elements (counted from the parameter's first
@@ -22,8 +21,7 @@ same fp32 moments (the tests check it). The format is specified in ``docs/kernel
     *relative* precision over a range of 2**14, whatever its size next to its block's
     largest: Adam divides ``exp_avg`` by ``sqrt(exp_avg_sq)``, so an element whose gradients
     are 1000x smaller than its block's largest moves its parameter as far as the largest one,
-    and needs its moments as precise (``docs/kernels.md`` has the measurements that chose
-    this map). Encoding and decoding are bit operations on float32 (no square root, no
+    and needs its moments as precise (``docs/moments.md`` says what chose this map). Encoding and decoding are bit operations on float32 (no square root, no
     table):
 
     * ``exp_avg``: int8 ``c`` in [-127, 127], ``k = |c| = 8 e + f`` (E4M3, bias 15): value
