@@ -133,10 +133,13 @@ class PipelineAccess:
         self._prefetched.pipeline.pump()
 
     def cancel_prefetch(self) -> None:
-        """Drop a :meth:`prefetch` not yet used (reads in flight are drained)."""
+        """Drop a :meth:`prefetch` not yet used (reads in flight are drained), and end the
+        pipelines lent across calls (:meth:`~statestore.pipeline.StatePipeline.lend`): what
+        every call that changes the store's states, or needs its ring, does first."""
         p, self._prefetched = self._prefetched, None
         if p is not None:
             p.pipeline.cancel()
+        self._in_flight.reclaim_lent()
 
     def cut_alignment(self, max_bytes: Optional[int]) -> int:
         """Bytes at whose multiples to cut a state into slices of at most ``max_bytes``:

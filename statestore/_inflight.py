@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import errno
 from collections import deque
-from typing import Callable, Deque, Dict, Iterable, List, NamedTuple, Optional
+import weakref
+from typing import Callable, Deque, Dict, Iterable, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -64,6 +65,9 @@ class InFlightWrites:
         self._alloc_buffer = alloc_buffer
         self._state_bytes = state_bytes
         self._ring: Optional[RingArena] = None
+        #: pipelines kept open across calls by their owner (:meth:`lend`), with the callable
+        #: that ends them on demand
+        self._lent: Dict[int, Tuple[Callable[[], object], Callable[[], bool]]] = {}
         self._pending: Deque[_Batch] = deque()
         self._error: Optional[BaseException] = None
         #: states whose last write failed, with its error: their stored bytes are stale, so
@@ -93,6 +97,7 @@ class InFlightWrites:
         Returns:
             The ring (the same object until it grows).
         """
+        self.reclaim_lent()         # a new pipeline: lent ones give their buffers back first
         want = min(self.budget_bytes, max(self._state_bytes() + (1 << 20) + 4 * self.alignment,
                                           need))
         ring = self._ring
@@ -108,6 +113,30 @@ class InFlightWrites:
             self._ring = RingArena(self._alloc_buffer(want), self.alignment,
                                    budget=self.budget_bytes)
         return self._ring
+
+    # ------------------------------------------------------------------ lent pipelines
+    def lend(self, pipeline, give_back: Callable[[], bool]) -> None:
+        """``pipeline`` stays open across calls (an optimizer's step made during backward
+        holds its read-ahead between gradient hooks): before another pipeline of the store
+        takes the ring, or the store's states change, :meth:`reclaim_lent` calls
+        ``give_back()``, which ends it (True) or declines, its owner being busy with it
+        (False: asked again next time). Without this, such a pipeline abandoned by its
+        owner (a backward that raised) would hold ring buffers for good."""
+        self._lent[id(pipeline)] = (weakref.ref(pipeline), give_back)
+
+    def returned(self, pipeline) -> None:
+        """``pipeline`` ended (closed or cancelled): no longer lent."""
+        self._lent.pop(id(pipeline), None)
+
+    def reclaim_lent(self) -> None:
+        """Ask every lent pipeline's owner to end it (see :meth:`lend`)."""
+        if not self._lent:
+            return
+        for key, (ref, give_back) in list(self._lent.items()):
+            if ref() is None:
+                self._lent.pop(key, None)
+            elif give_back():
+                self._lent.pop(key, None)
 
     def close(self) -> None:
         """Let the ring's buffer go (the store is closed; every write was waited for)."""

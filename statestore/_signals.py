@@ -17,8 +17,9 @@ installs handlers).
 from __future__ import annotations
 
 import signal
+import sys
 import threading
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional
 
 __all__ = ["deferred_signals", "without_signals"]
 
@@ -31,11 +32,11 @@ _main = threading.main_thread()
 class _State:
     depth = 0
     saved: Dict[int, Any] = {}
-    pending: List[Tuple[int, Any]] = []
+    pending: List[int] = []
 
 
 def _record(signum: int, frame) -> None:
-    _State.pending.append((signum, frame))
+    _State.pending.append(signum)       # not the frame: it would keep its locals alive
 
 
 class deferred_signals:
@@ -78,10 +79,9 @@ class deferred_signals:
         for sig, h in saved.items():
             signal.signal(sig, h)
         if pending:
-            sig, frame = pending[0]
-            handler: Optional[Callable] = saved.get(sig)
-            if handler is not None:
-                handler(sig, frame)         # KeyboardInterrupt (say) raised here, after
+            handler: Optional[Callable] = saved.get(pending[0])
+            if handler is not None:         # KeyboardInterrupt (say) raised here, after
+                handler(pending[0], sys._getframe(1))
 
 
 def without_signals(fn: Callable) -> Callable:

@@ -179,6 +179,13 @@ class StatePipeline(ABC):
         """Give up: the unit in hand is not written back (the store keeps its previous
         values), reads in flight are drained, every buffer goes back; never raises."""
 
+    def lend(self, give_back) -> None:
+        """Keep this pipeline open across calls (an optimizer's pass during backward): before
+        another pipeline of the store needs the ring, or the store's states change,
+        ``give_back()`` is called and must end it (:meth:`cancel` or :meth:`close`) and
+        return True, or return False while its owner is using it. A no-op where the
+        pipeline holds no ring buffers (resident stores)."""
+
     def __enter__(self) -> "StatePipeline":
         return self
 
@@ -279,6 +286,10 @@ class Pipeline(StatePipeline):
         if not self._closed:
             self._finish_current()
 
+    def lend(self, give_back) -> None:
+        if not self._resident and not self._closed:
+            self._writes.lend(self, give_back)
+
     def pump(self) -> None:
         """Never blocks: retire finished background writes and start the reads of further
         units that fit the ring now (a prefetch between an optimizer's steps)."""
@@ -327,6 +338,7 @@ class Pipeline(StatePipeline):
         self._finish_current()
         self._closed = True
         if not self._resident:
+            self._writes.returned(self)
             self._drop_unconsumed()
             if self.wait:
                 with _span("statestore::write_wait"):
@@ -344,6 +356,7 @@ class Pipeline(StatePipeline):
             _end_span(unit.span)
             unit.span = None
         if not self._resident:
+            self._writes.returned(self)
             if unit is not None:
                 self._release_unit(unit)
             self._drop_unconsumed(swallow=True)

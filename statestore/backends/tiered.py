@@ -365,6 +365,10 @@ class _TieredPipeline(StatePipeline):
             return None
         return self._advance(lambda p: p.wait_next())
 
+    def lend(self, give_back) -> None:
+        for p in self._pipes.values():
+            p.lend(give_back)
+
     def commit(self) -> None:
         """Hand the current unit back to every tier now (see :meth:`Pipeline.commit`)."""
         if self._closed:

@@ -27,7 +27,7 @@ def is_real(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
-def grad_scale_of(div_scale) -> Optional[float]:
+def grad_scale_of(div_scale, update_in_backward: bool = False) -> Optional[float]:
     """What ``step(div_scale=...)`` divides gradients by: ``div_scale`` when it is > 0, else
     None: no scaling (None and the default -1, ColossalAI's convention). Checked before a step
     changes anything.
@@ -35,7 +35,8 @@ def grad_scale_of(div_scale) -> Optional[float]:
     Raises:
         TypeError: not a real number (or a one-element tensor).
         StateStoreValueError: nan or infinite (dividing by it would make every updated
-            parameter nan or leave it unchanged; nan never means "no scaling").
+            parameter nan or leave it unchanged; nan never means "no scaling"), or a scale
+            with ``update_in_backward`` (backward applied the gradients unscaled).
     """
     if div_scale is None:
         return None
@@ -50,6 +51,12 @@ def grad_scale_of(div_scale) -> Optional[float]:
             f"div_scale must be a finite number (> 0 divides the gradients by it, <= 0 or "
             f"None means no scaling), got {value}; nothing was changed. A loss scaler that "
             f"found inf or nan gradients should skip the step instead (skip_nonfinite=True)")
+    if value > 0 and update_in_backward:
+        raise StateStoreValueError(
+            "update_in_backward: step(div_scale=...) is not supported (backward has already "
+            "applied the gradients it produced, unscaled); unscale the loss instead, or set "
+            "optimizer.update_in_backward = False. Nothing was changed: call step() without "
+            "div_scale to finish this step")
     return value if value > 0 else None
 
 

@@ -23,6 +23,22 @@ interrupted: the misuse is explained at ``step()``:
   ``step()`` updates the others from their current gradients, so that every parameter makes
   the step exactly once and the optimizer stays consistent, then raises; the next step works
   once the loop is fixed or the mode is off.
+
+A backward that raises part-way (the model's exception, a Ctrl-C) ends its step: the
+parameters it updated have made it, the others have not (a torch step in which only they had
+gradients), and none is left half updated. The engine tells (a callback queued at a
+backward's first hook is dropped without running when that backward fails:
+:class:`~statestore.optim._backward_watch.BackwardWatch`); the next call (a hook of the next
+backward, ``step()``, ``zero_grad()``, a save, ``state_dict()``) ends the step first
+(:meth:`BackwardStepper.close_step`): a parameter a unit updated in part (a long parameter cut
+in units whose next states had not arrived) is finished from the gradient it started with,
+and the gradients applied are not applied again by a ``step()`` (so ``step()`` right after the
+failure updates the others from the gradients they hold, as torch's would; retrying the batch
+makes a new step). A retry cannot reproduce a backward that never failed: its forward already
+sees the updated parameters. Signals are deferred inside the hooks, so a Ctrl-C lands between
+them, as a failure of backward. The pass's read-ahead is lent to the store
+(:meth:`~statestore.pipeline.StatePipeline.lend`): any other use of the store ends it first, so
+a failed backward never leaves the store without RAM for a save or a load.
 """
 from __future__ import annotations
 
@@ -32,47 +48,15 @@ from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 from torch import Tensor
 
+from .._signals import deferred_signals
 from ..errors import StateStoreError
+from ._backward_watch import BackwardWatch, mixed_message, misuse_reason, refused_message
 from ._metadata import short_names
 from ._table import ParamTable
 from ._dtensor import local
 from ._units import checked_grad, plan_step
 
-__all__ = ["misuse_reason", "refused_message", "mixed_message", "PassState", "BackwardStepper",
-           "backward_hook"]
-
-_RULE = ("with update_in_backward=True each gradient is applied as soon as backward produces "
-         "it, so gradients must reach step() unchanged: no clipping or unscaling between "
-         "backward and step(), no accumulation over several backward calls")
-
-
-def misuse_reason(second_gradient: Sequence[str], changed: Sequence[str]) -> str:
-    """What the loop did, or '' when nothing."""
-    if second_gradient:
-        return (f"{len(second_gradient)} parameter(s) ({short_names(list(second_gradient))}) "
-                f"got a second gradient before step() (gradient accumulation over several "
-                f"backward calls)")
-    if changed:
-        return (f"the gradients of {len(changed)} parameter(s) ({short_names(list(changed))}) "
-                f"changed after backward produced them (clipping, unscaling or scaling "
-                f"gradients between backward and step())")
-    return ""
-
-
-def refused_message(reason: str) -> str:
-    return (f"update_in_backward: {reason}; {_RULE}. Nothing was updated: remove that from "
-            f"the training loop, or set optimizer.update_in_backward = False and call step() "
-            f"again (this step's gradients are kept)")
-
-
-def mixed_message(reason: str, early: Sequence[str]) -> str:
-    return (f"update_in_backward: {reason}, after backward had already updated "
-            f"{len(early)} parameter(s) ({short_names(list(early))}) from the gradients it "
-            f"produced; step() updated the others from their current gradients, so every "
-            f"parameter made this step once, not all from the same gradients. {_RULE}: remove "
-            f"that from the training loop, or set optimizer.update_in_backward = False; the "
-            f"next step() works either way")
-
+__all__ = ["PassState", "BackwardStepper", "backward_hook"]
 
 def backward_hook(owner, stepper: "BackwardStepper", prefetching) -> Callable[[Tensor], None]:
     """The gradient hook of an optimizer's parameters: with ``update_in_backward``, hands the
@@ -103,12 +87,12 @@ def backward_hook(owner, stepper: "BackwardStepper", prefetching) -> Callable[[T
 
 class PassState:
     """One store's part of the step made during backward: the pipeline over the units
-    planned for it, each unit's group and entries, and how many units are done."""
+    planned for it, the units, each unit's group and entries, and how many units are done."""
 
-    __slots__ = ("store", "pipe", "meta", "done")
+    __slots__ = ("store", "pipe", "units", "meta", "done")
 
-    def __init__(self, store, pipe, meta: list):
-        self.store, self.pipe, self.meta, self.done = store, pipe, meta, 0
+    def __init__(self, store, pipe, units: list, meta: list):
+        self.store, self.pipe, self.units, self.meta, self.done = store, pipe, units, meta, 0
 
     def close_refused(self, err: BaseException) -> None:
         """Give the pipeline's buffers back without writing the unit in hand."""
@@ -116,6 +100,16 @@ class PassState:
             self.pipe.__exit__(type(err), err, None)
         except BaseException:
             pass
+
+
+def _give_back_of(stepper: "BackwardStepper") -> Callable[[], bool]:
+    """:meth:`BackwardStepper.give_back`, holding the stepper weakly (stores keep it)."""
+    ref = weakref.ref(stepper)
+
+    def give_back() -> bool:
+        st = ref()
+        return True if st is None else st.give_back()
+    return give_back
 
 
 class BackwardStepper:
@@ -156,6 +150,17 @@ class BackwardStepper:
         #: ``release_grads`` while no plan exists; None: gradients wait for ``step()``
         self.unplanned: Optional[weakref.WeakMethod] = None
         self._budget: Optional[int] = None
+        #: elements of each parameter updated this step (its slices come in order): a
+        #: parameter is updated in part while 0 < applied_to[p] < local(p).numel()
+        self.applied_to: Dict[Tensor, int] = {}
+        #: set when a backward this stepper saw raised part-way (BackwardWatch)
+        self.backward_failed = False
+        #: gradients (tensor, version) a step closed early applied: the next step() skips
+        #: a parameter still holding it
+        self.spent: Dict[Tensor, Tuple[Tensor, int]] = {}
+        self.watch = BackwardWatch(self)
+        self._busy = False          # in a hook or step(): requests to give the ring back wait
+        table.closer = weakref.WeakMethod(self.close_step)
 
     @property
     def busy(self) -> bool:
@@ -181,7 +186,19 @@ class BackwardStepper:
     def grad_ready(self, p: Tensor) -> None:
         """Gradient hook: ``p``'s gradient is final. Updates, in the planned order, every
         unit whose parameters all have final gradients and whose states have arrived from
-        the store; never waits for I/O (that is left to ``step()``)."""
+        the store; never waits for I/O (that is left to ``step()``). Signals are deferred
+        meanwhile: a Ctrl-C lands between hooks, where every unit is whole."""
+        with deferred_signals():
+            self._busy = True
+            try:
+                self._grad_ready(p)
+            finally:
+                self._busy = False
+
+    def _grad_ready(self, p: Tensor) -> None:
+        if self.backward_failed:
+            self._close_step()
+        self.watch.saw_hook()
         if p in self.ready:
             # A second gradient before step() (accumulation): explained at step(); backward
             # goes on, and nothing more is updated during it.
@@ -238,9 +255,13 @@ class BackwardStepper:
         if self.passes is not None:
             return
         self.table.touched = False          # this step's first update
-        # The prefetch started by the last step() is handed out here.
-        self.passes = [PassState(store, store.pipeline(units, mode="rw", wait=False), meta)
-                       for store, (units, meta) in self.table.next_plans.items()]
+        # The prefetch started by the last step() is handed out here, lent to its store.
+        self.passes = []
+        give_back = _give_back_of(self)
+        for store, (units, meta) in self.table.next_plans.items():
+            self.passes.append(PassState(store, store.pipeline(units, mode="rw", wait=False),
+                                         units, meta))
+            self.passes[-1].pipe.lend(give_back)
 
     def _advance(self, block: bool, grads: Optional[Dict[Tensor, Tensor]] = None) -> None:
         """Update the pass's next units: those ready now (``block=False``), or all of them."""
@@ -273,40 +294,72 @@ class BackwardStepper:
         early = grads is None
         sel_t: List[Tensor] = []
         sel_e = []
+        use: Dict[Tensor, Tensor] = {}
         pos = 0
         for e in entries:
             p, a, _, names = e
             n = len(names)
-            if grads is None or p in grads:
+            g = self._grad_for(p, grads)
+            if g is not None:
                 sel_t += tensors[pos:pos + n]
                 sel_e.append(e)
+                use[p] = g
             pos += n
         if not sel_e:
             return
         table = self.table
-        if grads is None:
-            grads = {e[0]: checked_grad(e[0], table.keys[e[0]], self.owner) for e in sel_e}
         undo: dict = {}
         try:
             table.advance_steps([table.keys[e[0]] for e in sel_e if e[1] == 0], undo)
-            self._update()(sel_t, group, sel_e, grads, 1.0, dev)
+            self._update()(sel_t, group, sel_e, use, 1.0, dev)
         except BaseException as e:
             table.step_failed(undo, e, record=False)     # abort() records a failure
             raise
+        for e in sel_e:
+            self.applied_to[e[0]] = e[2]
         if early:
             for e in sel_e:
                 p = e[0]
+                g = use[p]
                 if self.release_grads and e[2] == local(p).numel():     # its last slice
-                    g = p.grad
-                    self.held_grad_bytes -= local(g).numel() * g.element_size()
-                    p.grad = None
+                    if p.grad is g:
+                        self.held_grad_bytes -= local(g).numel() * g.element_size()
+                        p.grad = None
                     self.seen.pop(p, None)     # it held the gradient too
                     self.released.add(p)
                     self.early_done[p] = (None, -1)
                     continue
-                g = p.grad
                 if p not in self.early_done:
                     self.early_done[p] = (g, g._version)
+
+    def _grad_for(self, p: Tensor, grads: Optional[Dict[Tensor, Tensor]]) -> Optional[Tensor]:
+        """The gradient to update ``p``'s next slice from (None: not now): a parameter
+        already updated in part goes on from the gradient it started with, one updated
+        whole is never updated again this step; otherwise the step's (``grads``), or during
+        backward its final ``p.grad``.
+
+        Raises:
+            StateStoreError: after a failed backward, the gradient a parameter updated in
+                part started with was changed in place (``zero_grad(set_to_none=False)``):
+                it cannot be finished exactly (the optimizer then refuses to go on).
+        """
+        done = self.applied_to.get(p)
+        if done is not None and done >= local(p).numel():
+            return None
+        if done is not None and p in self.early_done:
+            g, version = self.early_done[p]
+            if g is not None and g._version == version:
+                return g
+            if not self.backward_failed and grads is not None and p in grads:
+                return grads[p]     # a loop that changed it: reported by step() (mixed)
+            raise StateStoreError(
+                f"{self.owner}: backward failed after updating part of parameter "
+                f"{self.table.keys[p]!r}, and the gradient it started from was changed in "
+                f"place before the rest could be updated (zero_grad(set_to_none=False) or a "
+                f"model's zero_grad after the failure)")
+        if grads is None:
+            return checked_grad(p, self.table.keys[p], self.owner)
+        return grads.get(p)
 
     def _too_many_grads(self, store) -> bool:
         """``release_grads``: more gradient bytes wait for their states than the store's RAM
@@ -316,19 +369,137 @@ class BackwardStepper:
     def abort(self, err: BaseException) -> None:
         """A pass failed: give its buffers back; once anything was updated the optimizer
         refuses to go on (parameters and states hold a mix of two steps)."""
-        if self.table.touched or self.early_done:
+        if self.table.touched or self.early_done or self.applied_to:
             self.table.failed.append(f"{type(err).__name__}: {err}")
         else:                   # nothing changed: a new backward (or step()) starts afresh
             self.ready = {}
-        for sp in self.passes or ():
+        self._drop_passes(err)
+
+    def _drop_passes(self, err: BaseException) -> None:
+        passes, self.passes = self.passes, None
+        for sp in passes or ():
             sp.close_refused(err)
-        self.passes = None
+
+    # ------------------------------------------------------------------ an open step
+    def settle(self) -> None:
+        """Give the pass's ring buffers back now (its unread units are dropped) and finish
+        the parameters it updated in part, from the gradient each started with; the step
+        stays open (``step()`` or a retried backward finishes it, without the read-ahead).
+
+        Raises:
+            StateStoreError, StateStoreIOError: a part could not be finished (the optimizer
+                then refuses to go on).
+        """
+        if not self.passes:
+            return
+        passes, self.passes = self.passes, []           # []: this step's pass is over
+        rest = []
+        for sp in passes:
+            for j in range(sp.done, len(sp.meta)):
+                group, entries = sp.meta[j]
+                pos = 0
+                for e in entries:
+                    n = len(e[3])
+                    if 0 < self.applied_to.get(e[0], 0) < local(e[0]).numel():
+                        rest.append((sp.store, sp.units[j][pos:pos + n], group, e))
+                    pos += n
+            sp.close_refused(StateStoreError("the pass was given back"))
+        try:
+            with torch.no_grad():
+                for store in dict.fromkeys(r[0] for r in rest):
+                    mine = [r for r in rest if r[0] is store]
+                    with store.pipeline([r[1] for r in mine], mode="rw") as pipe:
+                        for tensors, (_, _, group, e) in zip(pipe, mine):
+                            self._apply(tensors, group, [e], store.device, None)
+        except BaseException as e:
+            self.abort(e)
+            raise
+
+    def give_back(self) -> bool:
+        """A store needs the pass's ring (:meth:`StatePipeline.lend`): :meth:`settle`, unless
+        this stepper is using the pass right now (False: asked again later). Never raises:
+        a failure makes the optimizer refuse to go on (it says why)."""
+        if self._busy:
+            return False
+        self._busy = True
+        try:
+            with deferred_signals():
+                self.settle()
+        except Exception:
+            pass                # recorded by abort(): every later call says so
+        finally:
+            self._busy = False
+        return True
+
+    def close_step(self) -> None:
+        """After a failed backward, and before a save, ``state_dict()``, ``load_state_dict()``
+        or master weights: an open step (parameters updated during backward, the others
+        waiting for ``step()``) ends here, consistent: :meth:`settle`, then what was updated
+        has made the step and the gradients it applied are left out of the next ``step()``
+        (:meth:`before_step`). Errors make the optimizer refuse to go on (it says why)."""
+        if self._busy or self.table.failed:
+            return
+        self._busy = True
+        try:
+            with deferred_signals():
+                self._close_step()
+        except Exception:
+            pass                # recorded by abort(): every later call says so
+        finally:
+            self._busy = False
+
+    def _close_step(self) -> None:
+        self.watch.ran = None           # that backward's failure is dealt with
+        self.settle()
+        if not (self.early_done or self.applied_to):
+            self.reset()            # nothing was updated: the next backward starts afresh
+            return
+        self.spent.update((p, rec) for p, rec in self.early_done.items() if rec[0] is not None)
+        released = self.released
+        self.reset()
+        self.released = released        # still out of step(): their gradients are gone
+        self.table.touched = False
+
+    def forget(self) -> None:
+        """The states were replaced (a load): drop the open step and its pass, unwritten."""
+        self._drop_passes(StateStoreError("the states were replaced"))
+        self.reset()
+        self.spent = {}
+        self.table.next_plans.clear()
+
+    def before_zero_grad(self, set_to_none: bool) -> None:
+        """``zero_grad()``: end a failed backward's step, or (zeroing in place) finish what
+        the pass updated in part, while the gradients they started from are intact."""
+        if self.backward_failed or self.watch.unfinished():
+            self.close_step()
+        elif not set_to_none:
+            self.give_back()
+
+    def before_step(self, work, grads: Dict[Tensor, Tensor]) -> None:
+        """``step()``, before anything: end a failed backward's step; leave out of ``work``
+        and ``grads`` the parameters still holding a gradient a step closed early
+        (:meth:`close_step`) already applied."""
+        if self.backward_failed or self.watch.unfinished():
+            self.close_step()
+        if not self.spent:
+            return
+        spent = {p for p, (g, v) in self.spent.items() if p.grad is g and g._version == v}
+        self.spent = {}
+        for p in spent:
+            grads.pop(p, None)
+        for store in list(work):
+            items = [(g, [p for p in ps if p not in spent]) for g, ps in work[store]]
+            work[store] = [(g, ps) for g, ps in items if ps]
+            if not work[store]:
+                del work[store]
 
     # ------------------------------------------------------------------ in step()
     def finish_step(self, work, grads: Dict[Tensor, Tensor],
                     may_prefetch: Callable[[object], bool]) -> None:
         """``step()``: check the gradients backward already used, update every remaining
         unit, plan the next step in gradient order and prefetch it where ``may_prefetch``.
+        After a backward that failed, the gradients it left are the loop's to keep or drop:
+        not checked (module docstring).
 
         Args:
             work: ``{store: [(group, params)]}``, the parameters this step updates.
@@ -346,14 +517,13 @@ class BackwardStepper:
         if reason and not self.early_done and not table.touched:
             self.reset()            # nothing changed: the step can be made again
             raise StateStoreError(refused_message(reason))
+        self._busy = True
         try:
             with torch.no_grad():
                 self._open()
                 self._advance(block=True, grads=grads)
             self.passes = None
-            covered = {e[0] for _, meta in table.next_plans.values() for _, es in meta
-                       for e in es}
-            covered.update(self.released)       # applied and released during backward
+            covered = set(self.applied_to) | self.released
             for store, items in work.items():
                 rest = [(g, [p for p in ps if p not in covered]) for g, ps in items]
                 rest = [(g, ps) for g, ps in rest if ps]
@@ -368,14 +538,10 @@ class BackwardStepper:
             self.ready = {}
             raise
         finally:
+            self._busy = False
             early = [keys[p] for p in self.early_done]
-            self.early_done = {}
-            self.seen = {}
-            self.second_grad = {}
-            self.released = set()
-            self.held_grad_bytes = 0
-            self._budget = None
-        order, self.ready = self.ready, {}
+            order = self.ready
+            self.reset(keep_passes=True)
         table.touched = False
         table.next_plans.clear()
         for store, items in work.items():
@@ -385,12 +551,11 @@ class BackwardStepper:
         if reason:                  # the step is complete and consistent: now say what happened
             raise StateStoreError(mixed_message(reason, early))
 
-    def reset(self) -> None:
+    def reset(self, keep_passes: bool = False) -> None:
         """Forget what backward reported since the last step and give the pass's buffers
-        back; only while nothing was updated."""
-        err = StateStoreError("the step was refused")
-        for sp in self.passes or ():
-            sp.close_refused(err)               # buffers back, nothing written
-        self.passes = None
+        back (``keep_passes``: the caller closed them)."""
+        if not keep_passes:
+            self._drop_passes(StateStoreError("the step was refused"))   # nothing written
         self.ready, self.seen, self.second_grad, self.early_done = {}, {}, {}, {}
         self.released, self.held_grad_bytes, self._budget = set(), 0, None
+        self.applied_to, self.backward_failed = {}, False

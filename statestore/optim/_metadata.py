@@ -221,6 +221,7 @@ def metadata_source(name: str, param_groups: List[dict], table: ParamTable,
     keys, steps, params = table.keys, table.steps, table.params
 
     def metadata() -> dict:
+        table.end_open_step()
         table.check_usable(name)
         groups = []
         for g in param_groups:

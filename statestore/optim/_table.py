@@ -51,9 +51,11 @@ class ParamTable:
         touched: whether the step under way has changed any parameter or state yet.
         failed: why a step failed part-way (empty: none did); the optimizer then refuses to
             step or checkpoint.
+        closer: what :meth:`end_open_step` calls.
     """
 
-    __slots__ = ("keys", "params", "stores", "steps", "next_plans", "touched", "failed")
+    __slots__ = ("keys", "params", "stores", "steps", "next_plans", "touched", "failed",
+                 "closer")
 
     def __init__(self) -> None:
         self.keys: Dict[Tensor, str] = {}
@@ -63,6 +65,9 @@ class ParamTable:
         self.next_plans: Dict[object, Tuple[list, list]] = {}
         self.touched = False
         self.failed: List[str] = []
+        #: ends a step left open (update_in_backward: parameters updated during a backward,
+        #: the others not yet) before its states are read whole; a weak method, or None
+        self.closer: Optional[Callable[[], Optional[Callable[[], None]]]] = None
 
     def set_keys(self, keys: Dict[Tensor, str], params: List[Tensor]) -> None:
         """Replace the key map and parameter list in place: the metadata source attached to
@@ -79,6 +84,13 @@ class ParamTable:
         """
         if self.failed:
             raise StateStoreError(failed_message(name, self.failed[0]))
+
+    def end_open_step(self) -> None:
+        """Before states are saved or read whole (a checkpoint, ``state_dict()``): end a step
+        left open, so that every parameter is at one step with its states that step's."""
+        closer = self.closer() if self.closer is not None else None
+        if closer is not None:
+            closer()
 
     def advance_steps(self, keys: Sequence[str], undo: Optional[StepUndo] = None) -> StepUndo:
         """Add one to the step count of each of ``keys``; returns what undoes it (``undo``,

@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from ..errors import StateStoreError, StateStoreValueError
+from ..errors import StateStoreError
 from ..offload._seam import update_begin, update_end
 from ..store import StateStore
 from ._args import check_arguments, check_params, grad_scale_of, validate_hyper
@@ -285,7 +285,7 @@ class _StoreAdam(torch.optim.Optimizer):
         if self._table.failed:      # unusable (see failed_message): stays detached
             return
         self._table.next_plans.clear()
-        self._stepper.ready = {}
+        self._stepper.forget()
         self._prefetching.discard(store)
         resume(store, self._table, self.param_groups, self._moments,
                sharded=self._sharding is not None, loaded=True)
@@ -331,15 +331,9 @@ class _StoreAdam(torch.optim.Optimizer):
         """
         if closure is not None and not callable(closure):
             raise TypeError(f"closure must be callable or None, got {type(closure).__name__}")
-        scale = grad_scale_of(div_scale)
+        scale = grad_scale_of(div_scale, self.update_in_backward)
         table = self._table
         table.check_usable(type(self).__name__)
-        if scale is not None and self.update_in_backward:
-            raise StateStoreValueError(
-                "update_in_backward: step(div_scale=...) is not supported (backward has "
-                "already applied the gradients it produced, unscaled); unscale the loss "
-                "instead, or set optimizer.update_in_backward = False. Nothing was changed: "
-                "call step() without div_scale to finish this step")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -347,6 +341,7 @@ class _StoreAdam(torch.optim.Optimizer):
         keys, released = self._keys, self._stepper.released
         work, grads = collect_work(self.param_groups, keys, self._stores, self._owns, released,
                                    type(self).__name__)
+        self._stepper.before_step(work, grads)
         if not grads and not released:
             return loss
         if self._sharding is not None:
@@ -481,6 +476,7 @@ class _StoreAdam(torch.optim.Optimizer):
             StateStoreIOError: a disk store failed to read a state.
             StateStoreError: a step failed part-way (:meth:`step`); sharded (docs/distributed.md).
         """
+        self._table.end_open_step()
         self._table.check_usable(type(self).__name__)
         refuse_partial(self._sharding, "state_dict()")
         return export_state_dict(self.param_groups, self._table, self._moments)
@@ -511,11 +507,13 @@ class _StoreAdam(torch.optim.Optimizer):
             CheckpointMismatchError: groups or parameter counts that differ.
             StateStoreError: a step failed part-way; one rank's :meth:`shard_state_dict`.
         """
+        self._table.end_open_step()
         self._table.check_usable(type(self).__name__)
         check_not_partial(state_dict, self._sharding, self._table)
         new_hyper, plan = read_state_dict(state_dict, self.param_groups, self._table,
                                           self._owns)
         write_states(self.param_groups, new_hyper, plan, self._table, self._moments)
+        self._stepper.forget()
 
     # ------------------------------------------------------------------ fp32 weights
     def master_weights(self) -> Dict[str, Tensor]:
@@ -537,6 +535,7 @@ class _StoreAdam(torch.optim.Optimizer):
             StateStoreError: an earlier step failed part-way (see :meth:`step`).
         """
         from ._masters import master_weights
+        self._table.end_open_step()
         self._table.check_usable(type(self).__name__)
         return master_weights(self._table)
 
@@ -555,6 +554,7 @@ class _StoreAdam(torch.optim.Optimizer):
             OSError: writing the file failed (the temporary file is removed).
         """
         from ._masters import save_master_weights
+        self._table.end_open_step()
         self._table.check_usable(type(self).__name__)
         save_master_weights(self._table, path)
 
@@ -562,8 +562,10 @@ class _StoreAdam(torch.optim.Optimizer):
         """Reset the gradients of every parameter, as ``torch.optim.Optimizer.zero_grad``.
 
         Args:
-            set_to_none: set ``param.grad = None`` (default) instead of zeroing it.
+            set_to_none: set ``param.grad = None`` (default) instead of zeroing it (which
+                first finishes what a failed backward updated in part: ``docs/reliability.md``).
         """
+        self._stepper.before_zero_grad(set_to_none)
         super().zero_grad(set_to_none)
 
     # ------------------------------------------------------------------ lifetime

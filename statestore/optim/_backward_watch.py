@@ -1,0 +1,95 @@
+"""What an update-in-backward step learns from outside the stepper: whether a backward it saw
+failed (:class:`BackwardWatch`), and the messages of a loop that misuses the mode (gradients
+changed or accumulated between backward and ``step()``)."""
+from __future__ import annotations
+
+import weakref
+from typing import Callable, List, Optional, Sequence
+
+import torch
+
+from ._metadata import short_names
+
+__all__ = ["BackwardWatch", "misuse_reason", "refused_message", "mixed_message"]
+
+_RULE = ("with update_in_backward=True each gradient is applied as soon as backward produces "
+         "it, so gradients must reach step() unchanged: no clipping or unscaling between "
+         "backward and step(), no accumulation over several backward calls")
+
+
+def misuse_reason(second_gradient: Sequence[str], changed: Sequence[str]) -> str:
+    """What the loop did, or '' when nothing."""
+    if second_gradient:
+        return (f"{len(second_gradient)} parameter(s) ({short_names(list(second_gradient))}) "
+                f"got a second gradient before step() (gradient accumulation over several "
+                f"backward calls)")
+    if changed:
+        return (f"the gradients of {len(changed)} parameter(s) ({short_names(list(changed))}) "
+                f"changed after backward produced them (clipping, unscaling or scaling "
+                f"gradients between backward and step())")
+    return ""
+
+
+def refused_message(reason: str) -> str:
+    return (f"update_in_backward: {reason}; {_RULE}. Nothing was updated: remove that from "
+            f"the training loop, or set optimizer.update_in_backward = False and call step() "
+            f"again (this step's gradients are kept)")
+
+
+def mixed_message(reason: str, early: Sequence[str]) -> str:
+    return (f"update_in_backward: {reason}, after backward had already updated "
+            f"{len(early)} parameter(s) ({short_names(list(early))}) from the gradients it "
+            f"produced; step() updated the others from their current gradients, so every "
+            f"parameter made this step once, not all from the same gradients. {_RULE}: remove "
+            f"that from the training loop, or set optimizer.update_in_backward = False; the "
+            f"next step() works either way")
+
+
+def _graph_task_id() -> Optional[int]:
+    f = getattr(torch._C, "_current_graph_task_id", None)
+    return f() if f is not None else None
+
+
+def _queue_callback(cb: Callable[[], None]) -> None:
+    torch.autograd.Variable._execution_engine.queue_callback(cb)
+
+
+def _dropped(sref, ran: List[bool]) -> None:
+    st = sref()
+    if st is not None and not ran[0]:
+        st.backward_failed = True
+
+
+class BackwardWatch:
+    """Tells a :class:`BackwardStepper` when a backward it saw fails: at the first hook of
+    each autograd graph task, a callback is queued with the engine, which runs it when that
+    backward completes, and drops it unrun when the backward raises (the model's exception,
+    a Ctrl-C): then ``stepper.backward_failed`` is set (only a flag: it may be set from the
+    engine's thread)."""
+
+    __slots__ = ("sref", "gid", "ran")
+
+    def __init__(self, stepper: "BackwardStepper"):
+        self.sref, self.gid = weakref.ref(stepper), None
+        self.ran: Optional[List[bool]] = None
+
+    def unfinished(self) -> bool:
+        """Outside backward (``step()``, a save...): whether the last backward watched never
+        completed (it failed; the flag may not be set yet while the exception, holding the
+        engine's callback through a frame, is still alive)."""
+        return self.ran is not None and not self.ran[0]
+
+    def saw_hook(self) -> None:
+        gid = _graph_task_id()
+        if gid is None or gid == self.gid:
+            return
+        ran = [False]
+
+        def completed() -> None:
+            ran[0] = True
+        try:
+            _queue_callback(completed)
+        except (RuntimeError, AttributeError):     # not inside the engine: nothing to watch
+            return
+        self.gid, self.ran = gid, ran
+        weakref.finalize(completed, _dropped, self.sref, ran)
