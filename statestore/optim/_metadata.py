@@ -221,8 +221,7 @@ def metadata_source(name: str, param_groups: List[dict], table: ParamTable,
     keys, steps, params = table.keys, table.steps, table.params
 
     def metadata() -> dict:
-        table.end_open_step()
-        table.check_usable(name)
+        table.check_usable(name, end_open_step=True)
         groups = []
         for g in param_groups:
             hyper = {k: (list(g[k]) if k == "betas" else g[k]) for k in HYPER}

@@ -76,12 +76,15 @@ class ParamTable:
         self.keys.update(keys)
         self.params[:] = params
 
-    def check_usable(self, name: str) -> None:
-        """Refuse once a step failed part-way (every call that steps, reads or saves states).
+    def check_usable(self, name: str, end_open_step: bool = False) -> None:
+        """Refuse once a step failed part-way (every call that steps, reads or saves states);
+        with ``end_open_step``, :meth:`end_open_step` first (a call reading states whole).
 
         Raises:
             StateStoreError: ``failed`` is not empty; says how to recover.
         """
+        if end_open_step:
+            self.end_open_step()
         if self.failed:
             raise StateStoreError(failed_message(name, self.failed[0]))
 

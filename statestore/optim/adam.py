@@ -476,8 +476,7 @@ class _StoreAdam(torch.optim.Optimizer):
             StateStoreIOError: a disk store failed to read a state.
             StateStoreError: a step failed part-way (:meth:`step`); sharded (docs/distributed.md).
         """
-        self._table.end_open_step()
-        self._table.check_usable(type(self).__name__)
+        self._table.check_usable(type(self).__name__, end_open_step=True)
         refuse_partial(self._sharding, "state_dict()")
         return export_state_dict(self.param_groups, self._table, self._moments)
 
@@ -507,8 +506,7 @@ class _StoreAdam(torch.optim.Optimizer):
             CheckpointMismatchError: groups or parameter counts that differ.
             StateStoreError: a step failed part-way; one rank's :meth:`shard_state_dict`.
         """
-        self._table.end_open_step()
-        self._table.check_usable(type(self).__name__)
+        self._table.check_usable(type(self).__name__, end_open_step=True)
         check_not_partial(state_dict, self._sharding, self._table)
         new_hyper, plan = read_state_dict(state_dict, self.param_groups, self._table,
                                           self._owns)
@@ -535,8 +533,7 @@ class _StoreAdam(torch.optim.Optimizer):
             StateStoreError: an earlier step failed part-way (see :meth:`step`).
         """
         from ._masters import master_weights
-        self._table.end_open_step()
-        self._table.check_usable(type(self).__name__)
+        self._table.check_usable(type(self).__name__, end_open_step=True)
         return master_weights(self._table)
 
     def save_master_weights(self, path: str) -> None:
@@ -554,8 +551,7 @@ class _StoreAdam(torch.optim.Optimizer):
             OSError: writing the file failed (the temporary file is removed).
         """
         from ._masters import save_master_weights
-        self._table.end_open_step()
-        self._table.check_usable(type(self).__name__)
+        self._table.check_usable(type(self).__name__, end_open_step=True)
         save_master_weights(self._table, path)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
