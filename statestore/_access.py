@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import List, Optional, Sequence, Tuple
 
 from ._inflight import InFlightWrites
+from ._signals import deferred_signals
 from ._stream import StateStream, chunk_ranges, plan_slices
 from ._types import Slice, StateSpec
 from .pipeline import Pipeline, Prefetch, StatePipeline, check_mode, unit_lists
@@ -104,7 +105,15 @@ class PipelineAccess:
         self._check_open()
         check_mode(mode)
         slices = plan_slices(keys, chunk_bytes, lambda k, lim: self._chunks(self.spec(k), lim))
-        return StateStream(self.pipeline([[s] for s in slices], mode=mode, wait=wait), slices)
+        pipe = None
+        try:
+            pipe = self.pipeline([[s] for s in slices], mode=mode, wait=wait)
+            with deferred_signals():        # until the caller holds it, nobody else would
+                return StateStream(pipe, slices)        # ... cancel it: here
+        except BaseException:
+            if pipe is not None:
+                pipe.cancel()
+            raise
 
     def prefetch(self, units: Sequence[Sequence[Slice]], mode: str = "rw") -> None:
         """Start reading ``units`` now, for a :meth:`pipeline` that will ask for exactly these

@@ -6,7 +6,9 @@ One :class:`InFlightWrites` belongs to each store (``store.in_flight``); every p
 that store, and the store itself (``sync``, ``put``, ``delete``), go through it, so the order
 "a read or write of a state waits for the pending writes of its blocks" holds across
 pipelines, and an error of a write started by one call surfaces at the next call that depends
-on it. Not thread-safe, as stores are not.
+on it. Not thread-safe, as stores are not. Its bookkeeping runs with signals deferred
+(:mod:`statestore._signals`): a Ctrl-C never lands between taking a finished write off the
+list and recording its outcome and freeing its buffer.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from typing import Callable, Deque, Dict, Iterable, List, NamedTuple, Optional, 
 import torch
 
 from ._ring import RingArena, RingRegion
+from ._signals import deferred_signals
 from ._types import Slice, StateKey, StateSpec
 from .errors import StateStoreError, StateStoreIOError
 
@@ -108,6 +111,8 @@ class InFlightWrites:
                 # hold its buffers (their errors surface at the next call, as usual).
                 while self.wait_oldest():
                     pass
+            if ring.used:
+                self.reclaim_abandoned()
         if ring is None or (ring.capacity < want and not self._pending and ring.used == 0):
             self._ring = None           # release the old buffer before allocating the new
             self._ring = RingArena(self._alloc_buffer(want), self.alignment,
@@ -176,8 +181,11 @@ class InFlightWrites:
     def add(self, region: Optional[RingRegion], writes: List[SliceIO]) -> None:
         """Record the writes of one unit; ``region`` (its ring bytes) is released once every
         one of them has completed."""
-        self._pending.append(_Batch(region, writes))
-        self.poll()
+        with deferred_signals():
+            if region is not None:
+                region.ios = writes
+            self._pending.append(_Batch(region, writes))
+            self.poll()
 
     def __bool__(self) -> bool:
         """Whether any write is still recorded as in flight."""
@@ -185,15 +193,19 @@ class InFlightWrites:
 
     def poll(self) -> None:
         """Never blocks: retire the oldest units whose writes have all completed."""
-        while self._pending and self._pending[0].done():
-            self._complete(self._pending.popleft())
+        if not (self._pending and self._pending[0].done()):
+            return
+        with deferred_signals():
+            while self._pending and self._pending[0].done():
+                self._complete(self._pending.popleft())
 
     def wait_oldest(self) -> bool:
         """Wait for the oldest unit's writes (False when none is in flight). A failure is
         recorded (the state is damaged, the error raised by :meth:`raise_error`)."""
         if not self._pending:
             return False
-        self._complete(self._pending.popleft())
+        with deferred_signals():
+            self._complete(self._pending.popleft())
         return True
 
     def drain(self) -> None:
@@ -257,6 +269,29 @@ class InFlightWrites:
         err, self._error = self._error, None
         if err is not None:
             raise err
+
+    def reclaim_abandoned(self) -> bool:
+        """Take back the ring regions whose pipeline is gone or closed and that no write in
+        flight holds (an owner interrupted outside its clean-up, or dropped without
+        ``close()``): their reads are waited for first. Returns whether any was freed."""
+        ring = self._ring
+        if ring is None:
+            return False
+        freed = False
+        with deferred_signals():
+            held = {id(b.region) for b in self._pending}
+            for r in ring.live():
+                owner = r.owner() if r.owner is not None else None
+                if id(r) in held or (owner is not None and not owner.closed):
+                    continue
+                for io in list(r.ios):
+                    try:
+                        io[1].result()
+                    except BaseException:
+                        pass
+                ring.release(r)
+                freed = True
+        return freed
 
     def forget(self) -> None:
         """Drop every record of writes in flight without waiting (their futures must never

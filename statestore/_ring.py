@@ -1,5 +1,11 @@
 """The ring of host buffers a streaming store's pipelines carve their units from: one aligned
-buffer of at most ``budget_bytes``, allocated and freed in FIFO order (the RAM bound)."""
+buffer of at most ``budget_bytes``, allocated and freed in FIFO order (the RAM bound).
+
+Allocation and release run with signals deferred (:mod:`statestore._signals`): a Ctrl-C never
+lands between a region's record and the head that follows it. Each region records its owner
+(the pipeline, weakly) and the I/O using its bytes, so that a region its owner abandoned (an
+interrupt outside any clean-up, an iteration dropped without ``with``) can be taken back once
+that I/O is done (:meth:`InFlightWrites.reclaim_abandoned`)."""
 from __future__ import annotations
 
 from collections import deque
@@ -7,6 +13,7 @@ from typing import Deque, NamedTuple, Optional
 
 import torch
 
+from ._signals import deferred_signals
 from .errors import BudgetError, StateStoreValueError
 
 __all__ = ["RingArena", "RingRegion", "Allocation", "aligned_buffer", "round_up"]
@@ -25,12 +32,19 @@ def aligned_buffer(nbytes: int, align: int) -> torch.Tensor:
 
 
 class RingRegion:
-    """Bytes ``[start, end)`` of a ring, live until :meth:`RingArena.release` marks them free."""
+    """Bytes ``[start, end)`` of a ring, live until :meth:`RingArena.release` marks them free.
 
-    __slots__ = ("start", "end", "released")
+    Attributes:
+        owner: a weak reference to what allocated it (a pipeline), or None.
+        ios: the reads or writes in flight on its bytes (``(slice, future)`` pairs).
+    """
 
-    def __init__(self, start: int, end: int):
+    __slots__ = ("start", "end", "released", "owner", "ios")
+
+    def __init__(self, start: int, end: int, owner=None):
         self.start, self.end, self.released = start, end, False
+        self.owner = owner
+        self.ios: list = []
 
     def __repr__(self) -> str:
         return f"RingRegion({self.start}, {self.end}{', released' if self.released else ''})"
@@ -76,8 +90,9 @@ class RingArena:
         """Bytes held by live regions."""
         return sum(r.end - r.start for r in self._regions)
 
-    def try_alloc(self, nbytes: int) -> Optional[Allocation]:
-        """``nbytes`` (rounded up to ``align``, at least one block) of the ring.
+    def try_alloc(self, nbytes: int, owner=None) -> Optional[Allocation]:
+        """``nbytes`` (rounded up to ``align``, at least one block) of the ring, for ``owner``
+        (a weak reference, recorded in the region).
 
         Returns:
             An :class:`Allocation` ``(offset, region)``, or None when the ring has no room now.
@@ -95,6 +110,10 @@ class RingArena:
                               f"was allocated (budget_bytes is {self.budget}); it could not grow "
                               f"because another pipeline still holds buffers in it: finish or "
                               f"close that pipeline first")
+        with deferred_signals():
+            return self._alloc(nbytes, owner)
+
+    def _alloc(self, nbytes: int, owner) -> Optional[Allocation]:
         self._reclaim()
         if not self._regions:
             start = 0
@@ -111,15 +130,21 @@ class RingArena:
                 start = head
             else:
                 return None
-        region = RingRegion(start, start + nbytes)
+        region = RingRegion(start, start + nbytes, owner)
         self._regions.append(region)
         self._head = start + nbytes
         return Allocation(start, region)
 
     def release(self, region: RingRegion) -> None:
         """Marks a region free; its space is reused once all older regions are free too."""
-        region.released = True
-        self._reclaim()
+        with deferred_signals():
+            region.released = True
+            region.ios = []
+            self._reclaim()
+
+    def live(self) -> list:
+        """The regions not released yet, oldest first."""
+        return [r for r in self._regions if not r.released]
 
     def _reclaim(self) -> None:
         while self._regions and self._regions[0].released:

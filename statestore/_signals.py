@@ -19,6 +19,8 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+
+import _signal      # signal's own functions, without the enum conversions (a deferral is hot)
 from typing import Any, Callable, Dict, List, Optional
 
 __all__ = ["deferred_signals", "without_signals"]
@@ -26,7 +28,8 @@ __all__ = ["deferred_signals", "without_signals"]
 #: the signals deferred (where a Python handler is installed for them)
 SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM") if hasattr(signal, n))
 
-_main = threading.main_thread()
+_MAIN = threading.main_thread().ident
+_ident = threading.get_ident
 
 
 class _State:
@@ -47,21 +50,21 @@ class deferred_signals:
 
     def __enter__(self) -> "deferred_signals":
         self._outer = False
-        if threading.current_thread() is not _main:
-            return self
-        if _State.depth:
+        if _State.depth and _ident() == _MAIN:
             _State.depth += 1
+            return self
+        if _ident() != _MAIN:
             return self
         saved: Dict[int, Any] = {}
         try:
             for sig in SIGNALS:
-                h = signal.getsignal(sig)
+                h = _signal.getsignal(sig)
                 if callable(h) and h is not _record:
                     saved[sig] = h
-                    signal.signal(sig, _record)
+                    _signal.signal(sig, _record)
         except BaseException:
             for sig, h in saved.items():    # a signal while installing: leave as it was
-                signal.signal(sig, h)
+                _signal.signal(sig, h)
             raise
         _State.saved, _State.pending = saved, []
         _State.depth = 1
@@ -69,7 +72,7 @@ class deferred_signals:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if threading.current_thread() is not _main or not _State.depth:
+        if not _State.depth or _ident() != _MAIN:
             return
         _State.depth -= 1
         if not self._outer:
@@ -77,7 +80,7 @@ class deferred_signals:
         saved, pending = _State.saved, _State.pending
         _State.saved, _State.pending = {}, []
         for sig, h in saved.items():
-            signal.signal(sig, h)
+            _signal.signal(sig, h)
         if pending:
             handler: Optional[Callable] = saved.get(pending[0])
             if handler is not None:         # KeyboardInterrupt (say) raised here, after

@@ -19,6 +19,12 @@ order, as flat 1-D tensors the caller may read and modify in place.
 Errors raised by background I/O surface at the caller's next call into the pipeline or store,
 as :class:`~statestore.errors.StateStoreIOError` naming the state and the file.
 
+Every call into a pipeline runs with signals deferred (:mod:`statestore._signals`): a Ctrl-C
+lands between calls, never half-way through the bookkeeping of buffers and I/O in flight (a
+caller's ``with`` then cancels the pipeline, which gives everything back). Buffers a pipeline
+still holds when its owner abandons it (dropped without ``close()``) are taken back once their
+I/O is done, when another pipeline needs them (:meth:`InFlightWrites.reclaim_abandoned`).
+
 Order of calls::
 
     with store.pipeline(units, mode="rw") as pipe:   # 0) reads start at once
@@ -34,6 +40,7 @@ whether the next unit has arrived, ``pipe.take()`` hands it out only then (else 
 """
 from __future__ import annotations
 
+import weakref
 from abc import ABC, abstractmethod
 from typing import Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -41,6 +48,7 @@ import torch
 
 from ._inflight import InFlightWrites, SliceIO
 from ._ring import RingArena, RingRegion, round_up as _round_up
+from ._signals import deferred_signals
 from ._trace import begin as _begin_span, end as _end_span, span as _span
 from ._types import Slice, StateKey
 from .errors import BudgetError, StateStoreValueError
@@ -236,19 +244,29 @@ class Pipeline(StatePipeline):
         self._current: Optional[_Unit] = None
         self._closed = False
         self._writes: InFlightWrites = store.in_flight
+        self._ref = weakref.ref(self)
         if not self._resident:
             need = max((sum(self._unit_bytes(u)) for u in self._units), default=0)
-            self._arena: RingArena = self._writes.arena(need)
             try:
-                self._fill(block=not prefetch)
+                with deferred_signals():    # a Ctrl-C meanwhile is raised as it ends: below
+                    self._arena: RingArena = self._writes.arena(need)
+                    self._fill(block=not prefetch)
             except BaseException:
-                self._closed = True
-                self._drop_unconsumed(swallow=True)     # nobody else could give them back
+                with deferred_signals():
+                    self._closed = True
+                    if hasattr(self, "_arena"):
+                        self._drop_unconsumed(swallow=True)     # nobody else could
                 raise
+
+    @property
+    def closed(self) -> bool:
+        """Whether the pipeline was closed or cancelled (its buffers are no longer used)."""
+        return self._closed
 
     # -- iteration ---------------------------------------------------------------------------
     def __next__(self) -> List[torch.Tensor]:
-        return self._next(block=True)
+        with deferred_signals():
+            return self._next(block=True)
 
     def ready(self) -> bool:
         """Never blocks: retires finished background writes, starts the reads that need no
@@ -257,34 +275,38 @@ class Pipeline(StatePipeline):
         stores."""
         if self._closed or self._resident or self._next_yield >= len(self._units):
             return True
-        self._writes.poll()
-        self._fill(block=False)
-        if self._next_submit <= self._next_yield:
-            return False
-        return all(f.done() for _, f in self._units[self._next_yield].reads)
+        with deferred_signals():
+            self._writes.poll()
+            self._fill(block=False)
+            if self._next_submit <= self._next_yield:
+                return False
+            return all(f.done() for _, f in self._units[self._next_yield].reads)
 
     def take(self) -> Optional[List[torch.Tensor]]:
         """``next()`` without waiting: the next unit's tensors when :meth:`ready`, else None
         (also at the end). Used from gradient hooks, where a wait would stall backward; the
         reads it starts for later units are only those that need no waiting either."""
-        if self._closed or self._next_yield >= len(self._units) or not self.ready():
-            return None
-        return self._next(block=False)
+        with deferred_signals():
+            if self._closed or self._next_yield >= len(self._units) or not self.ready():
+                return None
+            return self._next(block=False)
 
     def wait_next(self) -> Optional[List[torch.Tensor]]:
         """``next()`` that waits for the next unit's reads only and then starts further reads
         without waiting for buffers (``next()`` fills the ring, waiting for write-backs): for
         a gradient hook that must not go on before its unit is updated (``release_grads``)
         yet should hold backward no longer than that. None at the end."""
-        if self._closed or self._next_yield >= len(self._units):
-            return None
-        return self._next(block=False)
+        with deferred_signals():
+            if self._closed or self._next_yield >= len(self._units):
+                return None
+            return self._next(block=False)
 
     def commit(self) -> None:
         """Hand the current unit back now instead of at the next ``next()``: in modes "rw"
         and "w" its write-back starts. Its tensors must not be used afterwards."""
-        if not self._closed:
-            self._finish_current()
+        with deferred_signals():
+            if not self._closed:
+                self._finish_current()
 
     def lend(self, give_back) -> None:
         if not self._resident and not self._closed:
@@ -295,8 +317,9 @@ class Pipeline(StatePipeline):
         units that fit the ring now (a prefetch between an optimizer's steps)."""
         if self._closed or self._resident:
             return
-        self._writes.poll()
-        self._fill(block=False)
+        with deferred_signals():
+            self._writes.poll()
+            self._fill(block=False)
 
     def _next(self, block: bool) -> List[torch.Tensor]:
         if self._closed:
@@ -335,11 +358,13 @@ class Pipeline(StatePipeline):
         every write; raises the first background error."""
         if self._closed:
             return
-        self._finish_current()
-        self._closed = True
+        with deferred_signals():
+            self._finish_current()
+            self._closed = True
+            if not self._resident:
+                self._writes.returned(self)
+                self._drop_unconsumed()
         if not self._resident:
-            self._writes.returned(self)
-            self._drop_unconsumed()
             if self.wait:
                 with _span("statestore::write_wait"):
                     self._store.sync()
@@ -350,16 +375,17 @@ class Pipeline(StatePipeline):
         """The caller failed mid-unit (or a prefetch is dropped): its unit is not written
         back (its data may be half updated, and the store keeps the previous values); reads
         in flight are drained and every buffer goes back to the ring."""
-        unit, self._current = self._current, None
-        self._closed = True
-        if unit is not None:
-            _end_span(unit.span)
-            unit.span = None
-        if not self._resident:
-            self._writes.returned(self)
+        with deferred_signals():
+            unit, self._current = self._current, None
+            self._closed = True
             if unit is not None:
-                self._release_unit(unit)
-            self._drop_unconsumed(swallow=True)
+                _end_span(unit.span)
+                unit.span = None
+            if not self._resident:
+                self._writes.returned(self)
+                if unit is not None:
+                    self._release_unit(unit)
+                self._drop_unconsumed(swallow=True)
 
     # -- internals ---------------------------------------------------------------------------
     def _finish_current(self) -> None:
@@ -429,10 +455,11 @@ class Pipeline(StatePipeline):
         if not block and any(writes.busy(s.key, s.start, s.stop) for s in unit.slices):
             return False        # its last write is still in flight: try again later
         sizes = self._unit_bytes(unit)
-        got = self._arena.try_alloc(sum(sizes))
+        got = self._arena.try_alloc(sum(sizes), self._ref)
         if got is None:
             return False
         offset, unit.region = got
+        unit.region.ios = unit.reads = []
         unit.tensors = []
         span = _begin_span("statestore::read_submit") if self._mode != "w" else None
         for s, nb in zip(unit.slices, sizes):
@@ -466,9 +493,13 @@ class Pipeline(StatePipeline):
         while not self._try_submit():
             with _span("statestore::write_wait"):
                 waited = self._writes.wait_oldest()
-            if not waited:
-                raise BudgetError("pipeline deadlock: no pending write to wait for and no "
-                                  "room in the RAM budget (internal error)")
+            if not waited and not self._writes.reclaim_abandoned():
+                held = sum(r.end - r.start for r in self._arena.live()
+                           if r.owner is not self._ref)
+                raise BudgetError(
+                    f"no room in the RAM budget of {self._arena.budget} bytes for the next "
+                    f"unit: other pipelines of this store still open hold {held} bytes of its "
+                    f"ring (close or cancel them: iterate a pipeline inside 'with')")
 
 
 class Prefetch(NamedTuple):

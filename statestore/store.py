@@ -27,6 +27,7 @@ from ._inflight import InFlightWrites
 from ._links import LinkSeam
 from ._regions import Region
 from ._ring import aligned_buffer
+from ._signals import deferred_signals
 from ._types import LinkableFile, Slice, StateKey, StateSpec, as_key
 from .errors import StateKeyError, StateStoreClosedError, StateStoreError, StateStoreValueError
 from .kernels import stream_copy_
@@ -79,6 +80,8 @@ class StateStore(PipelineAccess, LinkSeam, ABC):
         self._metadata_provider: Optional[Callable[[], Optional[dict]]] = None
         self._on_load: Optional[Callable[[], Optional[Callable]]] = None
         self._loaded_metadata: Optional[dict] = None
+        self._load_error: Optional[str] = None    # why the last load left the store empty
+        self._clears = 0            # clear() calls: whether a failed load had emptied the store
         self._prefetched: Optional[Prefetch] = None     # started by prefetch()
         self._process_group = None      # the group this store's states are sharded over
         self._deferred = None           # checkpoint states a sharded load left on disk
@@ -171,11 +174,13 @@ class StateStore(PipelineAccess, LinkSeam, ABC):
         self._check_open()
         self.cancel_prefetch()
         new, inits = check_entries(entries, self._specs)
+        self._load_error = None         # states made anew: no longer the remains of a load
         if not new:
             return
-        self._allocate(new)
-        for k, spec in new:
-            self._specs[k] = spec
+        with deferred_signals():        # the backend's storage and the catalogue agree
+            self._allocate(new)
+            for k, spec in new:
+                self._specs[k] = spec
         for k, init in inits:
             self.put(k, init)
 
@@ -200,14 +205,17 @@ class StateStore(PipelineAccess, LinkSeam, ABC):
         for k in ks:
             self.spec(k)
         self.sync()
-        for k in ks:
-            del self._specs[k]
-            self._in_flight.repaired(k)
-        self._free(ks)
+        with deferred_signals():        # the catalogue and the backend's storage agree
+            for k in ks:
+                del self._specs[k]
+                self._in_flight.repaired(k)
+            self._free(ks)
 
     def clear(self) -> None:
         """Remove every state and the loaded checkpoint metadata."""
         self._check_open()
+        self._clears += 1
+        self._load_error = None
         if self._specs:
             self.delete(list(self._specs))
         self._loaded_metadata = None
@@ -391,7 +399,9 @@ class StateStore(PipelineAccess, LinkSeam, ABC):
         self._loaded_metadata = metadata
         self._deferred = deferred
         self._process_group = process_group
-        self._loaded()
+        self._load_error = None
+        with deferred_signals():        # the optimizer takes the checkpoint whole
+            self._loaded()
 
     def record_deferred_loaded(self) -> None:
         """Every state a sharded load deferred is now here: the store holds the whole
@@ -418,6 +428,12 @@ class StateStore(PipelineAccess, LinkSeam, ABC):
         return self._loaded_metadata
 
     @property
+    def load_error(self) -> Optional[str]:
+        """Why the last :meth:`load_checkpoint` failed after it had emptied the store (an
+        optimizer on the store then refuses to go on: its states are gone), else None."""
+        return self._load_error
+
+    @property
     def loaded_metadata(self) -> Optional[dict]:
         """Metadata of the checkpoint last loaded into this store (None if none)."""
         return self._loaded_metadata
@@ -438,16 +454,29 @@ class StateStore(PipelineAccess, LinkSeam, ABC):
             StateStoreValueError, StateStoreClosedError, CheckpointError, StateStoreIOError:
                 as :func:`statestore.checkpoint.save_checkpoint`; the previous checkpoint at
                 ``path`` stays intact.
+            StateStoreError: the last :meth:`load_checkpoint` failed and left the store empty
+                (:attr:`load_error`); nothing is written.
         """
         from .checkpoint import save_checkpoint
+        if self._load_error is not None:
+            raise StateStoreError(
+                f"this store's last load_checkpoint failed ({self._load_error}) and left it "
+                f"empty: a save now would write an empty checkpoint, over the last good one "
+                f"if at the same path. Load the last checkpoint into the store first (the "
+                f"same store is fine)")
         save_checkpoint(self, path, **kwargs)
 
     def load_checkpoint(self, path: str, **kwargs) -> None:
         """Replace this store's states with those of the checkpoint at ``path`` (written by
         any store, at any world size). Under an initialized ``torch.distributed`` group of
         several ranks, each rank loads only the shard it owns at that size. An optimizer
-        already attached to the store takes the checkpoint's step counts and hyperparameters
-        (or forgets its step counts when the load fails and leaves the store empty).
+        already attached to the store takes the checkpoint's step counts and hyperparameters.
+
+        A checkpoint refused before any tensor is read (missing, a corrupt manifest or shard
+        header) leaves the store and its optimizer as they were. A load failing later (a
+        checksum mismatch, an I/O error, Ctrl-C) leaves the store empty, never half-loaded,
+        and the attached optimizer refusing every call until a load into the store succeeds
+        (:attr:`load_error`): its states are gone, and it never starts them afresh.
 
         Args:
             path: the checkpoint directory: a local path or any fsspec URL.
@@ -457,20 +486,22 @@ class StateStore(PipelineAccess, LinkSeam, ABC):
         Raises:
             CheckpointNotFoundError, CheckpointCorruptError, CheckpointMismatchError,
             StateStoreValueError, StateStoreClosedError, StateStoreIOError: as
-                :func:`statestore.checkpoint.load_checkpoint`; the store is then empty.
+                :func:`statestore.checkpoint.load_checkpoint`.
         """
         from .checkpoint import load_checkpoint
+        clears = self._clears
         try:
             load_checkpoint(self, path, **kwargs)
-        except BaseException:
-            # A failed load leaves the store empty: the attached optimizer forgets the step
-            # counts of the states it lost, so that stepping on starts them afresh
-            # consistently instead of with stale bias corrections.
-            if not self._closed and not self._specs and self._on_load is not None:
-                try:
-                    self._loaded()
-                except Exception:
-                    pass
+        except BaseException as e:
+            with deferred_signals():
+                if not self._closed and not self._specs and self._clears != clears:
+                    # it had emptied the store: the optimizer learns its states are gone
+                    self._load_error = f"{type(e).__name__}: {e}"[:500]
+                    if self._on_load is not None:
+                        try:
+                            self._loaded()
+                        except Exception:
+                            pass
             raise
 
     def load_deferred(self, params: Iterable[str],

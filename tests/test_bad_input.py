@@ -714,13 +714,21 @@ def _save_uninstalled(c):
     _with_state(c).save_checkpoint(f"{proto}://bucket/ckpt")
 
 
-def _load(c, path):
+def _load(c, path, while_loading: bool = False):
+    """A load that fails: refused before the store changes (it keeps its state), or, when
+    the damage shows only ``while_loading`` the tensors, leaving it empty (never half-loaded),
+    ``load_error`` saying why."""
     s = c.new_store()
-    s.create("old/m", (3,))                 # a failed load leaves the store empty
+    s.create("old/m", (3,))
     try:
         s.load_checkpoint(path, progress=False)
     finally:
-        assert len(s) == 0 and s.loaded_metadata is None, "half-loaded store"
+        assert s.loaded_metadata is None
+        if while_loading:
+            assert len(s) == 0 and s.load_error, "half-loaded store"
+        else:
+            assert s.keys() == [ss.StateKey("old", "m")] and s.load_error is None, \
+                "a load refused up front changed the store"
 
 
 def _damaged(c, damage) -> str:
@@ -855,7 +863,8 @@ def _checkpoint_rows() -> List[Row]:
         Row("load-truncated-shard", "a shard cut short", CheckpointCorruptError,
             ("{shard}", "truncated"), lambda c: _load(c, _damaged(c, _truncate)), True),
         Row("load-checksum", "one tensor byte flipped", CheckpointCorruptError,
-            ("{shard}", "{key}", "checksum"), lambda c: _load(c, _damaged(c, _flip)), True),
+            ("{shard}", "{key}", "checksum"),
+            lambda c: _load(c, _damaged(c, _flip), while_loading=True), True),
         Row("ckpt-save-store-type", "checkpoint.save_checkpoint(object(), path)",
             StateStoreValueError, ("store",),
             lambda c: ckpt.save_checkpoint(object(), c.path("c"))),

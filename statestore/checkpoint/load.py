@@ -4,8 +4,9 @@ verifying one without loading it (``docs/checkpoint-format.md``, "Loading: verif
 Loading reads the manifest (:mod:`.manifest`), checks every shard's header against it
 (:mod:`.shard_check`), takes the shards a store can adopt by hard link (:mod:`.linked_load`),
 and streams every other tensor into the store through its pipeline (:func:`.stream.write_state`),
-verifying its checksum on the way. On any error the store is left without the states it was
-loading.
+verifying its checksum on the way. The manifest and every shard header are checked before the
+store changes: a checkpoint refused then leaves the store (and an optimizer on it) as it was;
+an error while the tensors stream leaves the store without the states it was loading.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import Any, Dict, Iterable, List, Optional
 import xxhash
 
 from .._regions import Region
+from .._signals import deferred_signals
 from ..distributed import group_info, owners_from_metadata, resolve_load_group
 from ..errors import (CheckpointCorruptError, CheckpointError, StateStoreError,
                       StateStoreValueError)
@@ -59,8 +61,10 @@ class Deferred:
 def load_checkpoint(store, path: str, *, progress: Optional[bool] = None,
                     process_group: Any = "auto", link: bool = True) -> None:
     """Replace the states of ``store`` with the checkpoint at ``path``, verifying every
-    checksum while streaming. On any error the store is left empty (never half-loaded) and
-    the exception names the file and tensor.
+    checksum while streaming. The exception of a failed load names the file and tensor. A
+    checkpoint refused before a tensor is read (missing; a corrupt manifest or shard header)
+    leaves the store as it was; an error later (a checksum mismatch, I/O) leaves it empty
+    (never half-loaded), and :attr:`StateStore.load_error` says why.
 
     An optimizer already attached to ``store`` (torch's order: build the optimizer, then
     load) takes the checkpoint's step counts and param-group hyperparameters once the states
@@ -96,21 +100,13 @@ def load_checkpoint(store, path: str, *, progress: Optional[bool] = None,
         raise StateStoreValueError(f"link must be True or False, got {link!r}")
     check_store(store)
     store.check_open()
-    # The store's states are replaced (or, on failure, removed): the metadata of the optimizer
-    # that used them no longer describes them. Detached, an optimizer built next takes its
-    # step counts from this checkpoint, not from the optimizer the store had before.
-    store.detach_metadata()
     group = resolve_load_group(process_group)
     known = store.regions           # an attached FSDP2 optimizer's shards (torch's order)
-    try:
-        m = read_manifest(path)
-        rank, world = group_info(group) if group is not None else (0, 1)
-        targets = plan_regions(m, rank, world, known)
-        if targets is not None:     # regions saved or needed (docs/checkpoint-format.md)
-            rows, assembled, regions = split_rows(m, targets)
-    except BaseException:
-        store.clear()
-        raise
+    m = read_manifest(path)
+    rank, world = group_info(group) if group is not None else (0, 1)
+    targets = plan_regions(m, rank, world, known)
+    if targets is not None:         # regions saved or needed (docs/checkpoint-format.md)
+        rows, assembled, regions = split_rows(m, targets)
     later: List[ManifestRow] = []
     if targets is not None:
         later = [r for r in m.rows if r.param in regions]
@@ -123,8 +119,14 @@ def load_checkpoint(store, path: str, *, progress: Optional[bool] = None,
             owners = owners_from_metadata(m.metadata, numels, world)
             rows = [r for r in m.rows if owners[r.param] == rank]
             later = [r for r in m.rows if owners[r.param] != rank]
+    _check_headers(m, rows, assembled)      # a checkpoint refused here changed nothing
+    # The store's states are replaced (or, on failure, removed): the metadata of the optimizer
+    # that used them no longer describes them. Detached, an optimizer built next takes its
+    # step counts from this checkpoint, not from the optimizer the store had before.
+    store.detach_metadata()
     store.clear()
-    _load_rows(store, m, rows, progress, on_error=store.clear, link=link, assembled=assembled)
+    _load_rows(store, m, rows, progress, on_error=store.clear, link=link, assembled=assembled,
+               checked=True)
     store.record_regions(regions)
     # then an optimizer already on the store takes the checkpoint's steps
     store.record_load(m.metadata,
@@ -195,21 +197,34 @@ def _reload(store, d: Deferred, todo: Dict[str, Optional[Region]]) -> None:
     store.record_regions({p: regions.get(p, Region.whole(glob[p])) for p in targets})
 
 
+def _check_headers(m: Manifest, rows: List[ManifestRow], assembled: List[Assembly]) -> None:
+    """Check the header of every shard ``rows`` and ``assembled`` read against the manifest.
+
+    Raises:
+        CheckpointCorruptError: a shard is missing or its header differs (named).
+    """
+    groups = by_file(rows)
+    for name, rs in groups.items():
+        check_shard_header(m, name, rs)
+    sources = by_file([r for a in assembled for r in a[3] if r.file not in groups])
+    for name, rs in sources.items():
+        check_shard_header(m, name, rs)
+
+
 def _load_rows(store, m: Manifest, rows: List[ManifestRow], enabled, on_error,
-               link: bool = True, assembled: List[Assembly] = ()) -> None:
+               link: bool = True, assembled: List[Assembly] = (), checked: bool = False
+               ) -> None:
     """Create ``rows``' states in ``store`` and stream them in (``link``: shards the store
     can take by hard link are linked, :mod:`.linked_load`), then the states ``assembled``
-    from regions (:mod:`.region_load`); ``on_error()`` on failure."""
-    try:
-        groups = by_file(rows)
-        for name, rs in groups.items():
-            check_shard_header(m, name, rs)
-        sources = by_file([r for a in assembled for r in a[3] if r.file not in groups])
-        for name, rs in sources.items():
-            check_shard_header(m, name, rs)
-    except BaseException:
-        on_error()
-        raise
+    from regions (:mod:`.region_load`); ``on_error()`` on failure. ``checked``: the shard
+    headers were checked already (:func:`_check_headers`)."""
+    groups = by_file(rows)
+    if not checked:
+        try:
+            _check_headers(m, rows, assembled)
+        except BaseException:
+            on_error()
+            raise
     try:
         linked = link_shards(store, m, groups) if link else {}     # docs/scale.md
         store.create_many([(r.state_key, r.spec.shape, r.spec.dtype, None) for r in rows
@@ -235,7 +250,8 @@ def _load_rows(store, m: Manifest, rows: List[ManifestRow], enabled, on_error,
         store.sync()
     except BaseException:
         try:
-            on_error()
+            with deferred_signals():        # a Ctrl-C now would leave the store half-cleared
+                on_error()
         except Exception:
             pass
         raise

@@ -46,7 +46,7 @@ from ._table import ParamTable, failed_message
 
 __all__ = ["OPTIMIZER_METADATA_VERSION", "HYPER", "STATE_NAMES", "ALL_STATE_NAMES",
            "LOW_PRECISION", "IMPL_KEYS", "MismatchReport", "group_extras", "saved_group_hyper",
-           "short_names", "state_names", "metadata_source", "failed_message",
+           "short_names", "state_names", "metadata_source", "failed_message", "pick_up",
            "optimizer_metadata_problem", "resume"]
 
 OPTIMIZER_METADATA_VERSION = 1
@@ -250,6 +250,19 @@ def metadata_source(name: str, param_groups: List[dict], table: ParamTable,
 
 # ------------------------------------------------------------------------------ resume check
 def resume(store, table: ParamTable, param_groups: List[dict], fmt, *, sharded: bool,
+           loaded: bool = False) -> None:
+    """:func:`pick_up` (same arguments); when ``loaded`` and the checkpoint does not fit,
+    the optimizer also refuses to go on until a load into ``store`` succeeds
+    (:meth:`ParamTable.loaded`)."""
+    try:
+        pick_up(store, table, param_groups, fmt, sharded=sharded, loaded=loaded)
+    except BaseException as e:
+        if loaded:
+            table.loaded(store, f"{type(e).__name__}: {e}"[:500])
+        raise
+
+
+def pick_up(store, table: ParamTable, param_groups: List[dict], fmt, *, sharded: bool,
            loaded: bool = False) -> None:
     """Pick up the states already in ``store`` (a loaded checkpoint, or an earlier optimizer
     on it): step counts, and, from a loaded checkpoint, the param groups' hyperparameters.

@@ -52,10 +52,11 @@ class ParamTable:
         failed: why a step failed part-way (empty: none did); the optimizer then refuses to
             step or checkpoint.
         closer: what :meth:`end_open_step` calls.
+        lost: see :meth:`loaded`.
     """
 
     __slots__ = ("keys", "params", "stores", "steps", "next_plans", "touched", "failed",
-                 "closer")
+                 "closer", "lost")
 
     def __init__(self) -> None:
         self.keys: Dict[Tensor, str] = {}
@@ -68,6 +69,9 @@ class ParamTable:
         #: ends a step left open (update_in_backward: parameters updated during a backward,
         #: the others not yet) before its states are read whole; a weak method, or None
         self.closer: Optional[Callable[[], Optional[Callable[[], None]]]] = None
+        #: stores whose states a failed load_checkpoint removed (or replaced by a checkpoint
+        #: that does not fit), with why: the optimizer refuses until a load succeeds
+        self.lost: Dict[object, str] = {}
 
     def set_keys(self, keys: Dict[Tensor, str], params: List[Tensor]) -> None:
         """Replace the key map and parameter list in place: the metadata source attached to
@@ -87,6 +91,24 @@ class ParamTable:
             self.end_open_step()
         if self.failed:
             raise StateStoreError(failed_message(name, self.failed[0]))
+        if self.lost:
+            raise StateStoreError(
+                f"{name}: load_checkpoint into its store failed ({next(iter(self.lost.values()))})"
+                f"; the store was left without this optimizer's states, which it will not "
+                f"start afresh. Load the last checkpoint into the store again (the same store "
+                f"is fine) to go on, or build a new optimizer")
+
+    def loaded(self, store, error: Optional[str] = None) -> bool:
+        """``store.load_checkpoint`` ended: True when it succeeded (the optimizer takes the
+        checkpoint's counts); False when it failed and left the store empty, or ``error``
+        (the checkpoint does not fit the optimizer): remembered in ``lost``, and every call
+        refuses until a load into that store succeeds."""
+        error = error or getattr(store, "load_error", None)
+        if error:
+            self.lost[store] = error
+            return False
+        self.lost.pop(store, None)
+        return True
 
     def end_open_step(self) -> None:
         """Before states are saved or read whole (a checkpoint, ``state_dict()``): end a step

@@ -281,8 +281,9 @@ class _StoreAdam(torch.optim.Optimizer):
         """``store.load_checkpoint`` replaced the states under this optimizer (torch's order:
         optimizer and scheduler built first): take the checkpoint's step counts and
         hyperparameters, then save this optimizer's metadata with the store's checkpoints
-        again. A checkpoint that does not fit raises and stays detached from the optimizer."""
-        if self._table.failed:      # unusable (see failed_message): stays detached
+        again. A checkpoint that does not fit raises, stays detached, and the optimizer
+        refuses until a load into the store succeeds (``ParamTable.loaded``)."""
+        if self._table.failed or not self._table.loaded(store):    # refuses: stays detached
             return
         self._table.next_plans.clear()
         self._stepper.forget()
