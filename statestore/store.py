@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import weakref
 from abc import ABC, abstractmethod
+from contextlib import suppress
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -81,7 +82,7 @@ class StateStore(PipelineAccess, LinkSeam, ABC):
         self._on_load: Optional[Callable[[], Optional[Callable]]] = None
         self._loaded_metadata: Optional[dict] = None
         self._load_error: Optional[str] = None    # why the last load left the store empty
-        self._clears = 0            # clear() calls: whether a failed load had emptied the store
+        self._clears = 0            # clear() calls: whether a failed load emptied the store
         self._prefetched: Optional[Prefetch] = None     # started by prefetch()
         self._process_group = None      # the group this store's states are sharded over
         self._deferred = None           # checkpoint states a sharded load left on disk
@@ -214,8 +215,7 @@ class StateStore(PipelineAccess, LinkSeam, ABC):
     def clear(self) -> None:
         """Remove every state and the loaded checkpoint metadata."""
         self._check_open()
-        self._clears += 1
-        self._load_error = None
+        self._clears, self._load_error = self._clears + 1, None
         if self._specs:
             self.delete(list(self._specs))
         self._loaded_metadata = None
@@ -429,8 +429,8 @@ class StateStore(PipelineAccess, LinkSeam, ABC):
 
     @property
     def load_error(self) -> Optional[str]:
-        """Why the last :meth:`load_checkpoint` failed after it had emptied the store (an
-        optimizer on the store then refuses to go on: its states are gone), else None."""
+        """Why the last :meth:`load_checkpoint` failed after emptying the store (its
+        optimizer refuses to go on, saves are refused until a load succeeds), else None."""
         return self._load_error
 
     @property
@@ -454,16 +454,13 @@ class StateStore(PipelineAccess, LinkSeam, ABC):
             StateStoreValueError, StateStoreClosedError, CheckpointError, StateStoreIOError:
                 as :func:`statestore.checkpoint.save_checkpoint`; the previous checkpoint at
                 ``path`` stays intact.
-            StateStoreError: the last :meth:`load_checkpoint` failed and left the store empty
-                (:attr:`load_error`); nothing is written.
+            StateStoreError: a failed :meth:`load_checkpoint` left the store empty.
         """
         from .checkpoint import save_checkpoint
         if self._load_error is not None:
-            raise StateStoreError(
-                f"this store's last load_checkpoint failed ({self._load_error}) and left it "
-                f"empty: a save now would write an empty checkpoint, over the last good one "
-                f"if at the same path. Load the last checkpoint into the store first (the "
-                f"same store is fine)")
+            raise StateStoreError(f"this store's last load_checkpoint failed ({self._load_error}) "
+                                  f"and left it empty: a save would write an empty checkpoint. "
+                                  f"Load the last checkpoint into the store first")
         save_checkpoint(self, path, **kwargs)
 
     def load_checkpoint(self, path: str, **kwargs) -> None:
@@ -471,12 +468,8 @@ class StateStore(PipelineAccess, LinkSeam, ABC):
         any store, at any world size). Under an initialized ``torch.distributed`` group of
         several ranks, each rank loads only the shard it owns at that size. An optimizer
         already attached to the store takes the checkpoint's step counts and hyperparameters.
-
-        A checkpoint refused before any tensor is read (missing, a corrupt manifest or shard
-        header) leaves the store and its optimizer as they were. A load failing later (a
-        checksum mismatch, an I/O error, Ctrl-C) leaves the store empty, never half-loaded,
-        and the attached optimizer refusing every call until a load into the store succeeds
-        (:attr:`load_error`): its states are gone, and it never starts them afresh.
+        A checkpoint refused before any tensor is read leaves store and optimizer as they
+        were; a load failing later leaves the store empty (:attr:`load_error`).
 
         Args:
             path: the checkpoint directory: a local path or any fsspec URL.
@@ -497,11 +490,8 @@ class StateStore(PipelineAccess, LinkSeam, ABC):
                 if not self._closed and not self._specs and self._clears != clears:
                     # it had emptied the store: the optimizer learns its states are gone
                     self._load_error = f"{type(e).__name__}: {e}"[:500]
-                    if self._on_load is not None:
-                        try:
-                            self._loaded()
-                        except Exception:
-                            pass
+                    with suppress(Exception):
+                        self._loaded()
             raise
 
     def load_deferred(self, params: Iterable[str],

@@ -322,7 +322,8 @@ def test_exception_mid_backward_ends_its_step(kind, exc, then, tmp_path):
     got, seen = _run(kind, tmp_path / "got", True,
                      [0, 1, ("fail", 2)] + after + [("zero",), 2, 3], exc)
     counts = seen[0]
-    assert set(counts.values()) <= {2, 3} and 3 in counts.values(), counts
+    assert set(counts.values()) <= {2, 3}, counts
+    assert 3 in counts.values() or kind == "nvme", counts   # on disk: when the reads came
     want, _ = _as_if_only_early_had_gradients(tmp_path, counts, 2, [2, 3])
     _assert_same(got, want)
     if then == "save":
