@@ -14,11 +14,11 @@
 // magnitudes and writes the codes (exp_avg_sq from the square root of its new value, which
 // the update computed for its denominator: one root saved).
 //
-// Where the cycles go (benchmarks/RESULTS.md, "Cycles per element of each moment stage"): the update's square root and
-// division, the random bits (three 32-bit multiplies per hash) and, for int8, the codes. So
-// the loops keep everything else off the vector units: rounding mode and amsgrad are template
-// parameters, a block's largest magnitude is an unsigned integer max of the float bits
-// (which also flags inf and NaN), the codes stay integers (no int -> float -> int round
+// Where the cycles go (benchmarks/adam_step.py --stages; benchmarks/RESULTS.md): the update's
+// square root and division, the random bits (three 32-bit multiplies per hash) and, for int8,
+// the codes. So the loops keep everything else off the vector units: rounding mode and amsgrad
+// are template parameters, a block's largest magnitude is an unsigned integer max of the float
+// bits (which also flags inf and NaN), the codes stay integers (no int -> float -> int round
 // trips), the Weyl step of the hash is carried from vector to vector, and both moments'
 // codes leave in one pack.
 
