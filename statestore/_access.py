@@ -7,11 +7,13 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence, Tuple
 
+import torch
+
 from ._inflight import InFlightWrites
 from ._signals import deferred_signals
-from ._stream import StateStream, chunk_ranges, plan_slices
+from ._stream import StateStream, chunk_ranges, group_units, plan_slices
 from ._types import Slice, StateSpec
-from .pipeline import Pipeline, Prefetch, StatePipeline, check_mode, unit_lists
+from .pipeline import Pipeline, Prefetch, StatePipeline, UnitPlan, check_mode, unit_lists
 
 __all__ = ["CHUNK_BYTES", "PipelineAccess"]
 
@@ -24,16 +26,41 @@ class PipelineAccess:
     ``budget_bytes``, ``alignment``, ``transfer_alignment``, the open/file checks, the
     prefetch slot and ``in_flight``)."""
 
+    # Hooks of a streaming backend that moves several slices of a unit by one request
+    # (NVMeStore's packed small states; statestore/backends/_nvme_packed.py).
+    def _unit_plan(self, slices: Sequence[Slice]) -> Optional[UnitPlan]:
+        """How a pipeline lays a unit out in the ring: None, each slice on its own; or a
+        :class:`~statestore.pipeline.UnitPlan` whose extents one request moves each
+        (``_start_extent``, ``_write_extent``: NVMeStore's packed small states)."""
+        return None
+
+    def _ring_bytes(self, spec: StateSpec) -> int:
+        """Ring bytes a state takes (the ring is never larger than all states' sum)."""
+        return -(-spec.nbytes // self.alignment) * self.alignment
+
+    def _start_extent(self, extent, buf: torch.Tensor, slices: List[Slice], read: bool):
+        raise NotImplementedError
+
+    def _write_extent(self, extent, buf: torch.Tensor, slices: List[Slice],
+                      tensors: List[torch.Tensor], optimizer_pass: bool):
+        raise NotImplementedError       # -> (the write's future, keys of the states rewritten)
+
     def _chunks(self, spec: StateSpec, limit: Optional[int] = None) -> List[Tuple[int, int]]:
         """Element ranges of at most ``limit`` bytes, cut at :meth:`cut_alignment`, that
         :meth:`stream` moves ``spec``'s state in. Default: half the budget, and at most
         ``CHUNK_BYTES`` on streaming stores, so that copying one chunk overlaps the transfer
         of the previous (puts into an NVMeStore were faster with 16 MiB chunks than with whole
         64 MiB states: benchmarks/RESULTS.md)."""
-        if limit is None:
-            limit = (self.budget_bytes // 2 if self.resident
-                     else min(self.budget_bytes // 2, CHUNK_BYTES))
+        limit = self._chunk_limit(limit)
         return chunk_ranges(spec, limit, self.cut_alignment(limit))
+
+    def _chunk_limit(self, limit: Optional[int] = None) -> int:
+        """The most bytes of a :meth:`stream` chunk, and of a unit of consecutive small
+        chunks: ``limit``, else :meth:`_chunks`' default."""
+        if limit is not None:
+            return limit
+        return self.budget_bytes // 2 if self.resident else min(self.budget_bytes // 2,
+                                                                 CHUNK_BYTES)
 
     def pipeline(self, units: Sequence[Sequence[Slice]], mode: str = "rw",
                  wait: bool = True) -> StatePipeline:
@@ -105,9 +132,13 @@ class PipelineAccess:
         self._check_open()
         check_mode(mode)
         slices = plan_slices(keys, chunk_bytes, lambda k, lim: self._chunks(self.spec(k), lim))
+        limit = self._chunk_limit(chunk_bytes)
+        align = max(self.alignment, 1)
+        units = group_units(slices, lambda s: -(-s.numel * self.spec(s.key).itemsize // align)
+                            * align, limit)
         pipe = None
         try:
-            pipe = self.pipeline([[s] for s in slices], mode=mode, wait=wait)
+            pipe = self.pipeline(units, mode=mode, wait=wait)
             with deferred_signals():        # until the caller holds it, nobody else would
                 return StateStream(pipe, slices)        # ... cancel it: here
         except BaseException:

@@ -24,7 +24,7 @@ from ._signals import deferred_signals
 from ._types import Slice, StateKey, StateSpec
 from .errors import StateStoreError, StateStoreIOError
 
-__all__ = ["InFlightWrites", "SliceIO"]
+__all__ = ["InFlightWrites", "SliceIO", "ExtentIO"]
 
 
 class SliceIO(NamedTuple):
@@ -34,13 +34,25 @@ class SliceIO(NamedTuple):
     future: object
 
 
+class ExtentIO(NamedTuple):
+    """One write that moves several whole states at once (an extent of small states packed
+    in shared blocks): their keys and the backend's Future-like handle."""
+
+    keys: Tuple[StateKey, ...]
+    future: object
+
+
+def _keys_of(w) -> Tuple[StateKey, ...]:
+    return w.keys if isinstance(w, ExtentIO) else (w.slice.key,)
+
+
 class _Batch:
     """The writes of one pipeline unit and the ring region holding their bytes."""
 
-    __slots__ = ("region", "writes")
+    __slots__ = ("region", "writes", "seq")
 
-    def __init__(self, region: Optional[RingRegion], writes: List[SliceIO]):
-        self.region, self.writes = region, writes
+    def __init__(self, region: Optional[RingRegion], writes: List[SliceIO], seq: int = 0):
+        self.region, self.writes, self.seq = region, writes, seq
 
     def done(self) -> bool:
         return all(w.future.done() for w in self.writes)
@@ -72,6 +84,12 @@ class InFlightWrites:
         #: that ends them on demand
         self._lent: Dict[int, Tuple[Callable[[], object], Callable[[], bool]]] = {}
         self._pending: Deque[_Batch] = deque()
+        # The pending writes of each state (in the order of _pending), so that a read or
+        # write of a state finds the writes it must wait for without scanning every write in
+        # flight: a step over 100k small states had tens of thousands in flight per unit.
+        self._by_key: Dict[StateKey, Deque[SliceIO]] = {}
+        self._batch_of: Dict[int, _Batch] = {}        # id(SliceIO) -> its batch
+        self._seq = 0
         self._error: Optional[BaseException] = None
         #: states whose last write failed, with its error: their stored bytes are stale, so
         #: reading them raises until put(), delete() or load_checkpoint() replaces them.
@@ -184,7 +202,13 @@ class InFlightWrites:
         with deferred_signals():
             if region is not None:
                 region.ios = writes
-            self._pending.append(_Batch(region, writes))
+            self._seq += 1
+            batch = _Batch(region, writes, self._seq)
+            self._pending.append(batch)
+            for w in writes:
+                for k in _keys_of(w):
+                    self._by_key.setdefault(k, deque()).append(w)
+                self._batch_of[id(w)] = batch
             self.poll()
 
     def __bool__(self) -> bool:
@@ -215,22 +239,43 @@ class InFlightWrites:
         self.raise_error()
 
     def _complete(self, batch: _Batch) -> None:
+        for w in batch.writes:
+            for k in _keys_of(w):
+                q = self._by_key.get(k)
+                if q is None:
+                    continue
+                if q and q[0] is w:         # batches retire in order: the usual case
+                    q.popleft()
+                else:
+                    try:
+                        q.remove(w)
+                    except ValueError:
+                        pass
+                if not q:
+                    del self._by_key[k]
+            self._batch_of.pop(id(w), None)
         try:
-            for s, fut in batch.writes:
+            for w in batch.writes:
+                keys = _keys_of(w)
                 try:
-                    self.outcome(fut, s.key, "write")
+                    self.outcome(w.future, keys[0], "write")
                 except StateStoreError as e:
-                    self._damaged.setdefault(s.key, e)
+                    for k in keys:
+                        self._damaged.setdefault(k, e)
                     if self._error is None:
                         self._error = e
         finally:
             if batch.region is not None and self._ring is not None:
                 self._ring.release(batch.region)
 
-    def _overlaps(self, s: Slice, key: StateKey, start: int, stop: Optional[int]) -> bool:
+    def _overlaps(self, w, key: StateKey, start: int, stop: Optional[int]) -> bool:
         """Whether pending-write slice ``s`` touches a disk block of ``key``'s elements
         ``[start, stop)`` (``stop=None``: the whole state). Blocks, not elements: a write that
-        ends inside a block merges that block, so two slices sharing one are ordered."""
+        ends inside a block merges that block, so two slices sharing one are ordered.
+        An :class:`ExtentIO` holds its states whole."""
+        if isinstance(w, ExtentIO):
+            return key in w.keys
+        s = w.slice
         if s.key != key:
             return False
         if stop is None:
@@ -243,8 +288,7 @@ class InFlightWrites:
         """True when a write of ``key`` (of a block holding one of its elements
         ``[start, stop)``, when given) is still in flight; never blocks."""
         self.poll()
-        return any(self._overlaps(w.slice, key, start, stop)
-                   for b in self._pending for w in b.writes)
+        return any(self._overlaps(w, key, start, stop) for w in self._by_key.get(key, ()))
 
     def wait_for(self, key: StateKey, start: int = 0, stop: Optional[int] = None) -> None:
         """Wait for the writes of ``key`` (only those of blocks holding its elements
@@ -254,12 +298,13 @@ class InFlightWrites:
         Raises:
             StateStoreIOError: a background write failed (the first error not yet raised).
         """
-        last = -1
-        for i, b in enumerate(self._pending):
-            if any(self._overlaps(w.slice, key, start, stop) for w in b.writes):
-                last = i
-        for _ in range(last + 1):
-            self.wait_oldest()
+        last = None
+        for w in self._by_key.get(key, ()):
+            if self._overlaps(w, key, start, stop):
+                last = self._batch_of[id(w)]
+        if last is not None:
+            while self._pending and self._pending[0].seq <= last.seq:
+                self.wait_oldest()
         self.raise_error()
 
     def raise_error(self) -> None:
@@ -297,6 +342,8 @@ class InFlightWrites:
         """Drop every record of writes in flight without waiting (their futures must never
         complete into the ring again: tests of ordering only)."""
         self._pending.clear()
+        self._by_key.clear()
+        self._batch_of.clear()
 
     # ------------------------------------------------------------------ damaged states
     def mark_damaged(self, keys: Iterable[StateKey], err: BaseException) -> None:

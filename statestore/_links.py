@@ -53,6 +53,7 @@ class LinkSeam:
             return False
         for k, spec, _, _ in rows:
             self._specs[k] = spec
+            self._aligned_bytes += self._ring_bytes(spec)
             self._in_flight.repaired(k)
         return True
 

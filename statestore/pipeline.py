@@ -46,15 +46,15 @@ from typing import Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from ._inflight import InFlightWrites, SliceIO
+from ._inflight import ExtentIO, InFlightWrites, SliceIO
 from ._ring import RingArena, RingRegion, round_up as _round_up
 from ._signals import deferred_signals
 from ._trace import begin as _begin_span, end as _end_span, span as _span
 from ._types import Slice, StateKey
 from .errors import BudgetError, StateStoreValueError
 
-__all__ = ["StatePipeline", "Pipeline", "Prefetch", "RingArena", "check_mode", "check_slice",
-           "plan_units", "unit_lists"]
+__all__ = ["StatePipeline", "Pipeline", "Prefetch", "RingArena", "Extent", "UnitPlan",
+           "check_mode", "check_slice", "plan_units", "unit_lists"]
 
 _MODES = ("r", "rw", "w")
 
@@ -68,13 +68,14 @@ def check_mode(mode: str) -> None:
 def unit_lists(units) -> List[List[Slice]]:
     """``units`` as a list of lists of Slice (each slice is checked by the store later);
     :class:`StateStoreValueError` when it is not a sequence of sequences."""
-    problem = f"pipeline units must be a sequence of lists of Slice, got {units!r}"[:300]
+    def problem() -> str:       # formatted only when raised: repr of every unit costs
+        return f"pipeline units must be a sequence of lists of Slice, got {units!r}"[:300]
     if isinstance(units, (str, bytes, Slice)):
-        raise StateStoreValueError(problem)
+        raise StateStoreValueError(problem())
     try:
         out = [u for u in units]
     except TypeError:
-        raise StateStoreValueError(problem) from None
+        raise StateStoreValueError(problem()) from None
     for i, u in enumerate(out):
         if isinstance(u, (str, bytes, Slice)):
             raise StateStoreValueError(f"pipeline unit {i} must be a list of Slice, got {u!r}")
@@ -204,8 +205,33 @@ class StatePipeline(ABC):
             self.cancel()
 
 
+class Extent:
+    """A run of a file that one request moves for several slices of a unit (small states
+    packed into shared 4 KiB blocks: ``statestore/backends/_nvme_packed.py``): ``nbytes``
+    from ``ring_offset`` of the unit's buffer; ``members``: the indices of the unit's slices
+    inside it. ``where`` is the store's own (file and offset)."""
+
+    __slots__ = ("ring_offset", "nbytes", "members", "where")
+
+    def __init__(self, ring_offset: int, nbytes: int, members: List[int], where):
+        self.ring_offset, self.nbytes, self.members, self.where = \
+            ring_offset, nbytes, members, where
+
+
+class UnitPlan(NamedTuple):
+    """How a streaming store lays a unit out in the ring (its ``_unit_plan``): ``nbytes`` in
+    all, each slice's data at ``offsets[i]``; the slices of ``extents`` move by extent
+    (``_start_extent``/``_write_extent``), the ``loose`` ones one by one
+    (``_submit_read``/``_submit_write``)."""
+
+    nbytes: int
+    offsets: List[int]
+    extents: List[Extent]
+    loose: List[int]
+
+
 class _Unit:
-    __slots__ = ("slices", "region", "tensors", "reads", "span")
+    __slots__ = ("slices", "region", "tensors", "reads", "span", "plan")
 
     def __init__(self, slices):
         self.slices: List[Slice] = slices
@@ -213,6 +239,7 @@ class _Unit:
         self.tensors: List[torch.Tensor] = []
         self.reads: List[SliceIO] = []     # its reads in flight
         self.span = None                   # its "statestore::compute" span (profiling only)
+        self.plan: Optional[UnitPlan] = None
 
 
 class Pipeline(StatePipeline):
@@ -246,7 +273,10 @@ class Pipeline(StatePipeline):
         self._writes: InFlightWrites = store.in_flight
         self._ref = weakref.ref(self)
         if not self._resident:
-            need = max((sum(self._unit_bytes(u)) for u in self._units), default=0)
+            plan = store._unit_plan
+            for u in self._units:
+                u.plan = plan(u.slices)
+            need = max((self._unit_nbytes(u) for u in self._units), default=0)
             try:
                 with deferred_signals():    # a Ctrl-C meanwhile is raised as it ends: below
                     self._arena: RingArena = self._writes.arena(need)
@@ -400,9 +430,22 @@ class Pipeline(StatePipeline):
             try:
                 optimizer_pass = self._mode == "rw"
                 submit = self._store._submit_write
+                plan = unit.plan
                 with _span("statestore::write_submit"):
-                    for s, t in zip(unit.slices, unit.tensors):
-                        futs.append(SliceIO(s, submit(s, t, optimizer_pass=optimizer_pass)))
+                    if plan is None:
+                        for s, t in zip(unit.slices, unit.tensors):
+                            futs.append(SliceIO(s, submit(s, t, optimizer_pass=optimizer_pass)))
+                    else:
+                        for i in plan.loose:
+                            s = unit.slices[i]
+                            futs.append(SliceIO(s, submit(s, unit.tensors[i],
+                                                          optimizer_pass=optimizer_pass)))
+                        for e in plan.extents:
+                            fut, covered = self._store._write_extent(
+                                e, self._arena.view(unit.region.start + e.ring_offset, e.nbytes),
+                                [unit.slices[i] for i in e.members],
+                                [unit.tensors[i] for i in e.members], optimizer_pass)
+                            futs.append(ExtentIO(tuple(covered), fut))
             except BaseException as e:
                 # The unit's new values are not (all) written: they are lost, so its states
                 # are stale until rewritten; reading them raises (InFlightWrites.check_damaged).
@@ -449,36 +492,69 @@ class Pipeline(StatePipeline):
         align = self._store.alignment
         return [_round_up(s.numel * self._store.spec(s.key).itemsize, align) for s in unit.slices]
 
+    def _unit_nbytes(self, unit: _Unit) -> int:
+        return sum(self._unit_bytes(unit)) if unit.plan is None else unit.plan.nbytes
+
     def _try_submit(self, block: bool = True) -> bool:
         unit = self._units[self._next_submit]
         writes = self._writes
         if not block and any(writes.busy(s.key, s.start, s.stop) for s in unit.slices):
             return False        # its last write is still in flight: try again later
-        sizes = self._unit_bytes(unit)
-        got = self._arena.try_alloc(sum(sizes), self._ref)
+        plan = unit.plan
+        sizes = self._unit_bytes(unit) if plan is None else None
+        got = self._arena.try_alloc(sum(sizes) if plan is None else plan.nbytes, self._ref)
         if got is None:
             return False
         offset, unit.region = got
         unit.region.ios = unit.reads = []
         unit.tensors = []
         span = _begin_span("statestore::read_submit") if self._mode != "w" else None
-        for s, nb in zip(unit.slices, sizes):
-            spec = self._store.spec(s.key)
-            raw = self._arena.view(offset, nb)
-            t = raw[: s.numel * spec.itemsize].view(spec.dtype)
+        reading = self._mode in ("r", "rw")
+        spec = self._store.spec
+        typed = {}          # dtype -> the unit's buffer as that dtype (planned units)
+        for i, s in enumerate(unit.slices):
+            sp = spec(s.key)
+            if plan is None:
+                raw = self._arena.view(offset, sizes[i])
+                offset += sizes[i]
+                t = raw[: s.numel * sp.itemsize].view(sp.dtype)
+            else:           # one view per dtype, then a slice of it (offsets are aligned)
+                whole = typed.get(sp.dtype)
+                if whole is None:
+                    whole = typed[sp.dtype] = self._arena.view(
+                        unit.region.start, plan.nbytes).view(sp.dtype)
+                first = plan.offsets[i] // sp.itemsize
+                t = whole[first:first + s.numel]
             unit.tensors.append(t)
             try:
                 # A read waits for the pending writes of its state; so does a write (mode "w"):
                 # two writes of one slice in flight at once may land in either order.
                 writes.wait_for(s.key, s.start, s.stop)
-                if self._mode in ("r", "rw"):
+                if reading:
                     writes.check_damaged(s.key)
-                    unit.reads.append(SliceIO(s, self._store._submit_read(s, t)))
+                    if plan is None:
+                        unit.reads.append(SliceIO(s, self._store._submit_read(s, t)))
             except BaseException:
                 _end_span(span)
                 self._release_unit(unit)
                 raise
-            offset += nb
+        if plan is not None:
+            try:
+                for i in plan.loose:
+                    if reading:
+                        s = unit.slices[i]
+                        unit.reads.append(SliceIO(s, self._store._submit_read(
+                            s, unit.tensors[i])))
+                for e in plan.extents:
+                    # an extent is read whole (or, mode "w", zero-filled: it is written whole)
+                    fut = self._store._start_extent(
+                        e, self._arena.view(unit.region.start + e.ring_offset, e.nbytes),
+                        [unit.slices[i] for i in e.members], reading)
+                    unit.reads.append(SliceIO(unit.slices[e.members[0]], fut))
+            except BaseException:
+                _end_span(span)
+                self._release_unit(unit)
+                raise
         _end_span(span)
         self._next_submit += 1
         return True

@@ -75,9 +75,8 @@ class StateStore(PipelineAccess, LinkSeam, ABC):
         align = self.alignment
         self._in_flight = InFlightWrites(
             spec=self.spec, alignment=align, budget_bytes=budget_bytes,
-            alloc_buffer=self._alloc_host_buffer,
-            state_bytes=lambda: sum(-(-sp.nbytes // align) * align
-                                    for sp in self._specs.values()))
+            alloc_buffer=self._alloc_host_buffer, state_bytes=lambda: self._aligned_bytes)
+        self._aligned_bytes = 0     # sum of _ring_bytes of the states, kept as they change
         self._metadata_provider: Optional[Callable[[], Optional[dict]]] = None
         self._on_load: Optional[Callable[[], Optional[Callable]]] = None
         self._loaded_metadata: Optional[dict] = None
@@ -182,6 +181,7 @@ class StateStore(PipelineAccess, LinkSeam, ABC):
             self._allocate(new)
             for k, spec in new:
                 self._specs[k] = spec
+                self._aligned_bytes += self._ring_bytes(spec)
         for k, init in inits:
             self.put(k, init)
 
@@ -208,7 +208,7 @@ class StateStore(PipelineAccess, LinkSeam, ABC):
         self.sync()
         with deferred_signals():        # the catalogue and the backend's storage agree
             for k in ks:
-                del self._specs[k]
+                self._aligned_bytes -= self._ring_bytes(self._specs.pop(k))
                 self._in_flight.repaired(k)
             self._free(ks)
 
@@ -578,7 +578,7 @@ class StateStore(PipelineAccess, LinkSeam, ABC):
             try:
                 self._close()
             finally:
-                self._specs = {}
+                self._specs, self._aligned_bytes = {}, 0
                 self._in_flight.close()
         if err is not None:
             raise err

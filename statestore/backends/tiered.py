@@ -241,6 +241,14 @@ class TieredStore(StateStore):
             return super()._chunks(spec, limit)
         return tier._chunks(spec)
 
+    def _chunk_limit(self, limit: Optional[int] = None) -> int:
+        # as _chunks: what the smallest disk tier's pipeline takes
+        tier = min((s for s in self.tiers if not s.resident), key=lambda s: s.budget_bytes,
+                   default=None)
+        if limit is not None or tier is None:
+            return super()._chunk_limit(limit)
+        return tier._chunk_limit()
+
     @property
     def unit_bytes(self) -> Optional[int]:
         sizes = [s.unit_bytes for s in self.tiers if s.unit_bytes is not None]

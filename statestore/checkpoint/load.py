@@ -3,7 +3,7 @@ verifying one without loading it (``docs/checkpoint-format.md``, "Loading: verif
 
 Loading reads the manifest (:mod:`.manifest`), checks every shard's header against it
 (:mod:`.shard_check`), takes the shards a store can adopt by hard link (:mod:`.linked_load`),
-and streams every other tensor into the store through its pipeline (:func:`.stream.write_state`),
+and streams every other tensor into the store through its pipeline (:func:`.stream.write_states`),
 verifying its checksum on the way. The manifest and every shard header are checked before the
 store changes: a checkpoint refused then leaves the store (and an optimizer on it) as it was;
 an error while the tensors stream leaves the store without the states it was loading.
@@ -29,7 +29,7 @@ from .manifest import read_manifest
 from .reader import READ_PIECE, ShardReader, reader_pool
 from .region_load import Assembly, load_assembled, plan_regions, split_rows
 from .shard_check import by_file, check_shard_header
-from .stream import check_store, write_state
+from .stream import check_store, write_states
 
 __all__ = ["load_checkpoint", "load_deferred", "verify_checkpoint", "Deferred"]
 
@@ -242,8 +242,7 @@ def _load_rows(store, m: Manifest, rows: List[ManifestRow], enabled, on_error,
                         continue
                     fpath = join(m.root, name)
                     with ShardReader(m.fs, fpath, pool) as f:
-                        for r in rs:
-                            _load_tensor(store, f, fpath, r, bar)
+                        _load_tensors(store, f, fpath, rs, bar)
                 load_assembled(store, m, assembled, pool, bar)
         finally:
             bar.close()
@@ -257,20 +256,25 @@ def _load_rows(store, m: Manifest, rows: List[ManifestRow], enabled, on_error,
         raise
 
 
-def _load_tensor(store, f: ShardReader, fpath: str, r: ManifestRow, bar) -> None:
-    """Stream the tensor of row ``r`` from shard ``f`` into ``store`` and check its checksum."""
-    h = xxhash.xxh3_64()
-    offset = r.offset
+def _load_tensors(store, f: ShardReader, fpath: str, rows: List[ManifestRow], bar) -> None:
+    """Stream the tensors of ``rows`` (of one shard) from ``f`` into ``store`` through one
+    stream, and check each checksum once its last byte is read."""
+    by_key = {r.state_key: r for r in rows}
+    hashes = {k: xxhash.xxh3_64() for k in by_key}
+    offset = {k: r.offset for k, r in by_key.items()}
 
-    def fill(view: memoryview) -> None:
-        nonlocal offset
-        f.read(view, offset, r.key, h.update)
-        offset += len(view)
+    def fill(k, view: memoryview) -> None:
+        f.read(view, offset[k], by_key[k].key, hashes[k].update)
+        offset[k] += len(view)
         bar.update(len(view))
-    write_state(store, r.state_key, r.spec, fill)
-    if h.hexdigest() != r.checksum:
-        raise CheckpointCorruptError(f"{fpath}: checksum mismatch in tensor {r.key!r} "
-                                     f"(the file was altered or damaged)")
+
+    def finished(k) -> None:
+        if hashes.pop(k).hexdigest() != by_key[k].checksum:
+            raise CheckpointCorruptError(f"{fpath}: checksum mismatch in tensor "
+                                         f"{by_key[k].key!r} (the file was altered or damaged)")
+    write_states(store, [(r.state_key, r.spec) for r in rows], fill, finished)
+    for k in list(hashes):      # empty tensors: their (empty) checksum
+        finished(k)
 
 
 def verify_checkpoint(path: str, *, progress: Optional[bool] = None) -> List[str]:

@@ -14,7 +14,7 @@ import torch
 from .._types import StateKey, StateSpec
 from ..errors import StateStoreValueError
 
-__all__ = ["read_states", "write_state", "check_store"]
+__all__ = ["read_states", "write_state", "write_states", "check_store"]
 
 
 def read_states(store, keys: List[StateKey]) -> Iterator[Tuple[StateKey, memoryview]]:
@@ -62,6 +62,38 @@ def write_state(store, key: StateKey, spec: StateSpec,
                 tmp = torch.empty(t.numel(), dtype=t.dtype)
                 fill(memoryview(tmp.view(torch.uint8).numpy()))
                 t.copy_(tmp.view(t.shape))
+
+
+def write_states(store, items: List[Tuple[StateKey, StateSpec]],
+                 fill: Callable[[StateKey, memoryview], None],
+                 finished: Callable[[StateKey], None]) -> None:
+    """Write the whole states ``items`` (already created) through ONE stream of ``store``,
+    in order: ``fill(key, view)`` fills each chunk's bytes in order, ``finished(key)`` is
+    called once a state's last chunk is filled (before it is written back: it may raise,
+    and then nothing of that unit is written). Many small states then share pipeline units
+    (and, on an ``NVMeStore``, packed extents) instead of a stream each.
+
+    Args:
+        store: the :class:`~statestore.StateStore` holding the keys.
+        items: ``(key, spec)`` of the states to write.
+        fill: fills a writable byte view with the state's next bytes; its exception stops
+            the write (and propagates).
+        finished: called after a state's last chunk (an exception stops the write).
+    """
+    specs = dict(items)
+    keys = [k for k, spec in items if spec.nbytes]
+    if not keys:
+        return
+    with store.stream(keys, "w") as chunks:
+        for s, t in chunks:
+            if t.device.type == "cpu" and t.is_contiguous():
+                fill(s.key, memoryview(t.view(-1).view(torch.uint8).numpy()))
+            else:
+                tmp = torch.empty(t.numel(), dtype=t.dtype)
+                fill(s.key, memoryview(tmp.view(torch.uint8).numpy()))
+                t.copy_(tmp.view(t.shape))
+            if s.stop == specs[s.key].numel:
+                finished(s.key)
 
 
 def check_store(store) -> None:
