@@ -49,12 +49,17 @@ class Layout:
 def layout(tensors: Sequence[Tuple[str, torch.dtype, Sequence[int]]], align: int = 64,
            pad_tensors: bool = False, metadata: Optional[Dict[str, str]] = None,
            align_for: Optional[Callable[[int], int]] = None,
-           stagger: Optional[Tuple[int, int]] = None) -> Layout:
+           stagger: Optional[Tuple[int, int]] = None,
+           pack: Optional[Tuple[int, int]] = None) -> Layout:
     """Compute the header and tensor offsets of a safetensors file for ``tensors``
     (``(name, dtype, shape)``, written in this order). With ``pad_tensors``, each tensor of
     ``nbytes`` starts at a multiple of ``align_for(nbytes)`` (default: ``align``); with
     ``stagger=(gap, min_bytes)`` too, a tensor of at least ``min_bytes`` other than the first
-    starts ``gap`` bytes (a multiple of the alignment) further on."""
+    starts ``gap`` bytes (a multiple of the alignment) further on. With ``pack=(block,
+    small_align)``, a tensor of 1 to ``block - 1`` bytes is *packed*: it starts at a multiple
+    of ``small_align``, never crosses a multiple of ``block`` (file offsets), and shares no
+    block with a tensor that is not packed (the first packed tensor after another starts a
+    new block)."""
     header: Dict[str, object] = {}
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
@@ -69,6 +74,7 @@ def layout(tensors: Sequence[Tuple[str, torch.dtype, Sequence[int]]], align: int
         rel = []
         pos = 0
         npad = 0
+        packed_before = False
         for name, dtype, shape in tensors:
             shape_t = tuple(int(d) for d in shape)
             n = 1
@@ -76,6 +82,15 @@ def layout(tensors: Sequence[Tuple[str, torch.dtype, Sequence[int]]], align: int
                 n *= d
             nbytes = n * dtype.itemsize
             a = align_for(nbytes) if align_for is not None else align
+            packed = pack is not None and 0 < nbytes < pack[0]
+            if packed:
+                block = pack[0]
+                a = pack[1] if packed_before else block
+                at = data_start_guess + pos
+                at += (-at) % a
+                if at // block != (at + nbytes - 1) // block:
+                    a = block               # would cross a block: the next one
+            packed_before = packed
             if pad_tensors and a > 1:
                 gap = (-(data_start_guess + pos)) % a
                 if stagger is not None and pos and nbytes >= stagger[1]:

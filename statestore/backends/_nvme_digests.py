@@ -82,6 +82,13 @@ class WriteDigests:
                     if d.ok:
                         self._digests[k] = d.h.hexdigest()
 
+    def record(self, k: StateKey, digest: str) -> None:
+        """``k`` was written whole, and hashed by the caller: its digest is ``digest``."""
+        with self._lock:
+            self._hashing.pop(k, None)
+            self._finishing.pop(k, None)
+            self._digests[k] = digest
+
     def forget(self, k: StateKey) -> None:
         """``k`` was written otherwise (or removed): its digest is no longer known."""
         with self._lock:
@@ -189,14 +196,29 @@ class FrozenReads:
         want = sf.hashes.get(k) if sf.frozen else None
         if want is None:
             return
-        pos, nbytes = self._span(k)
-        end, h = pos + nbytes, xxhash.xxh3_64()
+        start, nbytes = self._span(k)
+        end, h = start + nbytes, xxhash.xxh3_64()
+        pos = start // 4096 * 4096          # a small state starts inside its block
         while pos < end:
             n = min(self.CHUNK, -(-(end - pos) // 4096) * 4096)
-            h.update(self._read(sf, pos, n)[:min(n, end - pos)].numpy())
+            lo = max(start - pos, 0)
+            h.update(self._read(sf, pos, n)[lo:min(n, end - pos)].numpy())
             pos += n
         if h.hexdigest() != want:
             raise _mismatch(sf.path, k)
+
+    def check(self, sf, k: StateKey, data) -> None:
+        """``data`` holds the whole state ``k`` as read from ``sf``: raise
+        :class:`CheckpointCorruptError` when ``sf`` is frozen with another checksum of it."""
+        want = sf.hashes.get(k) if sf.frozen else None
+        if want is not None and xxhash.xxh3_64(data).hexdigest() != want:
+            raise _mismatch(sf.path, k)
+
+    @staticmethod
+    def extent(fut, checks, buf, check_one):
+        """``fut`` (an extent read into ``buf``) wrapped to run ``check_one(sf, slice, first
+        block, buf)`` for each of ``checks`` when its outcome is taken."""
+        return _CheckedRead(fut, lambda: [check_one(sf, s, b0, buf) for sf, s, b0 in checks])
 
     def forget(self, k: StateKey) -> None:
         self._runs.pop(k, None)

@@ -89,7 +89,8 @@ class StateFile:
     """One open state file of an NVMeStore."""
 
     __slots__ = ("path", "file", "size", "header", "keys", "removed_reported", "dirty",
-                 "frozen", "successor", "hashes", "mapped", "readonly", "old_file")
+                 "frozen", "successor", "hashes", "mapped", "readonly", "old_file", "blocks",
+                 "reads", "retired")
 
     def __init__(self, path: str, file: IOFile, size: int, header: bytes):
         self.path, self.file, self.size, self.header = path, file, size, header
@@ -111,6 +112,13 @@ class StateFile:
         # (thawed after the checkpoint was removed).
         self.readonly = False
         self.old_file: Optional[IOFile] = None
+        # block index -> the small states packed into that 4 KiB block (_nvme_packed.py);
+        # the same dict for a frozen file and its successor (same layout)
+        self.blocks: Dict[int, List[StateKey]] = {}
+        # reads in flight (NVMeStore._reading); a file dropped meanwhile is ``retired`` and
+        # closed by the last of them
+        self.reads = 0
+        self.retired = False
 
 
 def still_named(sf: StateFile) -> bool:

@@ -3,6 +3,7 @@ links them, frozen: copy-on-write from then on) and how a checkpoint's shards be
 files (a linked load adopts them): docs/nvme.md, "Linked checkpoints"."""
 from __future__ import annotations
 
+import bisect
 import os
 import struct
 from typing import Dict, List, Sequence, Tuple
@@ -93,7 +94,7 @@ class CheckpointLinks:
                 return False            # another filesystem: copied
         except OSError:
             return False
-        if st.st_size % ALIGN or any(off % ALIGN for _, _, off, _ in rows) \
+        if st.st_size % ALIGN or not _blocks_ok(rows) \
                 or sorted(names) != sorted(str(k) for k, _, _, _ in rows):
             return False
         try:
@@ -125,4 +126,28 @@ class CheckpointLinks:
             self._where[k] = (sf, off)
             sf.keys.add(k)
             sf.hashes[k] = checksum     # verified by the caller, else the load clears us
+        self._index_blocks(sf, [(k, spec) for k, spec, _, _ in rows])
         return True
+
+
+def _blocks_ok(rows) -> bool:
+    """The file's states are laid out as the store lays its own out: a state of 4096 bytes
+    or more (or none) at a multiple of 4096; a smaller one inside one 4096-byte block, which
+    holds no byte of a larger state (docs/nvme.md, "Small states")."""
+    big, small = [], []
+    for _, spec, off, _ in rows:
+        if 0 < spec.nbytes < ALIGN:
+            if off // ALIGN != (off + spec.nbytes - 1) // ALIGN:
+                return False
+            small.append(off // ALIGN)
+        elif off % ALIGN:
+            return False
+        elif spec.nbytes:
+            big.append((off // ALIGN, -(-(off + spec.nbytes) // ALIGN)))
+    big.sort()
+    starts = [a for a, _ in big]
+    for b in small:
+        i = bisect.bisect_right(starts, b) - 1
+        if i >= 0 and big[i][0] <= b < big[i][1]:
+            return False
+    return True

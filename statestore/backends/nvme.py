@@ -3,8 +3,9 @@ through a bounded RAM budget.
 
 Layout (``docs/nvme.md``): each batch of states created together (one ``create_many`` call)
 is one file ``<dir>/states-<store id>-<n>.safetensors``, a valid safetensors file at all times:
-its header is written at creation, every tensor's data starts at a multiple of 4096 bytes
-(larger tensors: of up to 1 MiB, ``data_alignment``), ``__pad__/<n>`` U8 tensors fill the
+its header is written at creation, every tensor's data of 4096 bytes or more starts at a
+multiple of 4096 bytes (larger tensors: of up to 1 MiB, ``data_alignment``), smaller ones are
+packed into shared 4 KiB blocks (``_nvme_packed.py``), ``__pad__/<n>`` U8 tensors fill the
 gaps (and one before the zero-length ``__pad__/end`` makes the file size a multiple of
 4096), and the data region is reserved with ``posix_fallocate``
 (so ENOSPC shows at creation, not mid-step) and reads as zeros until written. After
@@ -24,6 +25,7 @@ import atexit
 import errno
 import inspect
 import os
+import threading
 import uuid
 import weakref
 from concurrent.futures import Future
@@ -38,17 +40,19 @@ from ..io import IOEngine, IOFile, alloc_buffer, make_engine
 from ._dirs import StoreLock, create_laid_out, prepare_dir
 from ._futures import completed
 from ._nvme_digests import FrozenReads, WriteDigests
-from ._nvme_files import (ALIGN, COPY_CHUNK, MAX_DATA_ALIGN, MAX_FILE_DATA, StateFile, add_range,
+from ._nvme_files import (ALIGN, COPY_CHUNK, MAX_DATA_ALIGN, MAX_FILE_DATA, StateFile,
                           after_both, check_present, check_size, covered, data_alignment,
-                          round_up, still_named, unlink_all)
+                          round_up, unlink_all)
+from ._nvme_cow import CopyOnWrite
 from ._nvme_links import CheckpointLinks
+from ._nvme_packed import SMALL_ALIGN, PackedStates
 from ._space import check_space, no_space
 from .base import StreamingStore
 
 __all__ = ["NVMeStore"]
 
 
-class NVMeStore(CheckpointLinks, StreamingStore):
+class NVMeStore(CheckpointLinks, CopyOnWrite, PackedStates, StreamingStore):
     """States in files under ``dir``, read and written with asynchronous direct I/O.
 
     Args:
@@ -134,6 +138,8 @@ class NVMeStore(CheckpointLinks, StreamingStore):
         self._cow: Dict[StateKey, List[List[int]]] = {}
         self._buffer = None          # the pipeline ring's AlignedBuffer
         self._bounce = None          # 4 KiB buffer for read-modify-write of partial blocks
+        self._reads_lock = threading.Lock()     # StateFile.reads: counted across threads
+        self._init_packed()
         self._copy_buf = None        # bounce buffer of copy-on-write copies
         if isinstance(engine, IOEngine):
             self._engine, self._own_engine = engine, False
@@ -181,13 +187,19 @@ class NVMeStore(CheckpointLinks, StreamingStore):
             for k, _ in batch:
                 self._where[k] = (sf, lay.entries[str(k)].offset)
                 sf.keys.add(k)
+            self._index_blocks(sf, batch)
 
-    @staticmethod
-    def _layout_file(entries: Sequence[Tuple[StateKey, StateSpec]]):
-        names = [(str(k), spec.dtype, spec.shape) for k, spec in entries]
+    @classmethod
+    def _layout_file(cls, entries: Sequence[Tuple[StateKey, StateSpec]]):
+        # the large states first, then the small ones packed into shared blocks
+        # (_nvme_packed.py): a 16-element state takes 64 bytes of the file, not 4 KiB
+        names = [(str(k), spec.dtype, spec.shape) for k, spec in entries
+                 if not cls._small(spec.nbytes)]
+        names += [(str(k), spec.dtype, spec.shape) for k, spec in entries
+                  if cls._small(spec.nbytes)]
         names.append((f"{PAD_PREFIX}end", torch.uint8, (0,)))
         return layout(names, align=ALIGN, pad_tensors=True, align_for=data_alignment,
-                      metadata={"format": "statestore-nvmestore"})
+                      metadata={"format": "statestore-nvmestore"}, pack=(ALIGN, SMALL_ALIGN))
 
     def _new_file(self, header: bytes, size: int) -> StateFile:
         """Create, reserve and open a state file holding ``header``."""
@@ -226,7 +238,12 @@ class NVMeStore(CheckpointLinks, StreamingStore):
 
     def _free(self, keys: Sequence[StateKey]) -> None:
         for k in keys:
-            sf, _ = self._where.pop(k)
+            sf, off = self._where.pop(k)
+            block = sf.blocks.get(off // ALIGN)
+            if block is not None and k in block:
+                block.remove(k)
+                if not block:
+                    del sf.blocks[off // ALIGN]
             self._cow.pop(k, None)
             self._digests.forget(k)
             self._frozen_reads.forget(k)
@@ -239,19 +256,44 @@ class NVMeStore(CheckpointLinks, StreamingStore):
         sf.hashes.pop(k, None)
         if sf.keys or any(f.successor is sf and f.keys for f in self._files.values()):
             return
-        # Safe to close: a state leaves a file when its last range was written, after the
-        # pipeline read it, so no read of this file is in flight.
-        self._drop_file(sf, unlink=True)
+        # Closed once no read of it is in flight: a block of small states moves when another
+        # unit rewrites it, and a unit reading ahead may still be reading it here.
+        self._drop_file(sf, unlink=True, later=True)
         succ = sf.successor
         if succ is not None and not succ.keys and succ.path in self._files:
-            self._drop_file(succ, unlink=True)
+            self._drop_file(succ, unlink=True, later=True)
 
-    def _drop_file(self, sf: StateFile, unlink: bool) -> None:
-        self._files.pop(sf.path, None)
+    @staticmethod
+    def _close_file(sf: StateFile) -> None:
         try:
             sf.file.close()
+        finally:
             if sf.old_file is not None:
                 sf.old_file.close()
+
+    def _reading(self, sf: StateFile, fut):
+        """``fut`` reads ``sf``: ``sf`` stays open until it completes."""
+        with self._reads_lock:
+            sf.reads += 1
+        fut.add_done_callback(lambda _, sf=sf: self._read_done(sf))
+        return fut
+
+    def _read_done(self, sf: StateFile) -> None:
+        with self._reads_lock:
+            sf.reads -= 1
+            close = sf.reads == 0 and sf.retired
+            sf.retired = sf.retired and not close
+        if close:
+            self._close_file(sf)
+
+    def _drop_file(self, sf: StateFile, unlink: bool, later: bool = False) -> None:
+        self._files.pop(sf.path, None)
+        try:
+            with self._reads_lock:
+                later = later and sf.reads > 0
+                sf.retired = later          # closed by the last read's completion
+            if not later:
+                self._close_file(sf)
         finally:
             if unlink:
                 self._paths.discard(sf.path)
@@ -293,7 +335,7 @@ class NVMeStore(CheckpointLinks, StreamingStore):
             return completed(0)
         n = round_up(nbytes)
         view = self._bytes_view(out, n)
-        fut = self._engine.read(sf.file, view, off, n)
+        fut = self._reading(sf, self._engine.read(sf.file, view, off, n))
         return self._frozen_reads.read(sf, s, self._specs[s.key].numel, view[:nbytes].numpy(), fut)
 
     def _read_sync(self, sf: StateFile, off: int, n: int) -> torch.Tensor:
@@ -359,119 +401,6 @@ class NVMeStore(CheckpointLinks, StreamingStore):
         if n == 0:
             return completed(nbytes)
         return self._engine.write(sf.file, self._bytes_view(src, n), off, n)
-
-    # ------------------------------------------------------------------ copy-on-write
-    def pipeline(self, units, mode: str = "rw", wait: bool = True):
-        # A pipeline that writes reserves what copy-on-write needs before it hands out the
-        # first unit: a step then completes or changes nothing, even on a full disk.
-        self._check_open()
-        if mode != "r":
-            self._reserve_successors()
-        return super().pipeline(units, mode=mode, wait=wait)
-
-    def _reserve_successors(self) -> None:
-        """Give every frozen file that still holds states its successor now (reserved in
-        full), so that no write of a step or a put creates a file half-way through. A frozen
-        file no checkpoint links any more (its save failed, or the checkpoint was removed:
-        only the store's own name is left) is thawed instead: written in place, as before the
-        save."""
-        need = []
-        for sf in list(self._files.values()):
-            if not sf.frozen or sf.successor is not None or not sf.keys:
-                continue
-            try:
-                alone = os.fstat(sf.file.fd).st_nlink == 1 and still_named(sf)
-            except OSError:
-                alone = False
-            if alone and not sf.mapped and self._writable(sf):
-                sf.frozen = False
-                sf.hashes = {}          # bytes of a thawed file change again
-            else:
-                need.append(sf)
-        if not need:
-            return
-        check_space(f"NVMeStore: copy-on-write of {need[0].path}"
-                    f"{f' and {len(need) - 1} more file(s)' if len(need) > 1 else ''}, linked "
-                    f"by a checkpoint (new files for the states' next writes)", self.dir,
-                    sum(sf.size for sf in need))
-        made: List[StateFile] = []
-        try:
-            for sf in need:
-                sf.successor = self._new_file(sf.header, sf.size)
-                made.append(sf)
-        except BaseException:
-            for sf in made:
-                succ, sf.successor = sf.successor, None
-                self._drop_file(succ, unlink=True)
-            raise
-
-    def _writable(self, sf: StateFile) -> bool:
-        """Reopen a read-only file for writing (a linked load's shard whose checkpoint is
-        gone); False where that fails (the file then stays frozen: copy-on-write)."""
-        if not sf.readonly:
-            return True
-        try:
-            f = IOFile(sf.path, direct=self._direct)
-        except StateStoreIOError:
-            return False
-        sf.old_file, sf.file, sf.readonly = sf.file, f, False
-        return True
-
-    def _successor(self, sf: StateFile) -> StateFile:
-        if sf.successor is None:
-            sf.successor = self._new_file(sf.header, sf.size)
-        return sf.successor
-
-    def _move(self, k: StateKey) -> None:
-        """Every element of ``k`` is now in its frozen file's successor."""
-        old, base = self._where[k]
-        new = old.successor
-        self._cow.pop(k, None)
-        self._where[k] = (new, base)
-        new.keys.add(k)
-        self._leave(old, k)
-
-    def _write_into_successor(self, s: Slice) -> StateFile:
-        """The file a write of ``s`` goes to while its state's file is frozen."""
-        old, _ = self._where[s.key]
-        new = self._successor(old)
-        ranges = self._cow.setdefault(s.key, [])
-        add_range(ranges, s.start, s.stop)
-        if ranges == [[0, self._specs[s.key].numel]]:
-            self._move(s.key)
-        return new
-
-    def _materialize(self, k: StateKey) -> None:
-        """Copy the elements of ``k`` still only in its frozen file into the successor and
-        move ``k`` there (synchronous, through a small bounce buffer)."""
-        old, base = self._where[k]
-        if not old.frozen:
-            return
-        new = self._successor(old)
-        spec = self._specs[k]
-        self.in_flight.wait_for(k)
-        ranges = self._cow.get(k, [])
-        gaps, pos = [], 0
-        for a, b in ranges + [[spec.numel, spec.numel]]:
-            if a > pos:
-                gaps.append((pos, a))
-            pos = max(pos, b)
-        if gaps:
-            self._frozen_reads.verify(old, k)       # its bytes there are the checkpoint's
-            self._check_present(new)
-            new.dirty = True
-        for a, b in gaps:
-            lo = base + a * spec.itemsize            # aligned: gaps start at unit starts
-            hi = round_up(base + b * spec.itemsize)  # in this state's blocks (layout aligns)
-            while lo < hi:
-                n = min(COPY_CHUNK, hi - lo)
-                self._engine.write(new.file, self._read_sync(old, lo, n), lo, n).result()
-                lo += n
-        self._move(k)
-
-    def _materialize_file(self, sf: StateFile) -> None:
-        for k in sorted(sf.keys, key=lambda k: self._where[k][1]):
-            self._materialize(k)
 
     def _merge_tail_block(self, sf: StateFile, block_off: int, head: torch.Tensor) -> None:
         if self._bounce is None:

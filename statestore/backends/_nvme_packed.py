@@ -1,0 +1,256 @@
+"""NVMeStore's small states, packed: states of fewer than 4096 bytes share 4 KiB blocks of
+their file, and pipelines move them by *extents*, runs of whole blocks that one request reads
+or writes, instead of one 4 KiB request per state (docs/nvme.md, "Small states").
+
+Layout (``_safetensors_layout.layout(pack=...)``): in a state file, the large states come
+first; the small ones follow, each at a multiple of 64 bytes, none crossing a 4096-byte
+boundary, none sharing a block with a large state. ``StateFile.blocks`` maps a block index to
+the small states inside it (shared by a frozen file and its successor: same layout).
+
+Rules that keep the bytes right whatever units a pipeline is made of:
+
+* a block's small states always live in one file: a write that goes to a frozen file's
+  successor (copy-on-write) writes whole blocks and moves every state of them;
+* a block written whole from the ring holds only what this unit read (mode ``"rw"``) or
+  zeros and the unit's own states (mode ``"w"``) where every state of the block is the
+  unit's; otherwise it is *read-modify-written*: read fresh (after the block's pending
+  writes), the unit's slices patched in, written whole;
+* every read and write of a block first waits for the pending write of that block
+  (``_block_writes``), so two writes of one block are never in flight together, and a
+  read-modify-write never reads a block before an earlier write of it landed;
+* the pipeline also registers the write under every state of the block it rewrote, so a
+  later read of any of them waits for it, and a failed write marks them all as stale.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import xxhash
+
+from .._types import Slice, StateKey
+from ..io import alloc_buffer
+from ..pipeline import Extent, UnitPlan
+from ._futures import completed, when_all
+from ._nvme_files import ALIGN, StateFile, check_present, round_up
+
+__all__ = ["PackedStates", "SMALL_ALIGN", "MAX_EXTENT"]
+
+#: where a small state starts in its block (the SIMD kernels' alignment)
+SMALL_ALIGN = 64
+#: most bytes one extent request moves
+MAX_EXTENT = 1 << 20
+
+
+def _combined(futs: List) -> object:
+    if len(futs) == 1:
+        return futs[0]
+
+    def finish(out) -> None:
+        errs = [f.exception() for f in futs]
+        err = next((e for e in errs if e is not None), None)
+        if err is not None:
+            out.set_exception(err)
+        else:
+            out.set_result(sum(f.result() for f in futs))
+    return when_all(futs, finish)
+
+
+class PackedStates:
+    """NVMeStore's part that lays out, reads and writes its small states by extents (see the
+    module docstring). Uses the store's ``_where``, ``_specs``, ``_engine``, ``_digests``,
+    ``_frozen_reads``, ``_successor`` and ``_move_to``."""
+
+    def _init_packed(self) -> None:
+        # (file path, block) -> the future of its last write, until it completes
+        self._block_writes: Dict[Tuple[str, int], object] = {}
+        self._rmw_buf = None
+
+    @staticmethod
+    def _small(nbytes: int) -> bool:
+        return 0 < nbytes < ALIGN
+
+    def _ring_bytes(self, spec) -> int:
+        # packed: a small state takes its 64-byte slots of a shared block in the ring too
+        if self._small(spec.nbytes):
+            return round_up(spec.nbytes, SMALL_ALIGN)
+        return round_up(spec.nbytes)
+
+    def _index_blocks(self, sf: StateFile, entries) -> None:
+        """Record the blocks of ``sf`` that hold the small states among ``entries``
+        (``(key, spec)`` pairs, their places in ``_where``), in file order."""
+        for k, spec in sorted(entries, key=lambda e: self._where[e[0]][1]):
+            if self._small(spec.nbytes):
+                sf.blocks.setdefault(self._where[k][1] // ALIGN, []).append(k)
+
+    # ------------------------------------------------------------------ the plan
+    def _unit_plan(self, slices: Sequence[Slice]) -> Optional[UnitPlan]:
+        specs, where = self._specs, self._where
+        small: Dict[Tuple[int, int], List[int]] = {}
+        fams: Dict[int, StateFile] = {}
+        loose: List[int] = []
+        for i, s in enumerate(slices):
+            if not self._small(specs[s.key].nbytes):
+                loose.append(i)
+                continue
+            sf, off = where[s.key]
+            fams[id(sf.blocks)] = sf
+            small.setdefault((id(sf.blocks), off // ALIGN), []).append(i)
+        if not small:
+            return None
+        offsets = [0] * len(slices)
+        extents: List[Extent] = []
+        pos = 0
+        run: Optional[List] = None          # [family, first block, last block, members]
+        for fam, b in sorted(small):
+            if run is not None and run[0] == fam and run[2] == b - 1 \
+                    and (b - run[1] + 1) * ALIGN <= MAX_EXTENT:
+                run[2] = b
+            else:
+                if run is not None:
+                    pos = self._add_extent(extents, fams, run, pos)
+                run = [fam, b, b, []]
+            for i in small[fam, b]:
+                offsets[i] = pos + (b - run[1]) * ALIGN + where[slices[i].key][1] % ALIGN
+                run[3].append(i)
+        pos = self._add_extent(extents, fams, run, pos)
+        for i in loose:
+            offsets[i] = pos
+            pos += round_up(slices[i].numel * specs[slices[i].key].itemsize)
+        return UnitPlan(pos, offsets, extents, loose)
+
+    @staticmethod
+    def _add_extent(extents: List[Extent], fams, run, pos: int) -> int:
+        fam, b0, b1, members = run
+        n = (b1 - b0 + 1) * ALIGN
+        extents.append(Extent(pos, n, members, (fams[fam], b0, b1 + 1)))
+        return pos + n
+
+    def _runs(self, fam: StateFile, b0: int, b1: int) -> List[Tuple[StateFile, int, int]]:
+        """``[b0, b1)`` cut where its blocks' current file changes: ``(file, first, end)``."""
+        out: List[Tuple[StateFile, int, int]] = []
+        for b in range(b0, b1):
+            sf = self._where[fam.blocks[b][0]][0]
+            if out and out[-1][0] is sf:
+                out[-1] = (sf, out[-1][1], b + 1)
+            else:
+                out.append((sf, b, b + 1))
+        return out
+
+    def _wait_block(self, sf: StateFile, b: int) -> None:
+        fut = self._block_writes.pop((sf.path, b), None)
+        if fut is not None:
+            try:
+                fut.result()
+            except BaseException:       # noqa: BLE001 - the pipeline reports it with its slices
+                pass
+
+    # ------------------------------------------------------------------ reads
+    def _start_extent(self, e: Extent, buf: torch.Tensor, slices: List[Slice], read: bool):
+        fam, b0, b1 = e.where
+        if not read:
+            buf.zero_()         # written whole: pads and gaps stay zero
+            return completed(0)
+        futs = []
+        checks = []
+        for sf, r0, r1 in self._runs(fam, b0, b1):
+            for b in range(r0, r1):
+                self._wait_block(sf, b)
+            lo = (r0 - b0) * ALIGN
+            futs.append(self._reading(sf, self._engine.read(
+                sf.file, buf[lo:lo + (r1 - r0) * ALIGN], r0 * ALIGN, (r1 - r0) * ALIGN)))
+            if sf.frozen and sf.hashes:
+                checks += [(sf, s, b0) for s in slices if r0 <= self._where[s.key][1] // ALIGN < r1]
+        fut = _combined(futs)
+        if checks:
+            fut = self._frozen_reads.extent(fut, checks, buf, self._check_whole)
+        return fut
+
+    def _check_whole(self, sf: StateFile, s: Slice, b0: int, buf: torch.Tensor) -> None:
+        """Verify the state of ``s`` read from the frozen ``sf`` into ``buf`` (extent from
+        block ``b0``) against its recorded checksum."""
+        k = s.key
+        nbytes = self._specs[k].nbytes
+        if s.start or s.stop != self._specs[k].numel:
+            self._frozen_reads.verify(sf, k)        # a part of it: the whole state, read now
+            return
+        off = self._where[k][1] - b0 * ALIGN
+        self._frozen_reads.check(sf, k, buf[off:off + nbytes].numpy())
+
+    # ------------------------------------------------------------------ writes
+    def _write_extent(self, e: Extent, buf: torch.Tensor, slices: List[Slice],
+                      tensors: List[torch.Tensor], optimizer_pass: bool):
+        fam, b0, b1 = e.where
+        specs, where = self._specs, self._where
+        mine: Dict[int, List[Slice]] = {}
+        for s in slices:
+            mine.setdefault(where[s.key][1] // ALIGN, []).append(s)
+        covered: List[StateKey] = [s.key for s in slices]
+        futs = []
+        for sf, r0, r1 in self._runs(fam, b0, b1):
+            for b in range(r0, r1):
+                self._wait_block(sf, b)
+                ours = mine.get(b, ())
+                keys = {s.key for s in ours}
+                whole = {s.key for s in ours if s.start == 0 and s.stop == specs[s.key].numel}
+                if any(k not in whole for k in fam.blocks[b]):
+                    # another unit's states, or a part of ours: the block as it is now,
+                    # with our slices patched in
+                    self._merge_block(sf, b, buf[(b - b0) * ALIGN:(b - b0 + 1) * ALIGN], ours)
+                    covered += [k for k in fam.blocks[b] if k not in keys]
+            target = self._successor(sf) if sf.frozen else sf
+            check_present(target)
+            target.dirty = True
+            lo = (r0 - b0) * ALIGN
+            fut = self._engine.write(target.file, buf[lo:lo + (r1 - r0) * ALIGN], r0 * ALIGN,
+                                     (r1 - r0) * ALIGN)
+            futs.append(fut)
+            for b in range(r0, r1):
+                self._block_writes[target.path, b] = fut
+                if target is not sf:
+                    for k in fam.blocks[b]:
+                        self._move_to(k, target)
+        for s in slices:
+            if optimizer_pass or s.start or s.stop != specs[s.key].numel:
+                self._digests.forget(s.key)
+            else:
+                off = where[s.key][1] % ALIGN + (where[s.key][1] // ALIGN - b0) * ALIGN
+                self._digests.record(s.key, xxhash.xxh3_64(
+                    buf[off:off + specs[s.key].nbytes].numpy()).hexdigest())
+        return _combined(futs), covered
+
+    def _merge_block(self, sf: StateFile, b: int, block: torch.Tensor,
+                     mine: Sequence[Slice]) -> None:
+        """Read-modify-write of block ``b``: its current bytes, with the bytes of the slices
+        ``mine`` (in ``block`` already, as the unit left them) patched in."""
+        if self._rmw_buf is None:
+            self._rmw_buf = alloc_buffer(ALIGN, pinned=False)
+        fresh = self._rmw_buf.tensor
+        self._engine.read(sf.file, fresh, b * ALIGN, ALIGN).result()
+        if sf.frozen and sf.hashes:         # the others' bytes go on to the successor
+            keys = {s.key for s in mine}
+            for k in sf.blocks.get(b, ()):
+                if k not in keys:
+                    off = self._where[k][1] % ALIGN
+                    self._frozen_reads.check(sf, k, fresh[off:off + self._specs[k].nbytes]
+                                             .numpy())
+        for s in mine:
+            item = self._specs[s.key].itemsize
+            off = self._where[s.key][1] % ALIGN + s.start * item
+            n = (s.stop - s.start) * item
+            fresh[off:off + n].copy_(block[off:off + n])
+        block.copy_(fresh)
+
+    def _materialize_block(self, sf: StateFile, b: int) -> None:
+        """Copy block ``b`` of the frozen ``sf`` to its successor and move its states there."""
+        new = self._successor(sf)
+        self._wait_block(sf, b)
+        self._wait_block(new, b)
+        for k in sf.blocks.get(b, ()):
+            self._frozen_reads.verify(sf, k)
+        check_present(new)
+        new.dirty = True
+        self._engine.write(new.file, self._read_sync(sf, b * ALIGN, ALIGN), b * ALIGN,
+                           ALIGN).result()
+        for k in list(sf.blocks.get(b, ())):
+            self._move_to(k, new)
