@@ -74,3 +74,16 @@ def test_optimizer_probe_prints_a_ratio_per_round():
     assert len(rows) == 2, res.stdout
     assert all(float(a) > 0 and float(b) > 0 and float(r) > 0 for a, b, r in rows)
     assert re.search(r"median [0-9.]+x, range [0-9.]+-[0-9.]+x over 2 rounds", res.stdout)
+
+
+def test_small_states_prints_one_json_line(tmp_path):
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "small_states.py"), "--params", "50",
+           "--dir", str(tmp_path / "b")]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    import json
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    for k in ("step_s", "save_s", "load_s", "peak_rss_mib", "checkpoint_bytes"):
+        assert out[k] > 0, out
+    assert out["state_bytes"] == 50 * 16 * 4 * 2
+    assert not (tmp_path / "b").exists()
