@@ -181,3 +181,43 @@ def test_a_tampered_packed_state_is_refused(tmp_path):
         with pytest.raises(ss.CheckpointCorruptError):
             store.get("p9/exp_avg")
         assert torch.isfinite(store.get("p10/exp_avg")).all()
+
+
+def test_a_checkpoint_written_before_packing_loads(tmp_path):
+    """tests/data/checkpoint-before-packing: a linked checkpoint written by an NVMeStore of
+    commit 236e501 (before packing: each state under 4 KiB in a 4 KiB block of its own,
+    small and large states interleaved): CPUAdam, lr=1e-2, parameters e0..e4 of 16, 16, 5,
+    1100 and 300 elements, two steps. Loaded linked and copied, every state reads as the
+    stock reader reads it from the shard, and a step on it matches one on a DeviceStore."""
+    import shutil
+    ck = str(tmp_path / "ck")
+    shutil.copytree(os.path.join(os.path.dirname(__file__), "data",
+                                 "checkpoint-before-packing"), ck)
+    rows = read_manifest(ck).rows
+    assert [r.offset % 4096 for r in rows] == [0] * 10
+    shard = os.path.join(ck, rows[0].file)
+    with safe_open(shard, framework="pt") as f:
+        want = {r.key: f.get_tensor(r.key) for r in rows}
+    sizes = (16, 16, 5, 1100, 300)
+
+    def step(store):
+        named = [(f"e{i}.w", torch.nn.Parameter(torch.ones(n))) for i, n in enumerate(sizes)]
+        opt = CPUAdam(named, lr=1e-2, state_store=store)
+        for i, (_, p) in enumerate(named):
+            p.grad = torch.full((sizes[i],), 0.5)
+        opt.step()
+        return [p.detach().clone() for _, p in named]
+
+    with ss.DeviceStore("cpu") as dev:
+        dev.load_checkpoint(ck, progress=False)
+        expected = step(dev)
+    for link in (True, False):
+        with ss.NVMeStore(str(tmp_path / f"s{link}")) as store:
+            store.load_checkpoint(ck, progress=False, link=link)
+            assert any(os.stat(f).st_nlink > 1 for f in store.files()) == link
+            for k, v in want.items():
+                assert torch.equal(store.get(k), v), (link, k)
+            got = step(store)
+            assert all(torch.equal(a, b) for a, b in zip(got, expected)), link
+            store.sync()
+    assert verify_checkpoint(ck, progress=False) == []
