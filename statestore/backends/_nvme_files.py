@@ -1,6 +1,6 @@
 """NVMeStore's state files: the record of one open file (its states, copy-on-write
 successor, checksums), where a state's data starts in it, and the element-range helpers of
-copy-on-write (docs/nvme.md, "Layout")."""
+copy-on-write (docs/nvme.md, "File layout")."""
 from __future__ import annotations
 
 import errno
@@ -25,9 +25,8 @@ COPY_CHUNK = 1 << 20       # bounce buffer of copy-on-write copies
 # Where a state's data starts in its file: a multiple of 4096 (direct I/O), and for larger
 # states of up to MAX_DATA_ALIGN, the largest power of two at most 1/32 of its size (<= 3%
 # of padding). Disks are faster with data that was written in requests aligned to their
-# internal granularity: on this machine's virtual disk (64 KiB units), 1 GiB written from a
-# file offset of 4 KiB read back at 4.56 GB/s, from 64 KiB..2 MiB at 5.05-5.14 GB/s (and
-# wrote ~10% slower); see docs/nvme.md, "Alignment of the data".
+# internal granularity (64 KiB on the development host's virtual disk: data written from 4 KiB
+# offsets read back 7-8% slower); see docs/nvme.md, "Alignment of the data".
 MAX_DATA_ALIGN = 1 << 20
 
 

@@ -1,6 +1,6 @@
 """How an NVMeStore's files become checkpoint shards without copying (a linked save hard-
 links them, frozen: copy-on-write from then on) and how a checkpoint's shards become its
-files (a linked load adopts them): docs/nvme.md, "Linked checkpoints"."""
+files (a linked load adopts them): docs/nvme.md, "Checkpoints link the files"."""
 from __future__ import annotations
 
 import bisect

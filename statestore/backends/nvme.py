@@ -68,10 +68,9 @@ class NVMeStore(CheckpointLinks, CopyOnWrite, PackedStates, StreamingStore):
             default 256 MiB. Nothing else of the states is held in RAM.
         queue_depth, block_size, io_threads: engine settings (requests in flight, bytes per
             request, workers of the thread-pool engine). The defaults, 32 blocks of 8 MiB
-            (256 MiB in flight), beat 128 blocks of 1 MiB here: 1 GiB of puts + ``sync`` at
-            3.86 against 2.49 GB/s, a cold pipeline read at 1.61 against 0.91 GB/s
-            (``benchmarks/nvme_io.py --store-sweep``, medians of 5 interleaved rounds; see
-            docs/nvme.md, "Block size and queue depth").
+            (256 MiB in flight), were faster than 128 blocks of 1 MiB on a virtual disk that
+            takes requests of up to 4 MiB (``benchmarks/nvme_io.py --store-sweep``; docs/nvme.md,
+            "Block size and queue depth").
         pinned: page-lock the host buffers (``cudaHostRegister`` with CUDA, else ``mlock``
             where permitted; ``stats()["buffer_kind"]`` says what was obtained).
         direct: ``None`` probes ``O_DIRECT`` (buffered with one warning where unsupported),
