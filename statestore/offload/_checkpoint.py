@@ -29,14 +29,14 @@ import os
 import struct
 import json
 import uuid
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 import xxhash
-from torch import Tensor, nn
+from torch import Tensor
 
 from .._safetensors_layout import layout
-from .._types import Slice, dtype_from_name
+from .._types import dtype_from_name
 from ..checkpoint import read_manifest
 from ..checkpoint.filesystem import close_quietly as _close_quietly
 from ..checkpoint.filesystem import commit as _commit
@@ -46,6 +46,7 @@ from ..checkpoint.filesystem import open_for_write as _open_for_write
 from ..checkpoint.filesystem import prepare_root as _prepare_root
 from ..errors import (CheckpointCorruptError, CheckpointError, CheckpointMismatchError,
                       StateStoreError, StateStoreIOError, StateStoreValueError)
+from ._seam import OffloadSeam, handle_of
 
 __all__ = ["save_checkpoint", "load_checkpoint", "MODEL_FILE", "OFFLOAD_META_VERSION"]
 
@@ -60,28 +61,12 @@ def _as_bytes(t: Tensor) -> memoryview:
     return memoryview(t.contiguous().view(-1).view(torch.uint8).numpy())
 
 
-def _chunks_of(handle, p: Tensor):
-    """``p``'s value piece by piece (bounded by the store's unit size)."""
-    if p in handle._data:
-        yield handle._data[p].reshape(-1)
-        return
-    store = handle.store
-    key = handle._key[p]
-    if store.resident:
-        yield store.get(key).reshape(-1)
-        return
-    slices = handle._slices_of(p)
-    with store.pipeline([[s] for s in slices], mode="r") as pipe:
-        for (t,) in pipe:
-            yield t
-
-
-def _model_entries(handle) -> List[Tuple[str, Tensor]]:
+def _model_entries(handle: OffloadSeam) -> List[Tuple[str, Tensor]]:
     sd = handle.model.state_dict(keep_vars=True)
     return [(name, t) for name, t in sd.items() if isinstance(t, Tensor)]
 
 
-def _write_model_file(handle, fs, root: str, name: str) -> Dict[str, str]:
+def _write_model_file(handle: OffloadSeam, fs, root: str, name: str) -> Dict[str, str]:
     entries = _model_entries(handle)
     lay = layout([(n, t.dtype, tuple(t.shape)) for n, t in entries], align=64,
                  metadata={"format": "pt"})
@@ -95,8 +80,8 @@ def _write_model_file(handle, fs, root: str, name: str) -> Dict[str, str]:
             if f.tell() < entry.offset:
                 f.write(b"\0" * (entry.offset - f.tell()))
             h = xxhash.xxh3_64()
-            if getattr(t, "_statestore_offload", None) is handle:
-                for chunk in _chunks_of(handle, t):
+            if handle_of(t) is handle:
+                for chunk in handle.chunks(t):
                     mv = _as_bytes(chunk)
                     h.update(mv)
                     f.write(mv)
@@ -116,7 +101,7 @@ def _write_model_file(handle, fs, root: str, name: str) -> Dict[str, str]:
     return hashes
 
 
-def _write_config(handle, fs, root: str) -> None:
+def _write_config(handle: OffloadSeam, fs, root: str) -> None:
     cfg = getattr(handle.model, "config", None)
     to_json = getattr(cfg, "to_json_string", None)
     if not callable(to_json):
@@ -128,7 +113,7 @@ def _write_config(handle, fs, root: str) -> None:
     fs.mv(tmp, final)
 
 
-def save_checkpoint(handle, path: str, optimizer_store=None, **kwargs) -> None:
+def save_checkpoint(handle: OffloadSeam, path: str, optimizer_store=None, **kwargs) -> None:
     """See :meth:`OffloadHandle.save_checkpoint`. ``kwargs`` go to the store's
     ``save_checkpoint`` (``shard_bytes``, ``progress``, ``link``)."""
     from ..store import StateStore
@@ -138,10 +123,9 @@ def save_checkpoint(handle, path: str, optimizer_store=None, **kwargs) -> None:
     if "metadata" in kwargs:
         raise StateStoreValueError("save_checkpoint: metadata comes from the optimizer's store "
                                    "(and the handle); it cannot be overridden here")
-    if handle._stack or torch._C._current_graph_task_id() >= 0:
+    if handle.in_model_pass:
         raise StateStoreError("save_checkpoint called during the model's forward or backward")
-    handle._suspend()
-    handle.store.sync()
+    handle.sync()
     fs, root = _prepare_root(path)
     save_id = uuid.uuid4().hex[:12]
     name = f"model-{save_id}.safetensors"
@@ -165,7 +149,7 @@ def save_checkpoint(handle, path: str, optimizer_store=None, **kwargs) -> None:
             "model_file": name,
             "checksum": "xxh3_64",
             "checksums": hashes,
-            "params": {handle._name[p]: handle._names[p] for p in handle._params},
+            "params": {n: handle.names(p) for n, p in handle.parameters.items()},
         }
         store.save_checkpoint(path, metadata=meta, **kwargs)
     except BaseException:
@@ -234,9 +218,9 @@ def _pieces(f, start: int, nbytes: int, piece: int):
         done += n
 
 
-def load_checkpoint(handle, path: str, optimizer_store=None) -> None:
+def load_checkpoint(handle: OffloadSeam, path: str, optimizer_store=None) -> None:
     """See :meth:`OffloadHandle.load_checkpoint`."""
-    if handle._stack or torch._C._current_graph_task_id() >= 0:
+    if handle.in_model_pass:
         raise StateStoreError("load_checkpoint called during the model's forward or backward")
     m = read_manifest(path)
     off = m.metadata.get("offload") if isinstance(m.metadata, dict) else None
@@ -250,12 +234,10 @@ def load_checkpoint(handle, path: str, optimizer_store=None) -> None:
         raise CheckpointCorruptError(f"checkpoint {path!r}: bad model file name {fname!r}")
     fpath = _join(root, fname)
     sums = off["checksums"]
-    handle._suspend()
-    if handle._data:
-        for p in list(handle._data):
-            if handle._held(p):
-                raise StateStoreError("load_checkpoint: parameters are in use")
-            handle._release_now(p)
+    try:
+        handle.release_all()
+    except StateStoreError:
+        raise StateStoreError("load_checkpoint: parameters are in use") from None
     entries = dict(_model_entries(handle))
     piece = max(1 << 20, min(handle.store.budget_bytes // 4, 64 << 20))
     try:
@@ -304,7 +286,7 @@ def load_checkpoint(handle, path: str, optimizer_store=None) -> None:
             optimizer_store.load_checkpoint(path)
         done = set()
         for n, t, start, nbytes in plan:
-            if getattr(t, "_statestore_offload", None) is handle:
+            if handle_of(t) is handle:
                 if t in done:
                     continue            # a tied weight's other name: the same parameter
                 done.add(t)
@@ -323,11 +305,11 @@ def load_checkpoint(handle, path: str, optimizer_store=None) -> None:
     handle.store.sync()
 
 
-def _load_param(handle, p: Tensor, f, start: int, nbytes: int, piece: int) -> None:
+def _load_param(handle: OffloadSeam, p: Tensor, f, start: int, nbytes: int, piece: int) -> None:
     """Write the file's bytes of ``p`` into the store through its pipeline (mode "w")."""
     store = handle.store
     size = p.dtype.itemsize
-    slices = handle._slices_of(p)
+    slices = handle.slices(p)
     if not slices:
         return
     with store.pipeline([[s] for s in slices], mode="w", wait=False) as pipe:
@@ -340,7 +322,7 @@ def _load_param(handle, p: Tensor, f, start: int, nbytes: int, piece: int) -> No
                 k = min(piece, n - pos)
                 b = f.read(k)
                 if len(b) != k:
-                    raise CheckpointCorruptError(f"model file: tensor {handle._name[p]!r} is "
-                                                 "truncated")
+                    raise CheckpointCorruptError(f"model file: tensor {handle.names(p)[0]!r} "
+                                                 "is truncated")
                 dst[pos:pos + k].copy_(torch.frombuffer(bytearray(b), dtype=torch.uint8))
                 pos += k

@@ -44,8 +44,8 @@ from ..store import StateStore
 from ._device import Mover
 from ._hooks import ModuleHooks, graph_task
 from ._readahead import ReadAhead, Run
-from ._seam import (HANDLE_ATTR, PARAM_STATE, is_offloaded, param_value, update_begin,
-                    update_end)
+from ._seam import (PARAM_STATE, attach, detach, handle_of, is_offloaded, param_value,
+                    update_begin, update_end)
 
 __all__ = ["PARAM_STATE", "OffloadHandle", "offload_parameters", "update_begin",
            "update_end", "param_value", "is_offloaded"]
@@ -116,7 +116,7 @@ class OffloadHandle(ModuleHooks, ReadAhead):
         if not named:
             raise StateStoreValueError("offload_parameters: the model has no parameters")
         for name, p in named:
-            if getattr(p, HANDLE_ATTR, None) is not None:
+            if handle_of(p) is not None:
                 raise StateStoreValueError(f"offload_parameters: parameter {name!r} is already "
                                            f"offloaded by another handle; close it first")
         devs = {p.device for _, p in named if not p.is_meta}
@@ -224,7 +224,7 @@ class OffloadHandle(ModuleHooks, ReadAhead):
             # the store holds every parameter (e.g. loaded from a checkpoint that has them):
             # those values are the model's from now on
             for p in self._params:
-                setattr(p, HANDLE_ATTR, self)
+                attach(p, self)
                 self._release_now(p)
             return
         done: Set[Tensor] = set()
@@ -247,7 +247,7 @@ class OffloadHandle(ModuleHooks, ReadAhead):
                 created += [self._key[p] for p in todo]
                 for p in todo:
                     done.add(p)
-                    setattr(p, HANDLE_ATTR, self)
+                    attach(p, self)
                     self._release_now(p)
         except BaseException:
             for p in done:
@@ -255,8 +255,7 @@ class OffloadHandle(ModuleHooks, ReadAhead):
                     p.data = store.get(self._key[p]).to(self.device, copy=True)
                 except Exception:
                     pass
-                if getattr(p, HANDLE_ATTR, None) is self:
-                    delattr(p, HANDLE_ATTR)
+                detach(p, self)
             self._released.clear()
             try:
                 if created:
@@ -317,6 +316,46 @@ class OffloadHandle(ModuleHooks, ReadAhead):
         self._suspend()
         self.store.sync()
 
+    # the seam's checkpoint side (``_seam.OffloadSeam``; ``_checkpoint.py`` uses these)
+    @property
+    def in_model_pass(self) -> bool:
+        """True during the model's forward or backward."""
+        return bool(self._stack) or graph_task() >= 0
+
+    def release_all(self) -> None:
+        """Release every materialized parameter (its value stays in the store).
+
+        Raises:
+            StateStoreError: a forward, backward or optimizer update holds one.
+        """
+        self._suspend()
+        for p in list(self._data):
+            if self._held(p):
+                raise StateStoreError("offload handle: parameters are in use")
+            self._release_now(p)
+
+    def chunks(self, p: Tensor):
+        """``p``'s value, flattened, piece by piece (at most the store's unit size each,
+        through its pipeline for streaming stores); each piece is valid until the next."""
+        if p in self._data:
+            yield self._data[p].reshape(-1)
+            return
+        if self.store.resident:
+            yield self.store.get(self._key[p]).reshape(-1)
+            return
+        slices = self._slices_of(p)
+        with self.store.pipeline([[s] for s in slices], mode="r") as pipe:
+            for (t,) in pipe:
+                yield t
+
+    def slices(self, p: Tensor) -> List[Slice]:
+        """The store slices holding ``p``'s data, in order (each at most a unit)."""
+        return list(self._slices_of(p))
+
+    def names(self, p: Tensor) -> List[str]:
+        """Every name of ``p`` in the model (tied weights have several), its first first."""
+        return list(self._names[p])
+
     def state_dict(self) -> Dict[str, Tensor]:
         """The model's state_dict with every parameter's value (read from the store, copies):
         the whole model in memory at once, as ``model.state_dict()`` would be."""
@@ -324,9 +363,8 @@ class OffloadHandle(ModuleHooks, ReadAhead):
         self._suspend()
         out = {}
         for name, t in self.model.state_dict(keep_vars=True).items():
-            h = getattr(t, HANDLE_ATTR, None) if isinstance(t, nn.Parameter) else None
-            if h is self:
-                v = self._value(t)
+            if isinstance(t, nn.Parameter) and handle_of(t) is self:
+                v = self.value(t)
                 out[name] = v.detach().clone() if (self._alias or v is self._data.get(t)) \
                     else v.detach()
             else:
@@ -424,8 +462,7 @@ class OffloadHandle(ModuleHooks, ReadAhead):
                 pass
         self._hooks = []
         for p in self._params:
-            if getattr(p, HANDLE_ATTR, None) is self:
-                delattr(p, HANDLE_ATTR)
+            detach(p, self)
         self._data.clear()
         self._released.clear()
         self._closed = True

@@ -11,7 +11,7 @@ parameters read by a module that does not own them, the global optimizer step ho
 from __future__ import annotations
 
 import weakref
-from typing import List
+from typing import Callable, List, Set
 
 import torch
 from torch import Tensor, nn
@@ -19,7 +19,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..errors import StateStoreValueError
 from ._readahead import Run
-from ._seam import HANDLE_ATTR, updates_offloaded
+from ._seam import handle_of, updates_offloaded
 
 __all__ = ["ModuleHooks", "FetchMode", "Saved", "graph_task", "tensors_in",
            "METADATA_FUNCTIONS"]
@@ -66,25 +66,28 @@ class FetchMode(TorchFunctionMode):
     """Active during the root module's forward: fetches a released offloaded parameter that
     a torch function is about to read (a module using a parameter it does not own)."""
 
-    def __init__(self, handle):
+    def __init__(self, released: Set[Tensor], busy: Callable[[], bool],
+                 fetch: Callable[[Tensor], None]):
         super().__init__()
-        self.h = handle
+        self.released = released        # the handle's released parameters (a live set)
+        self.busy = busy                # True while the handle itself moves data
+        self.fetch = fetch              # fetch one released parameter for this forward
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        h = self.h
-        if h._released and not h._busy and func not in METADATA_FUNCTIONS:
+        released, fetch = self.released, self.fetch
+        if released and not self.busy() and func not in METADATA_FUNCTIONS:
             for a in args:
                 if isinstance(a, Tensor):
-                    if a in h._released:
-                        h._fallback_forward(a)
+                    if a in released:
+                        fetch(a)
                 elif isinstance(a, (list, tuple)):
                     for b in a:
-                        if isinstance(b, Tensor) and b in h._released:
-                            h._fallback_forward(b)
+                        if isinstance(b, Tensor) and b in released:
+                            fetch(b)
             if kwargs:
                 for a in kwargs.values():
-                    if isinstance(a, Tensor) and a in h._released:
-                        h._fallback_forward(a)
+                    if isinstance(a, Tensor) and a in released:
+                        fetch(a)
         return func(*args, **(kwargs or {}))
 
 
@@ -156,7 +159,7 @@ class ModuleHooks:
         if root and graph_task() < 0:
             self._begin_iteration()
             torch._C._autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
-            mode = FetchMode(self)
+            mode = FetchMode(self._released, lambda: self._busy > 0, self._fallback_forward)
             mode.__enter__()
             self._root_ctx.append(mode)
             pushed = True
@@ -235,7 +238,7 @@ class ModuleHooks:
             self._applied.discard(p)        # before this one)
         elif p in self._uib:
             # an optimizer updates it during backward, maybe only once its states arrive:
-            # keep it until then rather than read it again (released by _opt_done)
+            # keep it until then rather than read it again (released by end_update)
             self._opt.add(p)
             self._opt_wait.add(p)
         self._to_release.append(p)
@@ -287,14 +290,18 @@ class ModuleHooks:
         return d.as_strided(x.size, x.stride, d.storage_offset() + x.offset)
 
     # ------------------------------------------------------------------ optimizers
-    def _opt_acquire(self, items) -> None:
+    def begin_update(self, items) -> None:
+        """Materialize the parameters of ``items`` (``(param, start, stop)``) for an
+        optimizer's update (:func:`~statestore.offload._seam.update_begin` calls it)."""
         ps = [p for p, _, _ in items]
         if graph_task() >= 0:
             self._uib.update(ps)            # updated during backward (update_in_backward)
         self._fetch(ps)
         self._opt.update(ps)
 
-    def _opt_done(self, items) -> None:
+    def end_update(self, items) -> None:
+        """After the update of ``items``: a parameter whose last range was updated is
+        written back to the store and released."""
         for p, a, b in items:
             if b >= p.numel():
                 self._write_back(p)
@@ -319,7 +326,7 @@ class ModuleHooks:
 
     def _ours(self, optimizer) -> List[Tensor]:
         return [p for g in optimizer.param_groups for p in g["params"]
-                if getattr(p, HANDLE_ATTR, None) is self]
+                if handle_of(p) is self]
 
     def _before_step(self, optimizer, args, kwargs) -> None:
         if updates_offloaded(optimizer):
@@ -363,7 +370,7 @@ class ModuleHooks:
                 k = prefix + n
                 v = state_dict.get(k)
                 if v is not None and not isinstance(v, nn.Parameter):
-                    state_dict[k] = self._value(p).detach()
+                    state_dict[k] = self.value(p).detach()
 
     def _load_pre_hook(self, module, state_dict, prefix, *args) -> None:
         """``model.load_state_dict()``: every parameter materialized for torch to copy into,

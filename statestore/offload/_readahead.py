@@ -159,7 +159,8 @@ class ReadAhead:
         self._stats["reads"] += 1
         self._stats["read_bytes"] += p.numel() * p.dtype.itemsize
 
-    def _value(self, p: Tensor) -> Tensor:
+    def value(self, p: Tensor) -> Tensor:
+        """``p``'s current value (read from the store if needed, not kept materialized)."""
         if p in self._data:
             return self._data[p]
         self._fetch([p])
