@@ -90,9 +90,13 @@ def test_prepare_leaves_states_in_store(tmp_path, store_name):
         raise AssertionError("prepare round-tripped the optimizer's states")
     opt.state_dict = refuse
     opt.load_state_dict = refuse
-    model, popt = ss_accelerate.prepare(Accelerator(cpu=True), model, opt)
+    accelerator = Accelerator(cpu=True)
+    model, popt = ss_accelerate.prepare(accelerator, model, opt)
     del opt.state_dict, opt.load_state_dict
     assert popt.optimizer is opt and popt.state_store is store
+    # statestore keeps what it registers in a table of its own: accelerate's object gains
+    # no attribute of statestore's
+    assert not [a for a in vars(accelerator) if "statestore" in a], vars(accelerator).keys()
     assert store.stats().get("bytes_written") == written
     assert all(torch.equal(store.get(k), v) for k, v in before.items())
     store.close()

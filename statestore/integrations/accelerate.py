@@ -24,6 +24,7 @@ exactly too.
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Any, List, Optional
 
 from ._common import (find_store_optimizer, is_light_state_dict, light_state_dict, load_into,
@@ -40,6 +41,10 @@ class StateStoreAcceleratedOptimizer(AcceleratedOptimizer):
     """accelerate's optimizer wrapper around a statestore optimizer: no device placement of
     the states, and ``save_state``/``load_state`` through the store's checkpoint (once
     :func:`register` ed). ``state_dict()`` outside ``save_state`` is the optimizer's own."""
+
+    #: accelerate's mark of an object it has prepared: ``accelerator.prepare`` keeps this
+    #: wrapper as it is (it is made for accelerate, with the states left in their store)
+    _is_accelerate_prepared = True
 
     def __init__(self, optimizer, scaler=None):
         super().__init__(optimizer, device_placement=False, scaler=scaler)
@@ -63,6 +68,12 @@ class StateStoreAcceleratedOptimizer(AcceleratedOptimizer):
         load_into(self.optimizer, resolve(base, state_dict[STATESTORE_KEY]["checkpoint"]))
 
 
+# accelerator -> the optimizers registered on it, in order (a side table: statestore sets no
+# attribute on accelerate's objects; weak, so an accelerator is not kept alive by it)
+_registered: "weakref.WeakKeyDictionary[Accelerator, List[StateStoreAcceleratedOptimizer]]" = \
+    weakref.WeakKeyDictionary()
+
+
 def _dirname(i: int) -> str:
     return "statestore" if i == 0 else f"statestore_{i}"
 
@@ -70,9 +81,9 @@ def _dirname(i: int) -> str:
 def register(accelerator: "Accelerator", *optimizers: StateStoreAcceleratedOptimizer) -> None:
     """Hook ``accelerator.save_state``/``load_state`` so that ``optimizers`` (returned by
     :func:`prepare`, which calls this itself) checkpoint through their store."""
-    state = getattr(accelerator, "_statestore_optimizers", None)
+    state = _registered.get(accelerator)
     if state is None:
-        state = accelerator._statestore_optimizers = []
+        state = _registered[accelerator] = []
 
         def save_hook(models, weights, output_dir):
             for i, opt in enumerate(state):
@@ -108,7 +119,6 @@ def prepare(accelerator: "Accelerator", *objects: Any, device_placement: Optiona
         opt = find_store_optimizer(obj) if not isinstance(obj, AcceleratedOptimizer) else None
         if opt is not None and opt is obj and opt.state_store is not None:
             wrapped = StateStoreAcceleratedOptimizer(opt, scaler=accelerator.scaler)
-            wrapped._is_accelerate_prepared = True      # accelerate keeps it as it is
             ours.append(wrapped)
             objs.append(wrapped)
         else:
