@@ -10,7 +10,7 @@ once, in turn; tables report medians):
   to the disk as they are: zeros and random bytes wrote at the same speed here) then ``sync``,
   cold reads through ``pipeline(mode="r")``; no copy either way, like the probe and the peers,
   which write and read buffers they hold. This row is the store in the paired table;
-* ``TensorNVMe store pipeline``: ``NVMeStore(dir, engine="tensornvme")`` (a TensorNVMeStore)
+* ``TensorNVMe store pipeline``: ``nvme_store(dir, engine="tensornvme")`` (a TensorNVMeStore)
   driven the same way: its writes end with its ``sync`` (fdatasync of TensorNVMe's file, page
   cache dropped); its reads are cold and each read block is written back under its key (the
   adapter's non-destructive read, docs/nvme.md "TensorNVMe"), into the page cache;
@@ -311,6 +311,7 @@ def main() -> None:
 
     sys.path.insert(0, os.path.dirname(HERE))
     import statestore as ss
+    from statestore.backends import nvme_store
     from statestore.io import IOFile, alloc_buffer, available_engines, make_engine
 
     sizes = [_parse_size(s) for s in args.sizes.split(",")]
@@ -396,7 +397,7 @@ def main() -> None:
             if engine is not None:
                 kw["engine"] = engine
                 sub += f"-{engine}"
-            stores[key] = ss.NVMeStore(os.path.join(root, sub), **kw)
+            stores[key] = nvme_store(os.path.join(root, sub), **kw)
             stores[key].create_many([(f"p{i}/exp_avg", (per,), torch.float32, None) for i in range(n)])
         st = stores[key]
 
@@ -562,7 +563,7 @@ def main() -> None:
     store_name = contestants[-1][0]
     tn_reason = ss.io.probe_engine("tensornvme")
     if tn_reason is None:
-        contestants.append(("TensorNVMe store pipeline (NVMeStore engine=\"tensornvme\", "
+        contestants.append(("TensorNVMe store pipeline (TensorNVMeStore, "
                             "budget 256 MiB, 1 MiB blocks)",
                             lambda s: store(s, engine="tensornvme")))
     else:

@@ -1,5 +1,5 @@
 """Optimizer step time and peak RSS with states in RAM, fully on disk, and half on disk (and
-fully on disk through TensorNVMe, ``NVMeStore(dir, engine="tensornvme")``, when it is installed).
+fully on disk through TensorNVMe, ``TensorNVMeStore(dir)``, when it is installed).
 
 A GPT-2-small-shaped set of fp32 parameters (124M, built here from the model's shapes; no
 transformers needed), CPUAdam, fixed gradients. Each configuration runs in its own process (so
@@ -81,6 +81,7 @@ def worker(cfg: dict) -> None:
 
     sys.path.insert(0, os.path.dirname(HERE))
     import statestore as ss
+    from statestore.backends import nvme_store
     from statestore.optim import CPUAdam
 
     torch.set_num_threads(cfg["threads"])
@@ -101,7 +102,7 @@ def worker(cfg: dict) -> None:
         if cfg.get("engine"):
             kw["engine"] = cfg["engine"]
         store = (ss.TieredStore.from_fraction(frac, cfg["dir"], **kw) if frac < 1.0
-                 else ss.NVMeStore(cfg["dir"], **kw))
+                 else nvme_store(cfg["dir"], **kw))
         opt = CPUAdam(params, lr=1e-4, state_store=store, **md)
     opt.step()                     # creates the states (first write)
     if store is not None:

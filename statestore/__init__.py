@@ -4,7 +4,7 @@ Public API::
 
     import statestore as ss
     ss.DeviceStore, ss.PinnedCPUStore, ss.FileStore, ss.NVMeStore   # stores
-    ss.TensorNVMeStore (= NVMeStore(dir, engine="tensornvme")), ss.TieredStore
+    ss.TensorNVMeStore, ss.TieredStore                               # (by name: statestore.backends.make_store)
     ss.StateStore, ss.StateKey, ss.Slice                             # the interface
     ss.ResidentStore, ss.StreamingStore                              # the bases of backends
     ss.StateStoreError (and subclasses in statestore.errors)
@@ -18,7 +18,8 @@ from ._build_check import check_extensions
 check_extensions()
 
 from ._types import Slice, StateKey, StateSpec  # noqa: E402
-from .backends import DeviceStore, FileStore, PinnedCPUStore, ResidentStore, StreamingStore
+from .backends import (DeviceStore, FileStore, NVMeStore, PinnedCPUStore, ResidentStore,
+                       StreamingStore, TensorNVMeStore, TieredStore)
 from .errors import *  # noqa: F401,F403
 from .errors import __all__ as _errors_all
 from .kernels import kernels_info
@@ -28,22 +29,7 @@ from .store import DEFAULT_BUDGET_BYTES, StateStore
 from ._version import __version__
 
 __all__ = ["StateStore", "ResidentStore", "StreamingStore", "StateKey", "StateSpec", "Slice", "DEFAULT_BUDGET_BYTES",
-           "DeviceStore", "PinnedCPUStore", "FileStore", "kernels_info",
+           "DeviceStore", "PinnedCPUStore", "FileStore", "NVMeStore", "TensorNVMeStore",
+           "TieredStore", "kernels_info",
            "offload_parameters", "OffloadHandle",
            "__version__"] + list(_errors_all)
-
-try:  # backends that land separately register here when present
-    from .backends.nvme import NVMeStore  # noqa: F401
-    __all__.append("NVMeStore")
-except ImportError:  # pragma: no cover
-    pass
-try:  # NVMeStore(dir, engine="tensornvme") builds one; importable without tensornvme
-    from .backends.tensornvme import TensorNVMeStore  # noqa: F401
-    __all__.append("TensorNVMeStore")
-except ImportError:  # pragma: no cover
-    pass
-try:
-    from .backends.tiered import TieredStore  # noqa: F401
-    __all__.append("TieredStore")
-except ImportError:  # pragma: no cover
-    pass

@@ -91,12 +91,12 @@ REGISTRY: List[Backend] = [
 if hasattr(ss, "NVMeStore"):
     REGISTRY.append(Backend("nvme", lambda d, **o: ss.NVMeStore(d, **_budget(o, DISK_BUDGET)),
                             disk=True, engines=EVERY_ENGINE))
-# TensorNVMe (built by `make setup`): NVMeStore(dir, engine="tensornvme") is a TensorNVMeStore.
+# TensorNVMe (built by `make setup`): TensorNVMeStore, a store of its own.
 # `make test` sets STATESTORE_REQUIRE_TENSORNVME=1, and then its absence fails the run
 # (tests/test_tensornvme.py) instead of leaving this line out.
 if hasattr(ss, "TensorNVMeStore") and ss.io.probe_engine("tensornvme") is None:
-    REGISTRY.append(Backend("tensornvme", lambda d, **o: ss.NVMeStore(
-        d, **{**_budget(o, DISK_BUDGET), "engine": "tensornvme"}),
+    REGISTRY.append(Backend("tensornvme", lambda d, **o: ss.TensorNVMeStore(
+        d, **_budget(o, DISK_BUDGET)),
         engines=("tensornvme",)))      # its own file format, not statestore's state files
 if hasattr(ss, "TieredStore"):
     REGISTRY.append(Backend("tiered", lambda d, **o: ss.TieredStore(

@@ -7,8 +7,8 @@
   (never handed out), we ``fdatasync`` and drop the page cache, ENOSPC is named, partial
   views transfer exactly their bytes, its libaio backend never gets more requests than it
   can hold;
-* the store (``NVMeStore(dir, engine="tensornvme")``, a ``TensorNVMeStore``): NVMeStore refuses
-  keyed engines; training with the page cache dropped between steps matches torch and a
+* the store (``TensorNVMeStore``, a store of its own; ``nvme_store(dir, engine="tensornvme")``
+  the factory that picks it): NVMeStore refuses keyed engines and ``engine="tensornvme"``; training with the page cache dropped between steps matches torch and a
   DeviceStore run bit for bit; checkpoints copy (never link) and resume across engines bit for
   bit; the issue's failing sequence (3 steps, save, 2 steps) works; faults fail loudly and the
   previous checkpoint resumes exactly; a killed process's file is reclaimed.
@@ -358,8 +358,13 @@ def test_nvme_store_refuses_engines_that_do_not_write_in_place(tmp_path):
 
 @needs
 def test_engine_name_builds_a_tensornvme_store(tmp_path):
-    with ss.NVMeStore(str(tmp_path / "s"), engine="tensornvme", budget_bytes=1 << 20) as s:
-        assert isinstance(s, ss.TensorNVMeStore) and isinstance(s, ss.NVMeStore)
+    """Each class is what it says: NVMeStore refuses engine="tensornvme" naming the way,
+    TensorNVMeStore is its own store, and the factory picks the class by engine."""
+    from statestore.backends import make_store, nvme_store
+    with pytest.raises(ss.StateStoreValueError, match="TensorNVMeStore"):
+        ss.NVMeStore(str(tmp_path / "n"), engine="tensornvme")
+    with nvme_store(str(tmp_path / "s"), engine="tensornvme", budget_bytes=1 << 20) as s:
+        assert isinstance(s, ss.TensorNVMeStore) and not isinstance(s, ss.NVMeStore)
         assert s.block_bytes == 256 << 10 and s.stats()["engine"] == "tensornvme"
         assert s.files() == [s.engine.path] and not os.path.exists(s.engine.path)
         s.create("w/exp_avg", (1000,), torch.float32, torch.ones(1000))
@@ -367,10 +372,12 @@ def test_engine_name_builds_a_tensornvme_store(tmp_path):
         assert os.path.exists(s.engine.path)
         s.delete("w/exp_avg")
         assert not os.path.exists(s.engine.path)    # no states: no file
+    with make_store("tensornvme", str(tmp_path / "m"), budget_bytes=1 << 20) as s:
+        assert type(s) is ss.TensorNVMeStore
     with pytest.raises(ss.StateStoreValueError, match="O_DIRECT"):
-        ss.NVMeStore(str(tmp_path / "d"), engine="tensornvme", direct=True)
+        nvme_store(str(tmp_path / "d"), engine="tensornvme", direct=True)
     with pytest.raises(ss.StateStoreValueError, match="keep_files"):
-        ss.NVMeStore(str(tmp_path / "k"), engine="tensornvme", keep_files=True)
+        nvme_store(str(tmp_path / "k"), engine="tensornvme", keep_files=True)
     with ss.TieredStore.from_fraction(0.5, str(tmp_path / "t"), engine="tensornvme") as t:
         assert any(isinstance(x, ss.TensorNVMeStore) for x in t.tiers)
 
@@ -381,7 +388,7 @@ def test_issue_sequence_three_steps_checkpoint_two_more(tmp_path):
     error, tensor not found"); now bit-identical to an uninterrupted DeviceStore run, and the
     checkpoint equals the 3-step states."""
     ck = str(tmp_path / "ck")
-    with ss.NVMeStore(str(tmp_path / "s"), engine="tensornvme", budget_bytes=64 << 10) as store:
+    with ss.TensorNVMeStore(str(tmp_path / "s"), budget_bytes=64 << 10) as store:
         named = F.make_params()
         opt = F.make_opt(named, store)
         F.train(opt, named, 0, 3)
@@ -449,7 +456,7 @@ def test_training_reads_states_from_disk_matches_torch(tmp_path, backend):
 
 def _store(kind, d):
     if kind == "tensornvme":
-        return ss.NVMeStore(d, engine="tensornvme", budget_bytes=64 << 10)
+        return ss.TensorNVMeStore(d, budget_bytes=64 << 10)
     if kind == "nvme":
         return ss.NVMeStore(d, budget_bytes=64 << 10)
     return ss.DeviceStore("cpu")
@@ -513,7 +520,7 @@ def test_killed_process_file_is_reclaimed(tmp_path):
     d = str(tmp_path / "s")
     code = textwrap.dedent(f"""
         import os, signal, torch, statestore as ss
-        s = ss.NVMeStore({d!r}, engine="tensornvme", budget_bytes=1 << 20)
+        s = ss.TensorNVMeStore({d!r}, budget_bytes=1 << 20)
         s.create("w/exp_avg", (100000,), torch.float32, torch.ones(100000))
         s.sync()
         os.kill(os.getpid(), signal.SIGKILL)
@@ -524,6 +531,6 @@ def test_killed_process_file_is_reclaimed(tmp_path):
     left = [n for n in os.listdir(d) if n.endswith("-tensornvme")]
     assert len(left) == 1
     with pytest.warns(RuntimeWarning, match="never closed"):
-        s = ss.NVMeStore(d, engine="tensornvme")
+        s = ss.TensorNVMeStore(d)
     assert [n for n in os.listdir(d) if n.endswith("-tensornvme")] == []
     s.close()

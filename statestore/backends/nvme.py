@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import atexit
 import errno
-import inspect
 import os
 import threading
 import uuid
@@ -60,10 +59,11 @@ class NVMeStore(CheckpointLinks, CopyOnWrite, PackedStates, StreamingStore):
             :meth:`close` and at interpreter exit.
         engine: ``"auto"``, ``"io_uring"``, ``"libaio"``, ``"threads"``, an
             :class:`~statestore.io.IOEngine` instance that writes in place (not closed by the
-            store), or ``"tensornvme"``, which builds a
-            :class:`~statestore.backends.tensornvme.TensorNVMeStore` instead (TensorNVMe keeps
-            keyed bytes in a file of its own and cannot write these files in place; an
-            engine with ``writes_in_place=False`` is refused).
+            store). ``"tensornvme"`` is refused with the way to it: TensorNVMe keeps keyed
+            bytes in a file of its own and cannot write these files in place, so it has a
+            store of its own, :class:`~statestore.TensorNVMeStore` (or the factory
+            :func:`statestore.backends.nvme_store`, which picks the class by engine); an
+            engine with ``writes_in_place=False`` is refused too.
         budget_bytes: RAM for the pipeline's host buffers (read-ahead, compute, write-behind);
             default 256 MiB. Nothing else of the states is held in RAM.
         queue_depth, block_size, io_threads: engine settings (requests in flight, bytes per
@@ -81,14 +81,6 @@ class NVMeStore(CheckpointLinks, CopyOnWrite, PackedStates, StreamingStore):
     alignment = ALIGN
     transfer_alignment = MAX_DATA_ALIGN
 
-    def __new__(cls, dir: Optional[str] = None, engine: Any = "auto", **kwargs):
-        # engine="tensornvme": TensorNVMe cannot write these files in place (it keeps keyed
-        # bytes in a file of its own), so the store made for it is built instead.
-        if cls is NVMeStore and isinstance(engine, str) and engine == "tensornvme":
-            from .tensornvme import TensorNVMeStore
-            return TensorNVMeStore._from_nvme_args(dir, **kwargs)
-        return super().__new__(cls)
-
     def __init__(self, dir: Optional[str] = None, engine: Any = "auto", *,
                  budget_bytes: Optional[int] = None, queue_depth: int = 32,
                  block_size: int = 8 << 20, io_threads: int = 8, pinned: bool = True,
@@ -99,14 +91,20 @@ class NVMeStore(CheckpointLinks, CopyOnWrite, PackedStates, StreamingStore):
                                        f"got {self.budget_bytes}")
         if direct not in (None, True, False):
             raise StateStoreValueError(f"NVMeStore: direct must be None, True or False, got {direct!r}")
+        if isinstance(engine, str) and engine == "tensornvme":
+            raise StateStoreValueError(
+                "NVMeStore: engine 'tensornvme' cannot write NVMeStore's files in place "
+                "(TensorNVMe keeps keyed bytes in a file of its own); use "
+                "statestore.TensorNVMeStore(dir, ...), its own store, or "
+                "statestore.backends.nvme_store(dir, engine='tensornvme', ...), the factory "
+                "that picks the store by engine")
         if not getattr(engine, "writes_in_place", True):
             # Its reads of slices and hard links of named files need every write to land at
             # the (file, offset) asked: a keyed engine would leave the files unwritten.
             raise StateStoreValueError(
                 f"NVMeStore: engine {getattr(engine, 'name', engine)!r} does not write in place "
                 "(writes_in_place is False), and NVMeStore reads slices of its named files and "
-                "links them into checkpoints; use NVMeStore(dir, engine='tensornvme'), a "
-                "TensorNVMeStore, for TensorNVMe")
+                "links them into checkpoints; use statestore.TensorNVMeStore(dir) for TensorNVMe")
         if not isinstance(engine, IOEngine):
             for arg, v in (("queue_depth", queue_depth), ("block_size", block_size),
                            ("io_threads", io_threads)):
@@ -494,18 +492,3 @@ class NVMeStore(CheckpointLinks, CopyOnWrite, PackedStates, StreamingStore):
         }
         out["engine_stats"] = self._engine.stats()
         return out
-
-
-# Its own __new__ would otherwise be what inspect.signature(NVMeStore) shows.
-NVMeStore.__signature__ = inspect.signature(NVMeStore.__init__).replace(
-    parameters=list(inspect.signature(NVMeStore.__init__).parameters.values())[1:])
-
-
-def _register_tensornvme() -> None:
-    # NVMeStore(dir, engine="tensornvme") returns a TensorNVMeStore: it is an NVMeStore to
-    # isinstance (a virtual subclass; it shares none of NVMeStore's file code).
-    from .tensornvme import TensorNVMeStore
-    NVMeStore.register(TensorNVMeStore)
-
-
-_register_tensornvme()

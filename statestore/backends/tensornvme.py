@@ -1,4 +1,4 @@
-"""``TensorNVMeStore``: states kept by TensorNVMe (``NVMeStore(dir, engine="tensornvme")``).
+"""``TensorNVMeStore``: states kept by TensorNVMe, a store of its own.
 
 TensorNVMe keeps bytes under string keys in one file of its own, at offsets it chooses
 (:mod:`statestore.io._tensornvme` lists what its binding offers and the defects the adapter
@@ -83,10 +83,10 @@ class TensorNVMeStore(StreamingStore):
         backend: TensorNVMe's ``"uring"`` or ``"aio"`` (default: ``uring`` where built).
         pinned: page-lock the pipeline's host buffers.
 
-    ``NVMeStore(dir, engine="tensornvme", ...)`` builds one (``isinstance(store, NVMeStore)``
-    holds); of NVMeStore's arguments, ``direct=True`` and ``keep_files=True`` are refused
-    (TensorNVMe has no ``O_DIRECT``; its file is unnamed bytes removed at close) and
-    ``block_size``/``io_threads`` do not apply.
+    It is no :class:`~statestore.NVMeStore` (it shares none of its file code):
+    ``NVMeStore(dir, engine="tensornvme")`` is refused with the way here, and
+    :func:`statestore.backends.nvme_store` (``engine="tensornvme"``), the factory that
+    takes NVMeStore's arguments, builds this class.
     """
 
     alignment = _ALIGN
@@ -130,27 +130,6 @@ class TensorNVMeStore(StreamingStore):
             if self._finalizer is not None:
                 self._finalizer()
             raise
-
-    @classmethod
-    def _from_nvme_args(cls, dir=None, *, budget_bytes=None, queue_depth=32, block_size=None,
-                        io_threads=None, pinned=True, direct=None, keep_files=False,
-                        backend=None, block_bytes=_MAX_BLOCK) -> "TensorNVMeStore":
-        """``NVMeStore(dir, engine="tensornvme", ...)``: NVMeStore's arguments mapped here."""
-        if direct is True:
-            raise StateStoreValueError("NVMeStore: direct=True is impossible with engine "
-                                       "'tensornvme' (TensorNVMe has no O_DIRECT: its I/O goes "
-                                       "through the page cache, which sync() drops)")
-        if direct not in (None, False):
-            raise StateStoreValueError(f"NVMeStore: direct must be None, True or False, got {direct!r}")
-        if keep_files:
-            raise StateStoreValueError("NVMeStore: keep_files=True is impossible with engine "
-                                       "'tensornvme' (its file holds keyed blocks, not safetensors, "
-                                       "and TensorNVMe removes it at close); save a checkpoint")
-        for arg, v in (("block_size", block_size), ("io_threads", io_threads)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
-                raise StateStoreValueError(f"NVMeStore: {arg} must be a positive int, got {v!r}")
-        return cls(dir, budget_bytes=budget_bytes, queue_depth=queue_depth,
-                   block_bytes=block_bytes, backend=backend, pinned=pinned)
 
     # ------------------------------------------------------------------ layout
     def _allocate(self, entries: Sequence[Tuple[StateKey, StateSpec]]) -> None:

@@ -96,14 +96,17 @@ class TieredStore(StateStore):
                       ram_store: Optional[StateStore] = None, **nvme_kwargs) -> "TieredStore":
         """ColossalAI's ``nvme_offload_fraction``/``nvme_offload_dir``: ``fraction`` of the
         state bytes in an :class:`~statestore.NVMeStore` under ``directory`` (a temporary
-        directory when None), the rest in ``ram_store`` (default ``DeviceStore("cpu")``).
+        directory when None; ``nvme_kwargs`` are NVMeStore's, and ``engine="tensornvme"``
+        makes the tier a :class:`~statestore.TensorNVMeStore`:
+        :func:`~statestore.backends.nvme_store`), the rest in ``ram_store`` (default
+        ``DeviceStore("cpu")``).
 
         The disk tier's ``budget_bytes`` defaults to 64 MiB here (``NVMeStore`` alone: 256 MiB):
         it reaches the disk's bandwidth on the benchmark machine while keeping the RAM saved by
         full offload above 90% of the states' bytes for a GPT-2-small-sized model; pass
         ``budget_bytes=`` to change it."""
         from .device import DeviceStore
-        from .nvme import NVMeStore
+        from .registry import nvme_store
 
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) \
                 or not 0.0 <= fraction <= 1.0:
@@ -116,7 +119,7 @@ class TieredStore(StateStore):
             tiers.append((ram_store if ram_store is not None else DeviceStore("cpu"), 1.0 - fraction))
         if fraction > 0.0:
             nvme_kwargs.setdefault("budget_bytes", 64 << 20)
-            tiers.append((NVMeStore(directory, **nvme_kwargs), float(fraction)))
+            tiers.append((nvme_store(directory, **nvme_kwargs), float(fraction)))
         return cls(tiers, device=torch.device("cpu"))
 
     @property

@@ -15,8 +15,8 @@ pread/pwrite workers), all in ``statestore._C_io``; ``pythreads``, a pure-Python
 stands in for ``threads`` when the extension is not built. ``tensornvme`` (when that package is
 installed) is probed and listed here too, but it is a *keyed* engine, not an ``IOEngine``: it
 cannot write at a file's offsets (see :mod:`statestore.io._tensornvme`), so
-:func:`make_engine` refuses it and ``NVMeStore(dir, engine="tensornvme")`` builds the store
-made for it, :class:`~statestore.backends.tensornvme.TensorNVMeStore`.
+:func:`make_engine` refuses it; the store made for it is
+:class:`~statestore.backends.tensornvme.TensorNVMeStore`.
 
 Large requests are split into ``block_size`` blocks with at most ``queue_depth`` in flight;
 short transfers are retried, and a read past the end of the file fails with ``ENODATA``.
@@ -418,8 +418,7 @@ def make_engine(name: str = "auto", *, queue_depth: int = DEFAULT_QUEUE_DEPTH,
     here, overridable with the environment variable ``STATESTORE_IO_ENGINE``), ``"io_uring"``,
     ``"libaio"`` or ``"threads"``. Raises :class:`StateStoreIOError` with the reason when the
     engine cannot work, and :class:`StateStoreValueError` for ``"tensornvme"``, a keyed engine
-    that cannot serve file offsets (``NVMeStore(dir, engine="tensornvme")`` is the store built
-    on it). ``directory`` is accepted for compatibility and unused."""
+    that cannot serve file offsets (``TensorNVMeStore`` is the store built on it). ``directory`` is accepted for compatibility and unused."""
     if not isinstance(name, str):
         raise StateStoreValueError(f"engine must be a str, got {type(name).__name__}")
     for arg, v in (("queue_depth", queue_depth), ("block_size", block_size), ("threads", threads)):
@@ -444,7 +443,7 @@ def make_engine(name: str = "auto", *, queue_depth: int = DEFAULT_QUEUE_DEPTH,
         raise StateStoreValueError(
             "engine 'tensornvme' is keyed: TensorNVMe stores bytes under keys at offsets of its "
             "own choosing and cannot read or write a file's offsets, so it is no IOEngine; "
-            "NVMeStore(dir, engine='tensornvme') builds a TensorNVMeStore on it, and "
+            "statestore.TensorNVMeStore(dir) is the store built on it, and "
             "statestore.io.TensorNVMeEngine is its keyed interface")
     if name == "threads" and native is None:
         warnings.warn(f"statestore: {native_error}; engine 'threads' uses the pure-Python pool",
