@@ -533,7 +533,7 @@ def main():
         print(f"skipped {name}: {why}")
     if "ColossalAI CPUAdam" in skipped:
         print("  (ColossalAI 0.5.0's CPU Adam loader refuses to load without CUDA; measured by hand "
-              "its speed equals DeepSpeed's within noise, see ANCHORS.md)")
+              "on a host of this kind, its speed was DeepSpeed's within noise)")
     names = [c.name for c in classes]
     header = (["params", "tensors", "thr", "grads"] + names +
               ["roofline", "ours/best peer", "ours/roofline"])

@@ -1,4 +1,4 @@
-"""Checkpoint guarantees (DESIGN.md, "Checkpoint guarantees"; docs/checkpoint-format.md).
+"""Checkpoint guarantees (docs/api.md, "Checkpoint guarantees"; docs/checkpoint-format.md).
 
 Every guarantee has a test that fails when it is broken: exact (resume in a new process,
 across stores), immutable, atomic (real ``kill -9`` of saving processes), verified (each kind

@@ -125,7 +125,7 @@ def test_matches_float64_reference(store):
 
 def test_bit_identical_across_backends(store):
     """The pipeline only moves bytes: every store gives exactly DeviceStore('cpu')'s result
-    (DESIGN.md, 'exact ... on every store and across stores')."""
+    (docs/api.md, 'exact ... on every store and across stores')."""
     hp = dict(lr=1e-2, weight_decay=0.1, amsgrad=True)
     params = make_params()
     base = clone_params(params)
@@ -157,7 +157,7 @@ def test_low_precision_params_keep_fp32_master(store, dtype):
 
 
 def test_low_precision_master_from_loaded_weights(store):
-    # DESIGN: a parameter with no stored state takes its master from its current value
+    # the contract: a parameter with no stored state takes its master from its current value
     p = nn.Parameter(torch.randn(100).to(torch.bfloat16))
     opt = CPUAdam([p], lr=0.0, state_store=store)
     with torch.no_grad():
@@ -491,7 +491,7 @@ def test_resume_mismatch_raises(store):
 
 # ============================================================================ bad arguments
 # (kwargs, error type, message regex, torch raises the same?)  torch's messages where torch
-# has the argument, as DESIGN.md asks.
+# has the argument, as docs/api.md says.
 BAD_ARGS = [
     (dict(lr=-1.0), ValueError, "Invalid learning rate: -1.0", True),
     (dict(eps=-1e-8), ValueError, "Invalid epsilon value: -1e-08", True),

@@ -183,7 +183,7 @@ def _run_and_save(backend, tmp_path, save_at: int, total: int):
                                    "torch-after-steps"])
 @pytest.mark.parametrize("backend", BACKEND_NAMES)
 def test_resume_with_scheduler_bit_for_bit(backend, order, tmp_path):
-    """Mid-warmup resume, both orders of DESIGN.md's load_checkpoint: the optimizer built on
+    """Mid-warmup resume, both orders of load_checkpoint (docs/api.md): the optimizer built on
     a loaded store takes the checkpoint's lr (and initial_lr, which LambdaLR's last_epoch
     needs); store.load_checkpoint under an existing optimizer updates its step counts and
     hyperparameters."""

@@ -99,7 +99,7 @@ def resolve(base: Optional[str], ref: str) -> str:
 def load_into(optimizer: Any, path: str) -> None:
     """Load the statestore checkpoint at ``path`` into the store of ``optimizer`` (which
     exists: torch's order). The store's ``load_checkpoint`` then updates the attached
-    optimizer's step counts and hyperparameters (see DESIGN, ``load_checkpoint``)."""
+    optimizer's step counts and hyperparameters (docs/api.md, ``load_checkpoint``)."""
     store = store_of(optimizer)
     if "://" not in path and not os.path.isdir(path):
         raise CheckpointNotFoundError(f"statestore checkpoint {path!r} not found (the "
