@@ -4,9 +4,9 @@ budgets and unit sizes.
 
 A unit's ring space is held from the moment its read is submitted until its write-behind
 completes, so a ring of a few large units might leave the disk idle while one unit's write
-finishes, and small units might keep it busier. On this machine they do not: 4, 16 and 64 MiB
-units in 64 and 256 MiB rings moved the states within 5% of each other (7 interleaved
-rounds, 2026-11-23), so ``StateStore.unit_bytes`` stays a quarter of the budget. Two fp32 states of ``--mib`` MiB each (an ``exp_avg``/``exp_avg_sq`` pair,
+finishes, and small units might keep it busier. On the development host they did not
+(benchmarks/RESULTS.md), so ``StateStore.unit_bytes`` stays a quarter of the budget. Two fp32
+states of ``--mib`` MiB each (an ``exp_avg``/``exp_avg_sq`` pair,
 GPT-2's tied embedding is 147 MiB each) are visited in units of
 ``unit`` bytes, both states' slices per unit; each configuration is run ``--rounds`` times,
 interleaved with the others (the disk here is noisy), and the table gives the median.
