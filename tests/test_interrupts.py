@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import threading
 
 import pytest
 import torch
@@ -250,7 +251,8 @@ def _state(model, store, opt):
 
 def _run(kind, tmp_path, in_backward, events, exc=RuntimeError):
     """Train ``_Chain`` through ``events``: an int i is a step on batch i; ("fail", i) a
-    backward on batch i that raises ``exc`` part-way, caught; ("grads", i) a backward on
+    backward on batch i that raises ``exc`` part-way, caught; ("snap",) records the model's
+    parameters; ("grads", i) a backward on
     batch i (no step); ("drop", names) drops the
     gradients of those parameters; "step" a step() with the gradients there are; "save" a
     checkpoint (verified); "zero" zero_grad(). Returns parameters, states and counts, and
@@ -261,7 +263,7 @@ def _run(kind, tmp_path, in_backward, events, exc=RuntimeError):
     opt = _optimizer(model, store, in_backward)
     after_fail = []
     for ev in events:
-        if in_backward and not store.resident:
+        if in_backward and not store.resident and (isinstance(ev, int) or ev[0] == "fail"):
             _prefetched(store)
         if isinstance(ev, int):
             _backward(model, ev)
@@ -282,6 +284,9 @@ def _run(kind, tmp_path, in_backward, events, exc=RuntimeError):
             opt.zero_grad()
         elif ev == ("zero",):
             opt.zero_grad()
+        elif ev == ("snap",):           # the model's parameters, before any other call
+            after_fail.append(("snap", {n: p.detach().clone()
+                                        for n, p in model.named_parameters()}))
         elif ev == ("save",):
             ck = str(tmp_path / "ck")
             store.save_checkpoint(ck, progress=False)
@@ -305,7 +310,8 @@ def _as_if_only_early_had_gradients(tmp_path, counts, done, events):
     has gradients for the parameters backward updated before failing only."""
     behind = [n for n, c in counts.items() if c == done]
     return _run("device", tmp_path / "ref", False,
-                list(range(done)) + [("grads", done), ("drop", behind), ("step",)] + events)
+                list(range(done)) + [("grads", done), ("drop", behind), ("step",), ("snap",)]
+                + events)
 
 
 @pytest.mark.parametrize("kind", ["device", "nvme"])
@@ -320,14 +326,17 @@ def test_exception_mid_backward_ends_its_step(kind, exc, then, tmp_path):
     (internal error)')."""
     after = [("save",)] if then == "save" else []
     got, seen = _run(kind, tmp_path / "got", True,
-                     [0, 1, ("fail", 2)] + after + [("zero",), 2, 3], exc)
+                     [0, 1, ("fail", 2), ("snap",)] + after + [("zero",), 2, 3], exc)
     counts = seen[0]
     assert set(counts.values()) <= {2, 3}, counts
     assert 3 in counts.values() or kind == "nvme", counts   # on disk: when the reads came
-    want, _ = _as_if_only_early_had_gradients(tmp_path, counts, 2, [2, 3])
+    want, ref_seen = _as_if_only_early_had_gradients(tmp_path, counts, 2, [2, 3])
     _assert_same(got, want)
+    # as the exception reached the caller, no parameter was left half updated
+    got_p, want_p = seen[1][1], ref_seen[0][1]
+    assert [n for n in want_p if not torch.equal(got_p[n], want_p[n])] == []
     if then == "save":
-        saved = seen[1][1]
+        saved = seen[2][1]
         ref_ck, _ = _as_if_only_early_had_gradients(tmp_path / "ck", counts, 2, [])
         assert [k for k in saved if not torch.equal(saved[k], ref_ck[0][k])] == []
 
@@ -408,10 +417,11 @@ def test_ctrl_c_at_sampled_lines_of_a_backward_that_updates(kind, tmp_path):
 
 @pytest.mark.parametrize("kind", ["device", "nvme"])
 def test_store_reads_and_reloads_right_after_a_failed_backward(kind, tmp_path):
-    """Right after a failed backward (its read-ahead still holding the ring), the store's
-    other calls work: get() and load_checkpoint() of the last checkpoint into the same store
-    (before, on NVMe: 'pipeline deadlock (internal error)'); with the weights saved beside it,
-    training then goes on exactly as if the failed step never happened."""
+    """Right after a backward that failed on another thread (as a CUDA backward runs: its
+    read-ahead still holds the ring, nobody finished it yet), the store's other calls work:
+    get() and load_checkpoint() of the last checkpoint into the same store (before, on NVMe:
+    'pipeline deadlock (internal error)'); with the weights saved beside it, training then
+    goes on exactly as if the failed step never happened."""
     store = _store(kind, tmp_path)
     model = _Chain()
     opt = _optimizer(model, store, True)
@@ -426,8 +436,17 @@ def test_store_reads_and_reloads_right_after_a_failed_backward(kind, tmp_path):
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     if not store.resident:
         _prefetched(store)
-    with pytest.raises(RuntimeError):
-        _backward(model, 2, RuntimeError)
+    errors = []
+
+    def fail():
+        try:
+            _backward(model, 2, RuntimeError)
+        except RuntimeError as e:
+            errors.append(e)
+    t = threading.Thread(target=fail)
+    t.start()
+    t.join(timeout=60)
+    assert errors and not t.is_alive()
     assert opt._stepper.passes      # its read-ahead still holds the ring
     assert store.get("b.weight/exp_avg").shape == (128, 128)
     store.load_checkpoint(ck, progress=False)
@@ -579,3 +598,36 @@ def test_ctrl_c_at_sampled_lines_of_a_save_or_load(what, tmp_path):
         if problems:
             bad.append(f"{r}: {problems[:3]}")
     assert not bad, "\n".join(bad)
+
+
+def test_new_optimizer_on_a_store_emptied_after_a_failed_one(tmp_path, monkeypatch):
+    """An optimizer whose step failed part-way refuses every call; once its store is emptied
+    (store.clear(): no checkpoint to go back to yet) a new optimizer built on the store
+    starts afresh and trains exactly (before: its constructor raised the old optimizer's
+    refusal, and a store holding the mixed states still refuses to start a new one)."""
+    import statestore.optim._units as units_mod
+    store = ss.DeviceStore("cpu")
+    named = F.make_params()
+    opt = F.make_opt(named, store)
+    F.train(opt, named, 0, 2)
+    kernel, calls = units_mod.adam_step, [0]
+
+    def second_unit_fails(*a, **kw):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise RuntimeError("the kernel failed")
+        return kernel(*a, **kw)
+
+    monkeypatch.setattr(units_mod, "adam_step", second_unit_fails)
+    F.set_grads(named, 2)
+    with pytest.raises(RuntimeError, match="the kernel failed"):
+        opt.step()
+    monkeypatch.undo()
+    assert I.failed(opt)
+    with pytest.raises(ss.StateStoreError, match="failed part-way"):
+        F.make_opt(F.make_params(), store)      # the mixed states are still there
+    store.clear()
+    named = F.make_params()
+    opt = F.make_opt(named, store)
+    F.train(opt, named, 0, 3)
+    assert F.differences(F.snapshot(named, store), F.reference(3)) == []

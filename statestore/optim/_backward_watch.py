@@ -3,11 +3,13 @@ failed (:class:`BackwardWatch`), and the messages of a loop that misuses the mod
 changed or accumulated between backward and ``step()``)."""
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Callable, List, Optional, Sequence
 
 import torch
 
+from .._signals import deferred_signals
 from ._metadata import short_names
 
 __all__ = ["BackwardWatch", "misuse_reason", "refused_message", "mixed_message"]
@@ -55,23 +57,41 @@ def _queue_callback(cb: Callable[[], None]) -> None:
 
 
 def _dropped(sref, ran: List[bool]) -> None:
+    with deferred_signals():        # a Ctrl-C in a finalizer would be lost: after it
+        _failed(sref, ran)
+
+
+def _failed(sref, ran: List[bool]) -> None:
     st = sref()
-    if st is not None and not ran[0]:
-        st.backward_failed = True
+    if st is None or ran[0]:
+        return
+    st.backward_failed = True
+    if threading.current_thread() is threading.main_thread():
+        # The engine drops the callback while the exception unwinds, before the caller sees
+        # it: a parameter updated in part is finished now, so that the model the caller
+        # catches the exception with holds whole parameters (on another thread, a CUDA
+        # backward's, this waits for the next call into the optimizer or store).
+        st.give_back()
 
 
 class BackwardWatch:
     """Tells a :class:`BackwardStepper` when a backward it saw fails: at the first hook of
     each autograd graph task, a callback is queued with the engine, which runs it when that
     backward completes, and drops it unrun when the backward raises (the model's exception,
-    a Ctrl-C): then ``stepper.backward_failed`` is set (only a flag: it may be set from the
-    engine's thread)."""
+    a Ctrl-C): then ``stepper.backward_failed`` is set and, on the main thread, the
+    parameters updated in part are finished at once (:meth:`BackwardStepper.give_back`)."""
 
-    __slots__ = ("sref", "gid", "ran")
+    __slots__ = ("sref", "gid", "ran", "callback")
 
     def __init__(self, stepper: "BackwardStepper"):
         self.sref, self.gid = weakref.ref(stepper), None
         self.ran: Optional[List[bool]] = None
+        self.callback: Optional[weakref.ref] = None
+
+    def dropped(self) -> bool:
+        """Whether the engine dropped the last callback unrun: that backward failed (for
+        when the finalizer could not say so)."""
+        return self.ran is not None and not self.ran[0] and self.callback() is None
 
     def unfinished(self) -> bool:
         """Outside backward (``step()``, a save...): whether the last backward watched never
@@ -91,5 +111,5 @@ class BackwardWatch:
             _queue_callback(completed)
         except (RuntimeError, AttributeError):     # not inside the engine: nothing to watch
             return
-        self.gid, self.ran = gid, ran
+        self.gid, self.ran, self.callback = gid, ran, weakref.ref(completed)
         weakref.finalize(completed, _dropped, self.sref, ran)

@@ -196,7 +196,7 @@ class BackwardStepper:
                 self._busy = False
 
     def _grad_ready(self, p: Tensor) -> None:
-        if self.backward_failed:
+        if self.backward_failed or self.watch.dropped():
             self._close_step()
         self.watch.saw_hook()
         if p in self.ready:

@@ -295,7 +295,12 @@ def pick_up(store, table: ParamTable, param_groups: List[dict], fmt, *, sharded:
         if theirs:
             store.delete(theirs)
     ckpt = store.loaded_metadata
-    meta = ckpt if loaded else store.metadata()
+    try:
+        meta = ckpt if loaded else store.metadata()
+    except StateStoreError:
+        if len(store):      # an earlier optimizer that failed part-way: its states are mixed
+            raise
+        meta = None         # ... on a store emptied since: nothing of it to pick up
     # Hyperparameters come from a checkpoint, not from an earlier optimizer on the store,
     # unless that optimizer took the checkpoint's when it was loaded and has not stepped
     # since (an optimizer of torch's resume order still alive when a new one is built).
