@@ -78,12 +78,12 @@ def test_optimizer_probe_prints_a_ratio_per_round():
 
 def test_small_states_prints_one_json_line(tmp_path):
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "small_states.py"), "--params", "50",
-           "--dir", str(tmp_path / "b")]
+           "--sizes", "16,2000", "--dir", str(tmp_path / "b")]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     import json
     out = json.loads(res.stdout.strip().splitlines()[-1])
     for k in ("step_s", "save_s", "load_s", "peak_rss_mib", "checkpoint_bytes"):
         assert out[k] > 0, out
-    assert out["state_bytes"] == 50 * 16 * 4 * 2
+    assert out["state_bytes"] == 25 * (16 + 2000) * 4 * 2      # Adam: two fp32 states
     assert not (tmp_path / "b").exists()
