@@ -20,9 +20,12 @@ missing wait, to show the tests catch one.
 """
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
+from torch import Tensor
+
+from statestore.optim._offload_path import OffloadPath
 
 
 class DeferredLane:
@@ -76,3 +79,23 @@ class DeferredLane:
     def close(self) -> None:
         self._run(self.seq)
         self.closed = True
+
+
+def install(opt, lane_factory, select: Optional[Callable[[Tensor], bool]] = None) -> OffloadPath:
+    """Replace ``opt``'s path by one with ``lane_factory`` (and ``select``;
+    default: every contiguous parameter whose store hands out host tensors), hooks included.
+    CPU parameters then take the same path as CUDA ones. Reads the optimizer's public
+    ``param_groups`` and ``state_store`` (a parameter's default store is on its device)."""
+    old = getattr(opt, "_offload", None)
+    if old is not None:
+        old.close()
+    store = opt.state_store
+
+    if select is None:
+        def select(p: Tensor) -> bool:
+            where = store.device if store is not None else p.device
+            return where.type == "cpu" and p.is_contiguous()
+    path = OffloadPath(select, lane_factory)
+    opt._offload = path     # a test hook: the optimizer's own attribute, set from outside
+    path.watch([p for g in opt.param_groups for p in g["params"]], opt)
+    return path

@@ -317,10 +317,10 @@ def fsdp2_resume2(rank: int, world: int, out: str) -> None:
 
     # the data path of CUDA parameters over host stores (docs/gpu.md), run on the CPU by
     # tests/_deferred_lane.py: staged gradients and uploads of each rank's local shards
+    import _deferred_lane
     from _deferred_lane import DeferredLane
-    from statestore.optim import _offload_path
     model = shard(make_model())
     opt = make_opt(model, ss.DeviceStore("cpu"))
-    path = _offload_path.install(opt, DeferredLane)
+    path = _deferred_lane.install(opt, DeferredLane)
     train(model, opt, 0, N)
     write(out, "final2_offload.pt", dict(result(model, opt), staged=path.stats()))

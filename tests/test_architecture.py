@@ -103,3 +103,79 @@ def test_import_graph_has_no_cycles():
         if m not in seen:
             visit(m)
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+# A backend's primitives are designed to be called from outside the backend: by the store
+# base, the pipeline and the composite store (docs/architecture.md, "Stores"). They keep a
+# leading underscore because users never call them. These, and only these, may be used on
+# another object than ``self`` outside the module defining them.
+DESIGNED_PRIMITIVES = {
+    # the pipeline moves a unit's bytes through the store's primitives: a slice each
+    # (_submit_read/_submit_write; _view on resident stores), or an extent of several slices
+    # in one request where the store lays the unit out so (_unit_plan, _start_extent,
+    # _write_extent: NVMeStore's packed small states)
+    "statestore/pipeline.py": {"_submit_read", "_submit_write", "_view", "_unit_plan",
+                               "_start_extent", "_write_extent"},
+}
+
+
+def _private(name):
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _defined_here(tree):
+    """Private names a module defines: its module-level and class-level definitions and
+    assignments, attributes it assigns on ``self``/``cls``, and ``__slots__`` entries."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            out.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) \
+                and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+            out.add(node.attr)
+        elif isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__slots__"
+                                                  for t in node.targets):
+            out.update(c.value for c in ast.walk(node.value) if isinstance(c, ast.Constant))
+    return {n for n in out if isinstance(n, str) and _private(n)}
+
+
+def _attribute_uses(tree):
+    """``(line, object, name, sets)`` for every ``x._name`` (and ``getattr``/``setattr``/
+    ``hasattr``/``delattr`` of a constant private name) on an object other than self/cls."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue
+            yield (node.lineno, ast.unparse(node.value), node.attr,
+                   isinstance(node.ctx, (ast.Store, ast.Del)))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                and node.func.id in ("getattr", "setattr", "hasattr", "delattr") \
+                and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) \
+                and isinstance(node.args[1].value, str) and _private(node.args[1].value):
+            obj = node.args[0]
+            if isinstance(obj, ast.Name) and obj.id in ("self", "cls"):
+                continue
+            yield (node.lineno, ast.unparse(obj), node.args[1].value,
+                   node.func.id in ("setattr", "delattr"))
+
+
+def test_no_private_attributes_used_across_objects():
+    """An object is used through its public names: ``x._name`` on another object than
+    self/cls, outside the module that defines ``_name``, reaches into it. Reading another
+    library's private API (``torch._C``, ``tensor._version``) is outside this rule; setting a
+    private attribute on any object the module does not define is inside it (keep a side
+    table). The only exceptions are DESIGNED_PRIMITIVES."""
+    trees = {mod: ast.parse(path.read_text(), str(path)) for mod, path in MODULES.items()}
+    defined = {mod: _defined_here(t) for mod, t in trees.items()}
+    ours = set().union(*defined.values())
+    bad = []
+    for mod, tree in trees.items():
+        rel = str(MODULES[mod].relative_to(ROOT.parent))
+        allowed = defined[mod] | DESIGNED_PRIMITIVES.get(rel, set())
+        for line, obj, name, sets in _attribute_uses(tree):
+            if name in allowed or not (sets or name in ours):
+                continue
+            bad.append(f"{rel}:{line}: {obj}.{name}" + (" (set)" if sets else ""))
+    assert not bad, "private attributes used across objects:\n" + "\n".join(sorted(bad))

@@ -14,9 +14,9 @@ import torch
 
 import statestore as ss
 from statestore.optim import CPUAdam, HybridAdam
-from statestore.optim import _offload_path
 
 from conftest import BACKEND_NAMES, CUDA_BACKEND_NAMES, TiedNet, make_store
+import _deferred_lane
 from _deferred_lane import DeferredLane
 
 CPU_BACKENDS = [b for b in BACKEND_NAMES if b not in CUDA_BACKEND_NAMES]
@@ -49,7 +49,7 @@ def _train(store, lanes=None, dtype=torch.float32, steps=4, between=None, backwa
            step_kw=None, opt_cls=HybridAdam, **kw):
     model = TiedNet(dtype)
     opt = opt_cls(model.named_parameters(), lr=1e-2, weight_decay=0.1, state_store=store, **kw)
-    path = _offload_path.install(opt, lanes) if lanes is not None else None
+    path = _deferred_lane.install(opt, lanes) if lanes is not None else None
     for step in range(steps):
         for _ in range(backwards):
             _backward(model, step)
@@ -163,7 +163,7 @@ def test_sliced_units(tmp_path):
         store = SimDiskStore(budget_bytes=256 * 1024)
         opt = HybridAdam([p, q], lr=1e-2, state_store=store, amsgrad=True)
         if lanes is not None:
-            _offload_path.install(opt, lanes)
+            _deferred_lane.install(opt, lanes)
         g = torch.Generator().manual_seed(5)
         for _ in range(3):
             p.grad = torch.randn(p.shape, generator=g)

@@ -362,23 +362,3 @@ def attach_offload_path(path: Optional[OffloadPath], owner, params: Iterable[Ten
         path = OffloadPath(select)
     path.watch(params, owner)
     return path
-
-
-def install(opt, lane_factory, select: Optional[Callable[[Tensor], bool]] = None) -> OffloadPath:
-    """Tests only: replace ``opt``'s path by one with ``lane_factory`` (and ``select``;
-    default: every contiguous parameter whose store hands out host tensors), hooks included.
-    CPU parameters then take the same path as CUDA ones. Reads the optimizer's public
-    ``param_groups`` and ``state_store`` (a parameter's default store is on its device)."""
-    old = getattr(opt, "_offload", None)
-    if old is not None:
-        old.close()
-    store = opt.state_store
-
-    if select is None:
-        def select(p: Tensor) -> bool:
-            where = store.device if store is not None else p.device
-            return where.type == "cpu" and p.is_contiguous()
-    path = OffloadPath(select, lane_factory)
-    opt._offload = path                 # the optimizer's path (this is a test hook)
-    path.watch([p for g in opt.param_groups for p in g["params"]], opt)
-    return path
