@@ -44,7 +44,7 @@ from torch import Tensor
 
 from ._dtensor import local, local_grad
 
-__all__ = ["OffloadPath", "CudaLane", "attach_offload_path", "default_select", "install"]
+__all__ = ["OffloadPath", "CudaLane", "attach_offload_path", "default_select"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _ALIGN = 64
