@@ -179,3 +179,41 @@ def test_no_private_attributes_used_across_objects():
                 continue
             bad.append(f"{rel}:{line}: {obj}.{name}" + (" (set)" if sets else ""))
     assert not bad, "private attributes used across objects:\n" + "\n".join(sorted(bad))
+
+
+def _module_level(body):
+    """The statements run at module level: ``body`` and the bodies of its ``if``/``try``/
+    ``with`` blocks, not those of functions or classes."""
+    for node in body:
+        yield node
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                yield from _module_level(getattr(node, field, None) or [])
+
+
+def test_all_names_what_the_module_defines():
+    """Every name in a module's ``__all__`` is defined or imported by it (a name left there
+    after its definition moved breaks ``from module import *``). Modules that load names on
+    first use (a module ``__getattr__``) or star-import are not checked."""
+    bad = []
+    for mod, path in MODULES.items():
+        tree = ast.parse(path.read_text(), str(path))
+        names, exported = set(), None
+        for node in _module_level(tree.body):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names.update((a.asname or a.name).split(".")[0] for a in node.names)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                for t in (node.targets if isinstance(node, ast.Assign) else [node.target]):
+                    names.update(n.id for n in ast.walk(t) if isinstance(n, ast.Name))
+                    if isinstance(t, ast.Name) and t.id == "__all__" \
+                            and isinstance(node, ast.Assign):
+                        try:
+                            exported = list(ast.literal_eval(node.value))
+                        except ValueError:
+                            exported = None     # computed: not checked
+        if "__getattr__" in names or "*" in names:
+            continue
+        bad += [f"{path.relative_to(ROOT.parent)}: {n}" for n in exported or () if n not in names]
+    assert not bad, "__all__ names not defined:\n" + "\n".join(bad)
