@@ -30,13 +30,14 @@ def require(module: str, pip_name: str, what: str):
 
 
 def find_store_optimizer(optimizer: Any):
-    """The statestore optimizer (``CPUAdam``/``HybridAdam``) inside ``optimizer``, unwrapping
+    """The statestore optimizer (any :class:`~statestore.optim.StateStoreOptimizer`:
+    ``CPUAdam``, ``HybridAdam``, ``StoreOptimizer``) inside ``optimizer``, unwrapping
     framework wrappers (accelerate's ``AcceleratedOptimizer.optimizer``, Lightning's
     ``LightningOptimizer._optimizer``); None when there is none."""
-    from ..optim import CPUAdam, HybridAdam
+    from ..optim import StateStoreOptimizer
     seen = set()
     while optimizer is not None and id(optimizer) not in seen:
-        if isinstance(optimizer, (CPUAdam, HybridAdam)):
+        if isinstance(optimizer, StateStoreOptimizer):
             return optimizer
         seen.add(id(optimizer))
         inner = None
@@ -58,7 +59,7 @@ def store_of(optimizer: Any) -> StateStore:
     opt = find_store_optimizer(optimizer)
     if opt is None:
         raise StateStoreValueError(f"{type(optimizer).__name__} is not a statestore optimizer "
-                                   f"(CPUAdam or HybridAdam, possibly wrapped)")
+                                   f"(CPUAdam, HybridAdam or StoreOptimizer, possibly wrapped)")
     if opt.state_store is None:
         raise StateStoreValueError(f"{type(opt).__name__} was built without state_store= (or "
                                    f"nvme_offload_fraction=): there is no single store to "
@@ -77,7 +78,6 @@ def light_state_dict(optimizer: Any, checkpoint: Optional[str] = None) -> Dict[s
     groups = []
     for g in opt.param_groups:
         ng = {k: v for k, v in g.items() if k != "params"}
-        ng["betas"] = tuple(g["betas"])
         ng["params"] = [index[p] for p in g["params"]]
         groups.append(ng)
     return {"state": {}, "param_groups": groups,

@@ -13,12 +13,14 @@ The state dict is keyed by parameter name (the optimizer's parameter keys: names
 was given ``named_parameters()``/``param_names``, else indices), one entry per parameter of
 the optimizer, so that saving and loading ask DCP for the same keys whatever has stepped::
 
-    {"state": {name: {"step": tensor, "exp_avg": ..., "exp_avg_sq": ...,
-                      ["max_exp_avg_sq"], ["master"]}},
-     "param_groups": [{"lr": ..., "betas": ..., ..., "params": [names]}]}
+    {"state": {name: {"step": tensor, <the states of its entry in opt.state_dict()>}},
+     "param_groups": [{"lr": ..., ..., "params": [names]}]}
 
-A parameter without states yet is saved as zeros with ``step`` 0 and left without states
-when loaded. On a disk store (``NVMeStore``, ``FileStore``, tiered) the tensors are not in
+(Adam: ``exp_avg``, ``exp_avg_sq``, [``max_exp_avg_sq``], [``master``]; a
+``StoreOptimizer``: its class's states, ``"step"`` being the optimizer's step count even where
+the class keeps none.) A parameter without states yet is saved as zeros with ``step`` 0
+(:meth:`StateStoreOptimizer.torch_state_specs` says which) and left without states when
+loaded. On a disk store (``NVMeStore``, ``FileStore``, tiered) the tensors are not in
 RAM: ``state_dict()`` streams the states through the store's pipeline into an unlinked
 temporary file in the store's folder and hands out tensors mapped from it (the kernel loads
 and evicts their pages), DCP reads into / writes from those, and ``load_state_dict`` writes
@@ -32,32 +34,33 @@ whose states that rank keeps: ``dcp.save`` on every rank writes the whole optimi
 """
 from __future__ import annotations
 
+import math
 import os
 import tempfile
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import torch
 
 from .._snapshot import unlinked_buffer
 from ..errors import CheckpointMismatchError
-from ..optim._dtensor import as_param_layout, local
+from ..optim._dtensor import as_param_layout
 from ..optim._sharding import SHARD_KEY
 from ._common import find_store_optimizer
 
 __all__ = ["StateStoreStateful"]
 
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
-
-
-def _zeros_mapped(numels: List[int], directory: str) -> List[torch.Tensor]:
-    """fp32 zero tensors backed by one unlinked sparse file (no RAM until written)."""
+def _zeros_mapped(specs: List[Tuple[Tuple[int, ...], torch.dtype]],
+                  directory: str) -> List[torch.Tensor]:
+    """Zero tensors of ``(shape, dtype)`` backed by one unlinked sparse file (no RAM until
+    written)."""
     offsets, pos = [], 0
-    for n in numels:
+    for shape, dtype in specs:
         offsets.append(pos)
-        pos += n * 4
+        pos += math.prod(shape) * dtype.itemsize
         pos += (-pos) % 64
     flat = unlinked_buffer(pos, directory, ".dcp-states-")
-    return [flat[o:o + n * 4].view(torch.float32) for o, n in zip(offsets, numels)]
+    return [flat[o:o + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+            for o, (shape, dtype) in zip(offsets, specs)]
 
 
 class StateStoreStateful:
@@ -67,8 +70,8 @@ class StateStoreStateful:
     def __init__(self, optimizer: Any):
         opt = find_store_optimizer(optimizer)
         if opt is None:
-            raise TypeError(f"StateStoreStateful needs a statestore optimizer (CPUAdam or "
-                            f"HybridAdam), got {type(optimizer).__name__}")
+            raise TypeError(f"StateStoreStateful needs a statestore optimizer (CPUAdam, "
+                            f"HybridAdam or StoreOptimizer), got {type(optimizer).__name__}")
         self.optimizer = opt
 
     # ------------------------------------------------------------------ layout
@@ -81,15 +84,6 @@ class StateStoreStateful:
                 out.append((i, str(names[j]) if names is not None else str(i), p, g))
                 i += 1
         return out
-
-    @staticmethod
-    def _state_names(p, group) -> List[str]:
-        names = ["exp_avg", "exp_avg_sq"]
-        if group.get("amsgrad"):
-            names.append("max_exp_avg_sq")
-        if p.dtype in _LOW_PRECISION:
-            names.append("master")
-        return names
 
     def _directory(self) -> str:
         store = self.optimizer.state_store
@@ -111,25 +105,28 @@ class StateStoreStateful:
         params = self._params()
         state: Dict[str, Dict[str, torch.Tensor]] = {}
         missing = []
+        opt = self.optimizer
         for i, name, p, g in params:
             if mine is not None and i not in mine:
                 continue
             st = torch_sd["state"].get(i)
-            want = self._state_names(p, g)
+            want = opt.torch_state_specs(p)
             if st is None or any(n not in st for n in want):
                 missing.append((i, name, p, want))
                 continue
-            entry = {"step": torch.as_tensor(st["step"], dtype=torch.float32).clone()}
+            # the optimizer's own step count where its class keeps no "step" (SGD)
+            step = st["step"] if "step" in st else opt.step_count(p)
+            entry = {"step": torch.as_tensor(step, dtype=torch.float32).clone()}
             for n in want:
                 entry[n] = st[n]
             state[name] = entry
-        if missing:     # DTensor parameters (FSDP2): zeros of the local shard, as DTensors
-            numels = [local(p).numel() for _, _, p, want in missing for _ in want]
-            zeros = iter(_zeros_mapped(numels, self._directory()))
+        if missing:     # zeros of the local states (DTensor parameters: as DTensors)
+            zeros = iter(_zeros_mapped([spec for _, _, _, want in missing
+                                        for spec in want.values()], self._directory()))
             for i, name, p, want in missing:
                 entry = {"step": torch.zeros((), dtype=torch.float32)}
                 for n in want:
-                    entry[n] = as_param_layout(p, next(zeros).view(local(p).shape))
+                    entry[n] = as_param_layout(p, next(zeros))
                 state[name] = entry
         groups = []
         for sg, g in zip(torch_sd["param_groups"], self.optimizer.param_groups):

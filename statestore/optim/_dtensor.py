@@ -27,7 +27,7 @@ from torch import Tensor
 from .._regions import Region, chunk_region
 from ..errors import StateStoreError, StateStoreValueError
 
-__all__ = ["is_dtensor", "local", "local_grad", "DTensorParams", "as_param_layout",
+__all__ = ["is_dtensor", "local", "local_shape", "local_grad", "DTensorParams", "as_param_layout",
            "local_state", "region_of"]
 
 
@@ -50,6 +50,12 @@ def local(p: Tensor) -> Tensor:
         with torch.no_grad():
             return p.to_local()
     return p
+
+
+def local_shape(p: Tensor) -> tuple:
+    """The shape of :func:`local` ``(p)``: what a state "shaped like the parameter" has in
+    the store."""
+    return tuple(local(p).shape)
 
 
 def local_grad(p: Tensor, g: Tensor) -> Tensor:

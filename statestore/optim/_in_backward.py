@@ -51,38 +51,11 @@ from torch import Tensor
 from .._signals import deferred_signals
 from ..errors import StateStoreError
 from ._backward_watch import BackwardWatch, mixed_message, misuse_reason, refused_message
-from ._metadata import short_names
-from ._table import ParamTable
 from ._dtensor import local
-from ._units import checked_grad, plan_step
+from ._plan import checked_grad
+from ._table import ParamTable
 
-__all__ = ["PassState", "BackwardStepper", "backward_hook"]
-
-def backward_hook(owner, stepper: "BackwardStepper", prefetching) -> Callable[[Tensor], None]:
-    """The gradient hook of an optimizer's parameters: with ``update_in_backward``, hands the
-    parameter whose gradient is final to ``stepper``; otherwise lets the disk stores in
-    ``prefetching`` (a WeakSet of the optimizer's) start the next step's reads
-    (:meth:`StateStore.pump`, which never blocks). Holds the optimizer and stepper weakly."""
-    ref, sref = weakref.ref(owner), weakref.ref(stepper)
-
-    def hook(param) -> None:
-        opt = ref()
-        if opt is None:
-            return
-        if opt.update_in_backward:
-            st = sref()
-            if st is not None:
-                st.grad_ready(param)
-            return
-        if not prefetching:
-            return
-        for store in list(prefetching):
-            try:
-                store.pump()
-            except StateStoreError:      # surfaces again at the step that needs it
-                store.cancel_prefetch()
-                prefetching.discard(store)
-    return hook
+__all__ = ["PassState", "BackwardStepper"]
 
 
 class PassState:
@@ -118,7 +91,8 @@ class BackwardStepper:
     Args:
         table: the optimizer's bookkeeping (keys, step counts, the next step's plans,
             ``touched``, ``failed``).
-        fmt: the optimizer's moment format (for planning).
+        plan: ``plan(store, items, order)``: a step's pipeline units and their entries
+            (:func:`statestore.optim._plan.plan_step` over the optimizer's layout).
         owner: the optimizer's class name, for messages.
         update: the optimizer's unit update ``(tensors, group, entries, grads, grad_scale,
             device)``; held weakly (a bound method of the optimizer).
@@ -129,9 +103,9 @@ class BackwardStepper:
         released: parameters whose gradient was applied and released this backward.
     """
 
-    def __init__(self, table: ParamTable, fmt, owner: str, update: Callable,
+    def __init__(self, table: ParamTable, plan: Callable, owner: str, update: Callable,
                  release_grads: bool):
-        self.table, self.fmt, self.owner = table, fmt, owner
+        self.table, self.plan, self.owner = table, plan, owner
         self._update = weakref.WeakMethod(update)
         self.release_grads = release_grads
         self.ready: Dict[Tensor, int] = {}
@@ -246,7 +220,7 @@ class BackwardStepper:
             return
         pending = [p for p in self.ready if p not in self.early_done and p.grad is not None]
         for store, items in unplanned(pending).items():
-            units, meta = plan_step(store, items, self.table.keys, self.fmt, self.ready)
+            units, meta = self.plan(store, items, self.ready)
             with store.pipeline(units, mode="rw", wait=False) as pipe:
                 for tensors, (group, entries) in zip(pipe, meta):
                     self._apply(tensors, group, entries, store.device, None)
@@ -529,7 +503,7 @@ class BackwardStepper:
                 rest = [(g, ps) for g, ps in rest if ps]
                 if not rest:
                     continue
-                units, meta = plan_step(store, rest, keys, self.fmt, self.ready)
+                units, meta = self.plan(store, rest, self.ready)
                 with store.pipeline(units, mode="rw", wait=False) as pipe:
                     for tensors, (group, entries) in zip(pipe, meta):
                         self._apply(tensors, group, entries, store.device, grads)
@@ -545,7 +519,7 @@ class BackwardStepper:
         table.touched = False
         table.next_plans.clear()
         for store, items in work.items():
-            table.next_plans[store] = plan_step(store, items, keys, self.fmt, order)
+            table.next_plans[store] = self.plan(store, items, order)
             if may_prefetch(store):
                 store.prefetch(table.next_plans[store][0], mode="rw")
         if reason:                  # the step is complete and consistent: now say what happened

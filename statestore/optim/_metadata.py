@@ -5,11 +5,14 @@ The metadata is the JSON object an optimizer attaches to its stores
 "Optimizer metadata")::
 
     {"optimizer": "HybridAdam", "version": 1,
-     "param_groups": [{"lr": ..., "betas": [b1, b2], "eps": ..., "weight_decay": ...,
-                       "amsgrad": ..., "maximize": ..., "adamw_mode": ..., <extra keys>,
+     "param_groups": [{<hyperparameters: "lr": ..., "betas": [b1, b2], ...>,
                        "params": [parameter keys]}],
      "steps": {key: int}, "params": {key: {"shape": [ints], "dtype": "bfloat16"}},
-     "moment_dtype": "fp32" | "bf16" | "int8", "moment_encoding": {...}}
+     <the optimizer's own keys: "moment_dtype": "fp32", "moment_encoding": {...} (Adam);
+      "optimizer_class": "torch.optim.adafactor.Adafactor" (StoreOptimizer)>}
+
+What a group's hyperparameters look like, which states a parameter keeps and which keys the
+optimizer adds are its :class:`~statestore.optim._layout.StateLayout`'s; the rest is common.
 
 * :func:`metadata_source` produces it (a callable the store keeps);
 * :func:`optimizer_metadata_problem` validates one read from a checkpoint (the checkpoint
@@ -22,14 +25,11 @@ The metadata is the JSON object an optimizer attaches to its stores
   scheduler, and any other key a user or library added), as ``load_state_dict`` does.
   Differences raise one :class:`CheckpointMismatchError` whose message stays short
   (:class:`MismatchReport`).
-
-It also names the states of a parameter (:func:`state_names`).
 """
 from __future__ import annotations
 
-import math
-import numbers
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+import weakref
+from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import Tensor
@@ -38,89 +38,16 @@ from .._regions import Region
 from ..checkpoint.metadata import optimizer_metadata_problem
 from ..errors import CheckpointMismatchError, StateStoreError
 from ..offload._seam import PARAM_STATE
-from ._args import validate_hyper
 from ._dtensor import local, region_of
-from ._moments import SCALE_OF
 from ._resume_warnings import warn_replaced
 from ._table import ParamTable, failed_message
 
-__all__ = ["OPTIMIZER_METADATA_VERSION", "HYPER", "STATE_NAMES", "ALL_STATE_NAMES",
-           "LOW_PRECISION", "IMPL_KEYS", "MismatchReport", "group_extras", "saved_group_hyper",
-           "short_names", "state_names", "metadata_source", "failed_message", "pick_up",
-           "optimizer_metadata_problem", "resume"]
+__all__ = ["OPTIMIZER_METADATA_VERSION", "MismatchReport", "short_names", "metadata_source",
+           "failed_message", "optimizer_metadata_problem", "resume", "pick_up"]
 
 OPTIMIZER_METADATA_VERSION = 1
-#: hyperparameters saved in metadata and state_dict (torch's AdamW keys plus ours)
-HYPER = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "adamw_mode")
-#: the logical states of a parameter
-STATE_NAMES = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
-#: every state a store may hold for a parameter (int8 moments add their scales)
-ALL_STATE_NAMES = STATE_NAMES + tuple(SCALE_OF.values())
-#: parameter dtypes that keep an fp32 ``master`` in the store
-LOW_PRECISION = (torch.float16, torch.bfloat16)
-
-#: torch's implementation switches: never carried between optimizers (ours ignore them).
-IMPL_KEYS = frozenset({"foreach", "fused", "capturable", "differentiable",
-                       "decoupled_weight_decay"})
-#: keys the metadata writes itself (hyperparameters and parameter keys)
-_OWN_KEYS = frozenset({"params", "param_names", "lr", "betas", "eps", "weight_decay",
-                       "amsgrad", "maximize", "adamw_mode"})
 #: how many names a summary line shows
 _SHOW = 3
-
-
-def _json_value(v: Any) -> Tuple[bool, Any]:
-    """``(True, v as plain JSON)`` for numbers, strings, bools, None, one-element tensors and
-    lists/tuples of those; ``(False, None)`` for anything else (left out of the metadata)."""
-    if v is None or isinstance(v, (bool, str)):
-        return True, v
-    if isinstance(v, torch.Tensor):
-        if v.numel() != 1:
-            return False, None
-        v = v.item()
-    if isinstance(v, numbers.Integral):
-        return True, int(v)
-    if isinstance(v, numbers.Real):
-        f = float(v)
-        return (True, f) if math.isfinite(f) else (False, None)
-    if isinstance(v, (list, tuple)):
-        out = []
-        for x in v:
-            ok, y = _json_value(x)
-            if not ok:
-                return False, None
-            out.append(y)
-        return True, out
-    return False, None
-
-
-def group_extras(group: Dict[str, Any]) -> Dict[str, Any]:
-    """The keys of a param group beyond the optimizer's own hyperparameters (``initial_lr``
-    of an LR scheduler, a user's ``"name"``...) that JSON can hold, for the metadata."""
-    out = {}
-    for k, v in group.items():
-        if not isinstance(k, str) or k in _OWN_KEYS or k in IMPL_KEYS:
-            continue
-        ok, j = _json_value(v)
-        if ok:
-            out[k] = j
-    return out
-
-
-def saved_group_hyper(saved: Dict[str, Any]) -> Dict[str, Any]:
-    """What a group takes from a saved group (metadata or torch's ``state_dict``): every key
-    but its parameters and torch's implementation switches; ``betas`` as a tuple, torch's
-    ``decoupled_weight_decay`` as our ``adamw_mode``."""
-    h = {k: v for k, v in saved.items()
-         if isinstance(k, str) and k not in ("params", "param_names") and k not in IMPL_KEYS}
-    if "betas" in h and isinstance(h["betas"], (list, tuple)):
-        h["betas"] = tuple(h["betas"])
-    if "adamw_mode" not in h and "decoupled_weight_decay" in saved:
-        h["adamw_mode"] = bool(saved["decoupled_weight_decay"])
-    for k in ("amsgrad", "maximize", "adamw_mode"):
-        if k in h:
-            h[k] = bool(h[k])
-    return h
 
 
 def short_names(names: Sequence[str]) -> str:
@@ -196,43 +123,34 @@ class MismatchReport:
             raise CheckpointMismatchError(self.message())
 
 
-# ------------------------------------------------------------------------------ states
-def state_names(p: Tensor, group: Dict[str, Any]) -> List[str]:
-    """The logical states of parameter ``p`` in ``group``: the two moments, amsgrad's
-    ``max_exp_avg_sq``, and an fp32 ``master`` for fp16/bf16 parameters."""
-    names = ["exp_avg", "exp_avg_sq"]
-    if group["amsgrad"]:
-        names.append("max_exp_avg_sq")
-    if p.dtype in LOW_PRECISION:
-        names.append("master")
-    return names
 
 
 # ------------------------------------------------------------------------------ producer
 def metadata_source(name: str, param_groups: List[dict], table: ParamTable,
-                    moments: Dict[str, Any]) -> Callable[[], dict]:
+                    layout) -> Callable[[], dict]:
     """A callable producing the metadata of optimizer class ``name`` that holds the
-    containers it reads (groups and ``table``'s keys, parameters, step counts), not the
-    optimizer: the store keeps it after the optimizer is gone, so a later optimizer on the
-    store picks up the step counts. ``moments``: :meth:`MomentFormat.metadata`.
+    containers it reads (groups and ``table``'s keys, parameters, step counts) and the
+    optimizer's ``layout`` (its :class:`~statestore.optim._layout.StateLayout`: the groups'
+    form and the keys it adds), not the optimizer: the store keeps it after the optimizer is
+    gone, so a later optimizer on the store picks up the step counts.
 
     The callable raises :class:`StateStoreError` once a step failed part-way (a checkpoint
-    then would mix states of two steps and look valid)."""
-    keys, steps, params = table.keys, table.steps, table.params
+    then would mix states of two steps and look valid). It holds ``table`` weakly: the table
+    maps parameters to their stores, and a store holding itself through the callable (kept
+    in the registry of stores shared by optimizers) would never be freed."""
+    keys, steps, params, failed = table.keys, table.steps, table.params, table.failed
+    table_ref = weakref.ref(table)
+    extra = layout.metadata()
 
     def metadata() -> dict:
-        table.check_usable(name, end_open_step=True)
+        live = table_ref()
+        if live is not None:        # the optimizer's rules (an open step ended, a lost load)
+            live.check_usable(name, end_open_step=True)
+        elif failed:                # the optimizer is gone: its failure still holds
+            raise StateStoreError(failed_message(name, failed[0]))
         groups = []
         for g in param_groups:
-            hyper = {k: (list(g[k]) if k == "betas" else g[k]) for k in HYPER}
-            if isinstance(hyper["lr"], Tensor):
-                hyper["lr"] = hyper["lr"].item()
-            for k in ("lr", "eps", "weight_decay"):     # numpy scalars: plain JSON numbers
-                hyper[k] = float(hyper[k])
-            hyper["betas"] = [float(b) for b in hyper["betas"]]
-            for k in ("amsgrad", "maximize", "adamw_mode"):
-                hyper[k] = bool(hyper[k])
-            hyper.update(group_extras(g))       # initial_lr of a scheduler, and others
+            hyper = layout.group_metadata(g)
             hyper["params"] = [keys[p] for p in g["params"]]
             groups.append(hyper)
         return {
@@ -243,27 +161,34 @@ def metadata_source(name: str, param_groups: List[dict], table: ParamTable,
             "params": {keys[p]: {"shape": list(p.shape),
                                  "dtype": str(p.dtype).replace("torch.", "")}
                        for p in params},
-            **moments,
+            **extra,
         }
     return metadata
 
 
+def _whole(meta: Any) -> Tuple[dict, Set[str]]:
+    return (meta if isinstance(meta, dict) else {}), set()
+
+
 # ------------------------------------------------------------------------------ resume check
-def resume(store, table: ParamTable, param_groups: List[dict], fmt, *, sharded: bool,
-           loaded: bool = False) -> None:
+def resume(store, table: ParamTable, param_groups: List[dict], layout, *, owner: str,
+           keep: Collection[str], sharded: bool, loaded: bool = False,
+           part: Callable[[Any], Tuple[dict, Set[str]]] = _whole) -> None:
     """:func:`pick_up` (same arguments); when ``loaded`` and the checkpoint does not fit,
     the optimizer also refuses to go on until a load into ``store`` succeeds
     (:meth:`ParamTable.loaded`)."""
     try:
-        pick_up(store, table, param_groups, fmt, sharded=sharded, loaded=loaded)
+        pick_up(store, table, param_groups, layout, owner=owner, keep=keep, sharded=sharded,
+                loaded=loaded, part=part)
     except BaseException as e:
         if loaded:
             table.loaded(store, f"{type(e).__name__}: {e}"[:500])
         raise
 
 
-def pick_up(store, table: ParamTable, param_groups: List[dict], fmt, *, sharded: bool,
-           loaded: bool = False) -> None:
+def pick_up(store, table: ParamTable, param_groups: List[dict], layout, *, owner: str,
+            keep: Collection[str], sharded: bool, loaded: bool = False,
+            part: Callable[[Any], Tuple[dict, Set[str]]] = _whole) -> None:
     """Pick up the states already in ``store`` (a loaded checkpoint, or an earlier optimizer
     on it): step counts, and, from a loaded checkpoint, the param groups' hyperparameters.
 
@@ -271,11 +196,17 @@ def pick_up(store, table: ParamTable, param_groups: List[dict], fmt, *, sharded:
         store: a store of the optimizer (``table.stores`` maps its parameters to it).
         table: the optimizer's bookkeeping; its step counts are updated.
         param_groups: the optimizer's groups; they take the checkpoint's hyperparameters.
-        fmt: the optimizer's :class:`~statestore.optim._moments.MomentFormat`.
+        layout: the optimizer's :class:`~statestore.optim._layout.StateLayout`.
+        owner: the optimizer's class name, for messages.
+        keep: the optimizer's own hyperparameters: a group keeps them where the checkpoint's
+            group has none (other keys the checkpoint's group lacks are dropped).
         sharded: the optimizer has a process group: states of parameters other ranks keep
             are dropped from ``store``.
         loaded: ``store.load_checkpoint`` just replaced the states under the optimizer
             (torch's resume order).
+        part: ``part(metadata)``: the part of a store's metadata that is this optimizer's,
+            and the parameter keys of the other optimizers sharing the store (whose states
+            are theirs): :func:`statestore.optim._shared.part_of`.
 
     Raises:
         CheckpointMismatchError: the store's states or metadata do not fit the optimizer
@@ -294,27 +225,35 @@ def pick_up(store, table: ParamTable, param_groups: List[dict], fmt, *, sharded:
         theirs = [k for k in store.keys() if k.param in every_name and k.param not in ours]
         if theirs:
             store.delete(theirs)
-    ckpt = store.loaded_metadata
-    try:
-        meta = ckpt if loaded else store.metadata()
-    except StateStoreError:
-        if len(store):      # an earlier optimizer that failed part-way: its states are mixed
-            raise
-        meta = None         # ... on a store emptied since: nothing of it to pick up
-    # Hyperparameters come from a checkpoint, not from an earlier optimizer on the store,
-    # unless that optimizer took the checkpoint's when it was loaded and has not stepped
-    # since (an optimizer of torch's resume order still alive when a new one is built).
-    from_ckpt = meta is not None and (meta is ckpt or (
-        isinstance(meta, dict) and isinstance(ckpt, dict)
-        and meta.get("steps") == ckpt.get("steps")
-        and meta.get("param_groups") == ckpt.get("param_groups")))
-    meta = meta if isinstance(meta, dict) else {}
-    if not loaded and len(store) == 0 and not meta.get("params"):
-        return
+    raw_ckpt = store.loaded_metadata
+    ckpt, ckpt_foreign = part(raw_ckpt) if isinstance(raw_ckpt, dict) else ({}, set())
+    if loaded:
+        meta, foreign, from_ckpt = ckpt, ckpt_foreign, True
+    else:
+        try:
+            raw = store.metadata()
+        except StateStoreError:
+            if len(store):  # an earlier optimizer that failed part-way: its states are mixed
+                raise
+            raw = None      # ... on a store emptied since: nothing of it to pick up
+        meta, foreign = part(raw)
+        # Hyperparameters come from a checkpoint, not from an earlier optimizer on the
+        # store, unless that optimizer took the checkpoint's when it was loaded and has not
+        # stepped since (an optimizer of torch's resume order still alive when a new one is
+        # built), or the store's metadata has no part for this optimizer but the checkpoint
+        # has (another optimizer sharing the store was built first).
+        from_ckpt = raw is not None and (raw is raw_ckpt or (
+            bool(ckpt) and meta.get("steps") == ckpt.get("steps")
+            and meta.get("param_groups") == ckpt.get("param_groups")))
+        if not meta and ckpt:
+            meta, foreign, from_ckpt = ckpt, foreign | ckpt_foreign, True
     stored_params: Dict[str, Dict[str, Any]] = {}
     for k in store.keys():
-        if k.state != PARAM_STATE:      # not a parameter's data (offload_parameters)
+        # not a parameter's data (offload_parameters), nor another optimizer's state
+        if k.state != PARAM_STATE and k.param not in foreign:
             stored_params.setdefault(k.param, {})[k.state] = store.spec(k)
+    if not loaded and not stored_params and not meta.get("params"):
+        return
     every = {keys[p]: p for p in table.params}
     saved = meta.get("params")
     saved = saved if isinstance(saved, dict) and saved else None
@@ -341,33 +280,27 @@ def pick_up(store, table: ParamTable, param_groups: List[dict], fmt, *, sharded:
                                f"the checkpoint, {len(op)} in the optimizer (only in the "
                                f"checkpoint: {short_names(only_ck) or 'none'}; only in the "
                                f"optimizer: {short_names(only_op) or 'none'})")
-                new_hyper[i] = saved_group_hyper(sg)
+                new_hyper[i] = layout.group_from_saved(sg, g)
     if saved is not None:
         _check_params(report, saved, every)
     groups = {p: {**g, **h} for g, h in zip(param_groups, new_hyper) for p in g["params"]}
-    # checkpoints of optimizers from before moment_dtype existed hold fp32 moments; a store
-    # without optimizer metadata is checked by its states' dtypes alone (below)
-    saved_fmt = meta.get("moment_dtype", "fp32" if meta.get("optimizer") else None)
-    if stored_params and saved_fmt is not None and saved_fmt != fmt.name:
-        report.add("states", f"moment_dtype {fmt.name!r} in the optimizer, {saved_fmt!r} in "
-                   f"the store's metadata (load the states through state_dict() to convert)")
-    elif stored_params and fmt.encoding_mismatch(meta):
-        report.add("states", fmt.encoding_mismatch(meta))
+    problem = layout.resume_problem(meta, bool(stored_params))
+    if problem:
+        report.add("states", problem)
     for name, p in ours.items():
         if name in stored_params:       # else a new parameter: its states start fresh
-            _check_states(report, name, local(p), stored_params[name], groups[p], fmt)
+            _check_states(report, name, p, stored_params[name], groups[p], layout, owner)
     report.raise_if_any()
     for g, h in zip(param_groups, new_hyper):
-        merged = {**g, **h}
-        validate_hyper(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])
+        layout.check_group({**g, **h})
     # ResumeWarning (a failed load cleared the store: it raises, and says so itself)
-    warn_replaced(param_groups, new_hyper, table.steps, ours, loaded and ckpt is not None)
+    warn_replaced(param_groups, new_hyper, table.steps, ours, loaded and raw_ckpt is not None)
     # apply: a group becomes the saved one (as torch's load_state_dict), its parameters
     # and this optimizer's own hyperparameters kept where the checkpoint has none
     for g, h, sg in zip(param_groups, new_hyper, saved_groups or [None] * len(new_hyper)):
         if sg is not None:
             for k in [k for k in g if k not in h and k not in ("params", "param_names")
-                      and k not in HYPER]:
+                      and k not in keep]:
                 del g[k]
         g.update(h)
     steps = meta.get("steps", {})
@@ -401,28 +334,27 @@ def _check_params(report: MismatchReport, saved: Dict[str, Any],
 
 
 def _check_states(report: MismatchReport, name: str, p: Tensor, stored: Dict[str, Any],
-                  group: dict, fmt) -> None:
+                  group: dict, layout, owner: str) -> None:
     """The states ``stored`` (``{state: spec}``) of parameter ``name`` against what the
     optimizer keeps for it."""
+    needed = layout.names(p, group)
     for state, spec in stored.items():
-        if not fmt.known(state):
+        if not layout.known(state):
             report.add("states", f"parameter {name!r}: unexpected state {state!r} in "
-                       f"the store (an Adam optimizer with moment_dtype={fmt.name!r} "
-                       f"keeps {fmt.stored_names(STATE_NAMES)})")
+                       f"the store ({layout.describe(owner)})")
             continue
-        shape, dtype = fmt.spec(state, tuple(p.shape))
+        problem = layout.stored_problem(state, p, group)
+        if problem:
+            report.add("states", f"parameter {name!r}: {problem}")
+            continue
+        shape, dtype = layout.spec(state, p)
         if spec.shape != shape:
             report.add("states", f"parameter {name!r}: state {state!r} has shape "
                        f"{spec.shape}, the optimizer expects {shape}")
         if spec.dtype != dtype:
             report.add("states", f"parameter {name!r}: state {state!r} has dtype "
-                       f"{spec.dtype}, the optimizer keeps {dtype} "
-                       f"(moment_dtype={fmt.name!r})")
-        if state == "master" and p.dtype not in LOW_PRECISION:
-            report.add("states", f"parameter {name!r}: the store holds an fp32 master "
-                       f"but the parameter is {p.dtype}")
-    needed = fmt.stored_names(state_names(p, group))
-    missing = [s for s in needed if s not in stored and s != "master"]
+                       f"{spec.dtype}, the optimizer keeps {dtype}{layout.dtype_note()}")
+    missing = [s for s in needed if s not in stored and not layout.optional(s)]
     if missing and stored:
         report.add("states", f"parameter {name!r}: states {missing} missing from the "
                    f"store")

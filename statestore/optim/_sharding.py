@@ -106,14 +106,14 @@ def refuse_partial(sharding: Optional[Sharding], what: str) -> None:
 
 
 def shard_state_dict(sharding: Optional[Sharding], param_groups: List[dict], table,
-                     fmt) -> Dict[str, Any]:
+                     layout) -> Dict[str, Any]:
     """``shard_state_dict()`` of an optimizer: torch's format holding the parameters whose
     states this rank keeps, marked with :data:`SHARD_KEY` where the optimizer is sharded, so
     that ``load_state_dict`` refuses it wherever other ranks' states are needed
     (:func:`check_not_partial`). For ``torch.distributed.checkpoint``: every rank saves its
     own shard, and ``dcp.load`` merges them into the whole dict. Without a process group it
     is ``state_dict()``."""
-    out = export_state_dict(param_groups, table, fmt)
+    out = export_state_dict(param_groups, table, layout)
     if sharding is not None:
         out[SHARD_KEY] = sharding.shard_marker(table.params)
     return out

@@ -1,5 +1,11 @@
 """``optimizer.state`` of the store-backed optimizers: torch's ``{param: {"step", "exp_avg",
-...}}`` mapping, as a view of the store.
+...}}`` mapping, as a view of the store (which states, and whether a ``"step"``, is the
+optimizer's :class:`~statestore.optim._layout.StateLayout`'s to say).
+
+For a DTensor parameter (FSDP2) a state reads as a DTensor with the parameter's mesh and
+placements over the rank's local state, as torch's optimizers keep them, so DCP's
+``get_optimizer_state_dict`` and resharding see the layout; assigning takes the local part of
+a DTensor or of a tensor of the parameter's global shape.
 
 torch and its tooling read ``optimizer.state`` to learn whether an optimizer has stepped
 (``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` runs a zero-gradient
@@ -10,11 +16,6 @@ of a state tensor reads it from the store (:meth:`StateStore.get`: the live tens
 stores, a fresh copy through the pipeline's RAM budget on disk stores), so holding the mapping
 costs no memory. Assigning a tensor writes it into the store; assigning ``"step"`` sets the
 step count.
-
-For a DTensor parameter (FSDP2) a state reads as a DTensor with the parameter's mesh and
-placements over the rank's local state, as torch's optimizers keep them, so DCP's
-``get_optimizer_state_dict`` and resharding see the layout; assigning takes the local part of
-a DTensor or of a tensor of the parameter's global shape.
 
 The entries are ``Mapping`` objects, not ``dict``: code that copies every ``dict`` entry of an
 optimizer's state to a device (Lightning's ``_optimizer_to_device``) leaves them alone instead
@@ -32,21 +33,21 @@ from torch import Tensor
 
 from .._types import StateKey
 from ..errors import StateStoreError, StateStoreValueError
-from ._dtensor import as_param_layout, local_state
-from ._metadata import STATE_NAMES
+from ._dtensor import as_param_layout, local, local_state
 from ._table import ParamTable
 
 __all__ = ["OptimizerState", "ParamState"]
 
 
 class ParamState(MutableMapping):
-    """The states of one parameter: ``"step"`` (a float32 scalar tensor, as torch's Adam
-    keeps it) and each state the store holds, read on access."""
+    """The states of one parameter: ``"step"`` (as the optimizer's torch class keeps it: a
+    float32 scalar tensor for Adam; none for SGD) and each state the store holds, read on
+    access."""
 
-    __slots__ = ("_table", "_owner", "_p")
+    __slots__ = ("_table", "_owner", "_p", "_layout")
 
-    def __init__(self, table: ParamTable, owner: str, p: Tensor):
-        self._table, self._owner, self._p = table, owner, p
+    def __init__(self, table: ParamTable, owner: str, p: Tensor, layout):
+        self._table, self._owner, self._p, self._layout = table, owner, p, layout
 
     @property
     def _key(self) -> str:
@@ -57,10 +58,13 @@ class ParamState(MutableMapping):
 
     def _names(self) -> List[str]:
         store, key = self._store(), self._key
-        return [n for n in STATE_NAMES if StateKey(key, n) in store]
+        return [n for n in self._layout.visible_names() if StateKey(key, n) in store]
+
+    def _has_step(self) -> bool:
+        return self._key in self._table.steps and self._layout.torch_step(0) is not None
 
     def __iter__(self) -> Iterator[str]:
-        if self._key in self._table.steps:
+        if self._has_step():
             yield "step"
         yield from self._names()
 
@@ -69,16 +73,15 @@ class ParamState(MutableMapping):
 
     def __contains__(self, name) -> bool:
         if name == "step":
-            return self._key in self._table.steps
-        return isinstance(name, str) and name in STATE_NAMES \
+            return self._has_step()
+        return isinstance(name, str) and name in self._layout.visible_names() \
             and StateKey(self._key, name) in self._store()
 
     def __getitem__(self, name: str) -> Any:
         if name == "step":
-            try:
-                return torch.tensor(float(self._table.steps[self._key]), dtype=torch.float32)
-            except KeyError:
-                raise KeyError(name) from None
+            if not self._has_step():
+                raise KeyError(name)
+            return self._layout.torch_step(self._table.steps[self._key])
         if name not in self:
             raise KeyError(name)
         # a DTensor parameter's state: a DTensor of its layout over the local shard's state
@@ -95,13 +98,17 @@ class ParamState(MutableMapping):
                                            f"non-negative whole number, got {value!r}")
             self._table.steps[key] = int(value)
             return
-        if name not in STATE_NAMES:
+        names = self._layout.visible_names()
+        if name not in names:
             raise StateStoreValueError(f"parameter {key!r}: {self._owner} keeps "
-                                       f"only {list(STATE_NAMES)} and 'step', not {name!r}")
-        if not isinstance(value, Tensor) or tuple(value.shape) != tuple(self._p.shape):
+                                       f"only {list(names)} and 'step', not {name!r}")
+        shape, dtype = self._layout.spec(name, self._p)
+        if tuple(shape) == tuple(local(self._p).shape):
+            shape = tuple(self._p.shape)        # given whole (or as a DTensor): the global shape
+        if not isinstance(value, Tensor) or tuple(value.shape) != tuple(shape):
             raise StateStoreValueError(
                 f"state {name!r} of parameter {key!r} must be a tensor of shape "
-                f"{tuple(self._p.shape)}, got "
+                f"{tuple(shape)}, got "
                 f"{tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__}")
         store, sk = self._store(), StateKey(key, name)
         value = local_state(self._p, key, name, value)     # DTensor parameters: the local part
@@ -109,7 +116,7 @@ class ParamState(MutableMapping):
         if sk in store:
             store.put(sk, value.detach())
         else:
-            store.create(sk, tuple(value.shape), torch.float32, value.detach().float())
+            store.create(sk, tuple(value.shape), dtype, value.detach().to(dtype))
 
     def __delitem__(self, name: str) -> None:
         if name == "step":
@@ -130,9 +137,10 @@ class OptimizerState(MutableMapping):
     states this rank keeps, in parameter order. ``state[p]`` also answers for a parameter
     of the optimizer that has not stepped (an empty entry, as torch's ``defaultdict``)."""
 
-    def __init__(self, opt, table: ParamTable):
+    def __init__(self, opt, table: ParamTable, layout):
         self._ref = weakref.ref(opt)
         self._table = table
+        self._layout = layout
 
     def _live(self) -> ParamTable:
         """The optimizer's table (raises once the optimizer is gone)."""
@@ -162,7 +170,7 @@ class OptimizerState(MutableMapping):
         table = self._live()
         if not isinstance(p, Tensor) or p not in table.stores:
             raise KeyError(p)
-        return ParamState(table, type(opt).__name__, p)
+        return ParamState(table, type(opt).__name__, p, self._layout)
 
     def __setitem__(self, p, value) -> None:
         """Replace ``p``'s states with ``value`` (a mapping of ``"step"`` and state tensors);

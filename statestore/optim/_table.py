@@ -56,7 +56,7 @@ class ParamTable:
     """
 
     __slots__ = ("keys", "params", "stores", "steps", "next_plans", "touched", "failed",
-                 "closer", "lost")
+                 "closer", "lost", "__weakref__")
 
     def __init__(self) -> None:
         self.keys: Dict[Tensor, str] = {}

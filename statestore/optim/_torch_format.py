@@ -3,11 +3,12 @@ optimizers, and ``statestore convert --to torch`` (:func:`statestore.__main__.to
 
 torch's format is ``{"state": {index: {"step": tensor, "exp_avg": ..., ...}},
 "param_groups": [{hyperparameters..., "params": [indices]}]}``, parameters numbered over the
-groups in order. A group in torch's format carries torch's implementation switches
-(``foreach``, ``fused``...) and ``decoupled_weight_decay`` (our ``adamw_mode``), so that
-``torch.optim.AdamW`` loads it (:func:`torch_group`). Compressed moments (``moment_dtype``
-"bf16"/"int8") are decoded to torch's fp32 ``exp_avg``/``exp_avg_sq`` on the way out and
-encoded on the way in.
+groups in order. What differs between optimizers is their layout's
+(:class:`~statestore.optim._layout.StateLayout`): the names of a parameter's entry and its
+``"step"``, the form of a group (Adam's carries torch's implementation switches and
+``decoupled_weight_decay``, our ``adamw_mode``, so that ``torch.optim.AdamW`` loads it), and
+the states' conversions (Adam's compressed moments are decoded to torch's fp32
+``exp_avg``/``exp_avg_sq`` on the way out and encoded on the way in).
 """
 from __future__ import annotations
 
@@ -18,73 +19,45 @@ from torch import Tensor
 
 from .._types import StateKey
 from ..errors import CheckpointError, CheckpointMismatchError
-from ..offload._seam import param_value
-from ._args import is_real, validate_hyper
-from ._dtensor import as_param_layout, local, local_state
-from ._metadata import ALL_STATE_NAMES, MismatchReport, saved_group_hyper, short_names, state_names
-from ._moments import SCALE_OF, MomentFormat, export_fp32
+from ._args import is_real
+from ._dtensor import as_param_layout, local_shape, local_state
+from ._metadata import MismatchReport, short_names
+from ._moments import SCALE_OF, MomentFormat
 from ._table import ParamTable
 
-__all__ = ["torch_group", "export_state_dict", "read_state_dict", "write_states",
-           "checkpoint_groups", "checkpoint_states", "LoadPlan"]
-
-#: keys torch's AdamW groups always carry, with the value a group without them gets
-_TORCH_GROUP_DEFAULTS = (("foreach", None), ("capturable", False), ("differentiable", False),
-                         ("fused", None), ("maximize", False), ("amsgrad", False))
+__all__ = ["export_state_dict", "read_state_dict", "write_states", "checkpoint_groups",
+           "checkpoint_states", "LoadPlan"]
 
 #: one parameter's states to write: (parameter, key, store, [(state, tensor)], step count)
 LoadPlan = List[Tuple[Tensor, str, Any, List[Tuple[str, Tensor]], int]]
 
 
-def torch_group(group: Dict[str, Any], ids: List[int]) -> Dict[str, Any]:
-    """``group`` (an optimizer's param group or a metadata group) in torch's format, its
-    parameters as ``ids``: every key but ``params``, ``betas`` as a tuple, ``adamw_mode`` as
-    torch's ``decoupled_weight_decay`` (only: a group with exactly torch's keys is what
-    ``torch.distributed.checkpoint`` needs to load torch's optimizer checkpoints into ours and
-    ours into torch's), and torch's switches where missing."""
-    ng = {k: v for k, v in group.items() if k not in ("params", "adamw_mode")}
-    ng["betas"] = tuple(group.get("betas", (0.9, 0.999)))
-    ng["decoupled_weight_decay"] = bool(group.get("adamw_mode", True))
-    for k, v in _TORCH_GROUP_DEFAULTS:
-        ng.setdefault(k, v)
-    ng["params"] = ids
-    return ng
-
-
-def _export_states(store, keys: List[StateKey]) -> Dict[StateKey, Tensor]:
-    """Resident stores: views. Others: snapshots of the store's files, mapped (see
-    :mod:`statestore._snapshot`)."""
-    from .._snapshot import export_states
-    return export_states(store, keys)
-
-
 # ------------------------------------------------------------------------------ out
-def export_state_dict(param_groups: List[dict], table: ParamTable,
-                      fmt: MomentFormat) -> Dict[str, Any]:
-    """The optimizer's ``state_dict()`` (see :meth:`CPUAdam.state_dict`): every parameter of
-    ``table`` with a step count whose states this rank keeps."""
+def export_state_dict(param_groups: List[dict], table: ParamTable, layout) -> Dict[str, Any]:
+    """The optimizer's ``state_dict()`` (see :meth:`StateStoreOptimizer.state_dict`): every
+    parameter of ``table`` with a step count whose states this rank keeps, its states
+    exported by ``layout`` (:meth:`StateLayout.export`)."""
     keys, steps = table.keys, table.steps
     index = {p: i for i, p in enumerate(table.params)}
-    groups = [torch_group(g, [index[p] for p in g["params"]]) for g in param_groups]
+    groups = [layout.torch_group(g, [index[p] for p in g["params"]]) for g in param_groups]
+    group_of = {p: g for g in param_groups for p in g["params"]}
     state: Dict[int, Dict[str, Any]] = {}
     by_store: Dict[Any, List[Tensor]] = {}
     for p in table.params:
         if p in table.stores:           # with a process group: this rank's shard only
             by_store.setdefault(table.stores[p], []).append(p)
-    plain = ("max_exp_avg_sq", "master") if fmt.compressed else \
-        ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
     for store, ps in by_store.items():
-        tensors = _export_states(store, [StateKey(keys[p], n) for p in ps for n in plain
-                                         if StateKey(keys[p], n) in store])
-        if fmt.compressed:      # decoded to fp32: torch's format
-            tensors.update(export_fp32(store, fmt, [(keys[p], tuple(local(p).shape))
-                                                    for p in ps]))
+        tensors = layout.export(store, [(keys[p], p, group_of[p]) for p in ps
+                                        if keys[p] in steps])
         for p in ps:
             k = keys[p]
             if k not in steps:
                 continue
-            entry: Dict[str, Any] = {"step": torch.tensor(float(steps[k]))}
-            for n in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master"):
+            entry: Dict[str, Any] = {}
+            step = layout.torch_step(steps[k])
+            if step is not None:
+                entry["step"] = step
+            for n in layout.torch_names(p, group_of[p]):
                 t = tensors.get(StateKey(k, n))
                 if t is not None:
                     entry[n] = as_param_layout(p, t)      # DTensor parameters: DTensors
@@ -94,7 +67,8 @@ def export_state_dict(param_groups: List[dict], table: ParamTable,
 
 # ------------------------------------------------------------------------------ in
 def read_state_dict(state_dict: Dict[str, Any], param_groups: List[dict], table: ParamTable,
-                    owns: Callable[[Tensor], bool]) -> Tuple[List[Dict[str, Any]], LoadPlan]:
+                    owns: Callable[[Tensor], bool], layout
+                    ) -> Tuple[List[Dict[str, Any]], LoadPlan]:
     """Check ``state_dict`` (torch's format) against the optimizer; changes nothing.
 
     Returns:
@@ -142,12 +116,12 @@ def read_state_dict(state_dict: Dict[str, Any], param_groups: List[dict], table:
     # load_state_dict), checked as the constructor checks them
     new_hyper: List[Dict[str, Any]] = []
     for i, (g, sg) in enumerate(zip(param_groups, saved_groups)):
-        h = saved_group_hyper(sg)
-        if "betas" in h and not isinstance(h["betas"], tuple):
+        h = layout.group_from_saved(sg, g)
+        if "betas" in h and isinstance(g.get("betas"), tuple) \
+                and not isinstance(h["betas"], tuple):
             raise ValueError(f"loaded state dict: parameter group {i}: "
                              f"Invalid betas: {h['betas']!r}")
-        merged = {**g, **h}
-        validate_hyper(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])
+        layout.check_group({**g, **h})
         new_hyper.append(h)
     # 2. every state, checked before anything changes
     new_groups = {p: {**g, **h} for g, h in zip(param_groups, new_hyper) for p in g["params"]}
@@ -160,8 +134,8 @@ def read_state_dict(state_dict: Dict[str, Any], param_groups: List[dict], table:
         if not isinstance(st, dict):
             raise TypeError(f"state of parameter {key!r} must be a dict, got "
                             f"{type(st).__name__}")
-        plan.append((p, key, table.stores[p], _read_entries(p, key, st, new_groups[p]),
-                     _read_step(key, st)))
+        plan.append((p, key, table.stores[p],
+                     _read_entries(p, key, st, new_groups[p], layout), _read_step(key, st)))
     return new_hyper, plan
 
 
@@ -189,19 +163,21 @@ def _match_ids(saved_groups, saved_ids, param_groups: List[dict],
     return id_map
 
 
-def _read_entries(p: Tensor, key: str, st: Dict[str, Any],
-                  group: dict) -> List[Tuple[str, Tensor]]:
-    """The states of parameter ``p`` in ``st`` (a missing ``master`` is the parameter); a
-    DTensor parameter's are the local parts (:func:`statestore.optim._dtensor.local_state`)."""
-    names = state_names(p, group)
+def _read_entries(p: Tensor, key: str, st: Dict[str, Any], group: dict,
+                  layout) -> List[Tuple[str, Tensor]]:
+    """The states of parameter ``p`` in ``st``, in torch's names (an optional state left
+    out, such as Adam's ``master``, starts from its default: the parameter); a DTensor
+    parameter's are the local parts (:func:`statestore.optim._dtensor.local_state`)."""
+    names = layout.torch_names(p, group)
     for n in names:
-        if n != "master" and n not in st:
+        if not layout.optional(n) and n not in st:
             raise ValueError(f"state of parameter {key!r} lacks {n!r}")
     entries = []
+    pshape = local_shape(p)
     for n in names:
         src = st.get(n)
-        if n == "master" and src is None:
-            src = param_value(p)
+        if src is None and layout.optional(n):
+            src = layout.default_state(n, p)
         if not isinstance(src, Tensor):
             raise TypeError(f"state {n!r} of parameter {key!r} must be a tensor, got "
                             f"{type(src).__name__}")
@@ -209,10 +185,16 @@ def _read_entries(p: Tensor, key: str, st: Dict[str, Any],
             raise TypeError(f"state {n!r} of parameter {key!r} must be a dense "
                             f"floating-point tensor with data, got {src.layout} "
                             f"{src.dtype} on {src.device}")
-        if tuple(src.shape) != tuple(p.shape):
+        shape = tuple(layout.spec(n, p)[0])
+        if shape == pshape:     # shaped like the parameter (a DTensor's: its local part)
+            if tuple(src.shape) != tuple(p.shape):
+                raise ValueError(f"state {n!r} of parameter {key!r} has shape "
+                                 f"{tuple(src.shape)}, parameter has {tuple(p.shape)}")
+            src = local_state(p, key, n, src)
+        elif tuple(src.shape) != shape:
             raise ValueError(f"state {n!r} of parameter {key!r} has shape "
-                             f"{tuple(src.shape)}, parameter has {tuple(p.shape)}")
-        entries.append((n, local_state(p, key, n, src)))
+                             f"{tuple(src.shape)}, the optimizer keeps {shape}")
+        entries.append((n, src))
     return entries
 
 
@@ -227,23 +209,21 @@ def _read_step(key: str, st: Dict[str, Any]) -> int:
 
 
 def write_states(param_groups: List[dict], new_hyper: List[Dict[str, Any]], plan: LoadPlan,
-                 table: ParamTable, fmt: MomentFormat) -> None:
+                 table: ParamTable, layout) -> None:
     """Apply what :func:`read_state_dict` checked: the groups' hyperparameters, then each
-    parameter's states (replacing those in its store, one parameter at a time; compressed
-    moments encoded) and step count."""
+    parameter's states (replacing those in its store, one parameter at a time, encoded by
+    ``layout``: compressed moments, the states' dtypes) and step count."""
     table.next_plans.clear()            # state names may change (amsgrad): plan afresh
     for g, h in zip(param_groups, new_hyper):
         g.update(h)
     for p, key, store, entries, step in plan:
-        existing = [StateKey(key, n) for n in ALL_STATE_NAMES if StateKey(key, n) in store]
+        existing = [StateKey(key, n) for n in layout.all_names() if StateKey(key, n) in store]
         if existing:
             store.delete(existing)
         new = []
         for n, src in entries:
-            enc = fmt.from_fp32(n, src) \
-                if fmt.compressed and n in SCALE_OF else {n: src.detach().float().cpu()}
-            for sn, t in enc.items():
-                shape, dtype = fmt.spec(sn, tuple(local(p).shape))
+            for sn, t in layout.encode(n, src, p).items():
+                shape, dtype = layout.spec(sn, p)
                 t = t.reshape(shape)
                 new.append((StateKey(key, sn), shape, dtype,
                             t if store.device.type == "cpu" else t.to(store.device)))
@@ -265,6 +245,13 @@ def checkpoint_groups(path: str, metadata: Dict[str, Any]
     if not groups:
         raise CheckpointError(f"{path}: the checkpoint carries no optimizer metadata "
                               f"(param_groups); it cannot be numbered for torch")
+    parts = metadata.get("optimizers")
+    if isinstance(parts, list) and len(parts) > 1:
+        raise CheckpointError(f"{path}: the checkpoint holds the states of {len(parts)} "
+                              f"optimizers ({metadata.get('optimizer')}), which no one torch "
+                              f"state dict holds: load it into a store and take each "
+                              f"optimizer's state_dict()")
+    layout = _layout_of(metadata)
     index: Dict[str, int] = {}
     out_groups = []
     for g in groups:
@@ -273,7 +260,7 @@ def checkpoint_groups(path: str, metadata: Dict[str, Any]
         for n in names:
             index[n] = len(index)
             ids.append(index[n])
-        ng = torch_group(g, ids)
+        ng = layout.torch_group(g, ids)
         if any(n != str(i) for n, i in zip(names, ids)):
             ng["param_names"] = names
         out_groups.append(ng)
@@ -295,6 +282,7 @@ def checkpoint_states(path: str, metadata: Dict[str, Any], index: Dict[str, int]
         raise CheckpointError(f"{path}: states of parameters {unknown} that no param group "
                               f"of the metadata lists")
     steps = metadata.get("steps", {})
+    layout = _layout_of(metadata)
     moment_dtype = metadata.get("moment_dtype", "fp32")
     fmt = MomentFormat(moment_dtype, encoding=metadata.get("moment_encoding")) \
         if moment_dtype != "fp32" else None
@@ -303,8 +291,10 @@ def checkpoint_states(path: str, metadata: Dict[str, Any], index: Dict[str, int]
         by_key.setdefault(r.state_key, []).append(r)
     state: Dict[int, Dict[str, Any]] = {}
     for k, rs in by_key.items():
-        entry = state.setdefault(index[k.param],
-                                 {"step": torch.tensor(float(steps.get(k.param, 0)))})
+        if index[k.param] not in state:
+            step = layout.torch_step(int(steps.get(k.param, 0)))
+            state[index[k.param]] = {} if step is None else {"step": step}
+        entry = state[index[k.param]]
         if len(rs) == 1 and rs[0].region.is_whole:
             entry[k.state] = open_tensor(rs[0])
         elif k.state not in SCALE_OF.values():      # regions of an FSDP2 save: one tensor
@@ -334,3 +324,15 @@ def _whole(rows: List, scale_rows: Optional[List], fmt: Optional[MomentFormat],
             t = fmt.to_fp32(first.state, t, open_tensor(scales[i])).view(r.shape)
         out[tuple(slice(o, o + n) for o, n in zip(r.offsets, r.shape))] = t
     return out
+
+
+def _layout_of(metadata: Dict[str, Any]):
+    """The layout that reads a checkpoint's metadata into torch's format: Adam's (moments
+    decoded below), or, for a :class:`~statestore.optim.StoreOptimizer`'s checkpoint, its
+    groups as saved and a ``"step"`` where its class keeps one."""
+    if metadata.get("optimizer_class"):
+        from ._torch_layout import SavedLayout
+        return SavedLayout(metadata)
+    from ._adam_layout import AdamLayout
+    return AdamLayout(MomentFormat(metadata.get("moment_dtype", "fp32"),
+                                   encoding=metadata.get("moment_encoding")))

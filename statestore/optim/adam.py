@@ -16,7 +16,6 @@ Each concept lives in a module of this package (``docs/architecture.md``, "Optim
 """
 from __future__ import annotations
 
-import os
 import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -24,45 +23,22 @@ import torch
 from torch import Tensor
 
 from ..errors import StateStoreError
-from ..offload._seam import update_begin, update_end
 from ..store import StateStore
-from ._args import check_arguments, check_params, grad_scale_of, validate_hyper
-from ._dtensor import DTensorParams
-from ._in_backward import BackwardStepper, backward_hook
-from ._metadata import OPTIMIZER_METADATA_VERSION, metadata_source, resume
+from ._adam_layout import AdamLayout
+from ._args import check_arguments, grad_scale_of, validate_hyper
+from ._in_backward import BackwardStepper
+from ._metadata import OPTIMIZER_METADATA_VERSION
 from ._moments import MomentFormat
 from ._offload_path import OffloadPath, attach_offload_path
-from ._sharding import Sharding, check_not_partial, refuse_partial, shard_state_dict
-from ._state import OptimizerState
-from ._table import ParamTable, assign_stores, index_keys, offload_store
-from ._torch_format import export_state_dict, read_state_dict, write_states
-from ._units import UnitTensors, collect_work, ensure_states, plan_step, work_of
+from ._plan import work_of
+from ._table import offload_store
+from ._units import UnitTensors
+from .base import StateStoreOptimizer, may_prefetch
 
 __all__ = ["CPUAdam", "HybridAdam", "OPTIMIZER_METADATA_VERSION"]
 
 
-def _opaque_to_compiler() -> None:
-    """Make ``step()`` opaque to ``torch.compile``: compiling ``opt.step`` (or a training step
-    that calls it) runs the store's pipeline eagerly behind a graph break, instead of tracing
-    into I/O threads, ring buffers and C++ kernels (which recompiled until the limit and
-    failed). Done once, at the first optimizer's construction: ``torch._dynamo`` is imported
-    by ``torch.optim.Optimizer.__init__`` anyway, so importing this package stays cheap."""
-    step = _StoreAdam.__dict__["step"]
-    if getattr(step, "_torchdynamo_disable", False):
-        return
-    disable = getattr(getattr(torch, "compiler", None), "disable", None)
-    if disable is None:         # torch without torch.compile: nothing to hide from
-        return
-    _StoreAdam.step = disable(step)
-
-
-def _may_prefetch(store: StateStore) -> bool:
-    """Whether a step ends by starting the next step's reads on ``store``: disk stores,
-    unless ``STATESTORE_PREFETCH=0`` (for comparisons)."""
-    return not store.resident and os.environ.get("STATESTORE_PREFETCH", "1") != "0"
-
-
-class _StoreAdam(torch.optim.Optimizer):
+class _StoreAdam(StateStoreOptimizer):
     """Adam/AdamW over a state store. Use :class:`CPUAdam` or :class:`HybridAdam`.
 
     Args:
@@ -116,10 +92,6 @@ class _StoreAdam(torch.optim.Optimizer):
             None (default): stochastic for bf16, nearest for int8 (the measured choice).
     """
 
-    #: parameter offload's seam (``statestore/offload/_seam.py``): this optimizer updates
-    #: offloaded parameters a unit at a time through ``update_begin``/``update_end``
-    updates_offloaded_parameters = True
-
     def __init__(self, params, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, *,
                  adamw_mode: bool = True, state_store: Optional[StateStore] = None,
@@ -130,8 +102,8 @@ class _StoreAdam(torch.optim.Optimizer):
                  moment_dtype: str = "fp32", moment_rounding: Optional[str] = None, **unused):
         validate_hyper(lr, betas, eps, weight_decay)
         self._moments = MomentFormat(moment_dtype, moment_rounding)
-        self._moment_dtypes = (self._moments.spec("exp_avg", (1,))[1],
-                               self._moments.spec("exp_avg_sq", (1,))[1])
+        layout = AdamLayout(self._moments)
+        self._moment_dtypes = layout.moment_dtypes
         check_arguments(type(self).__name__, state_store=state_store,
                         nvme_offload_fraction=nvme_offload_fraction,
                         nvme_offload_dir=nvme_offload_dir, bias_correction=bias_correction,
@@ -141,126 +113,61 @@ class _StoreAdam(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         amsgrad=bool(amsgrad), maximize=bool(maximize),
                         adamw_mode=bool(adamw_mode))
-        _opaque_to_compiler()       # before torch wraps step() with its hooks
-        super().__init__(params, defaults)
-        self.skip_nonfinite = bool(skip_nonfinite)
-        # the bookkeeping shared with this package's modules; the optimizer's own names for
-        # its containers are the same objects
-        table = self._table = ParamTable()
-        self._keys, self._params, self._stores, self._steps = (
-            table.keys, table.params, table.stores, table.steps)
-        table.set_keys(*index_keys(self.param_groups))
-        check_params(self._params, self._keys)
-        #: DTensor parameters (FSDP2): updates on local shards, DTensor states (_dtensor.py)
-        self._dtensors = DTensorParams(self._params, self._keys, process_group)
-        self.process_group = process_group
-        self._sharding: Optional[Sharding] = None
-        if process_group is not None:
-            self._sharding = Sharding(process_group, self._params)
-        self._owned_stores: List[StateStore] = []
-        if state_store is None and nvme_offload_fraction > 0:
+        own = state_store is None and nvme_offload_fraction > 0
+        if own:
             state_store = offload_store(float(nvme_offload_fraction), nvme_offload_dir)
-            self._owned_stores.append(state_store)
-        self.state_store = state_store
-        assign_stores(table, state_store, self._owns, self._owned_stores)
-        attached = list(dict.fromkeys(self._stores.values()))
-        if state_store is not None and state_store not in attached:
-            attached.append(state_store)     # a rank owning no parameter still saves with the group
-        for store in attached:
-            resume(store, table, self.param_groups, self._moments,
-                   sharded=self._sharding is not None)
-            store.attach_metadata(self._metadata_source(), process_group=self._dtensors.group,
-                                  on_load=self._store_loaded)
-        self._prefetching: "weakref.WeakSet[StateStore]" = weakref.WeakSet()
+        self.skip_nonfinite = bool(skip_nonfinite)
         #: update_in_backward: the step made during backward (_in_backward.py)
         self._update_in_backward = update_in_backward
-        self._stepper = BackwardStepper(table, self._moments, type(self).__name__,
-                                        self._update_unit, release_grads)
-        self._hooked: set = set()
-        self._pump_hooks: list = []
+        self._release_grads = release_grads
+        try:
+            super().__init__(params, defaults, layout, state_store=state_store,
+                             process_group=process_group, own_store=own)
+        except BaseException:
+            if own:
+                state_store.close()
+            raise
+
+    def _setup_parts(self) -> None:
+        self._stepper = BackwardStepper(self._table, self._planner(), type(self).__name__,
+                                        self._apply_unit, self._release_grads)
         #: CUDA parameters over host or disk stores: page-locked staging on a side stream
         #: (docs/gpu.md); None while no parameter takes that path
         self._offload: Optional[OffloadPath] = attach_offload_path(None, self, self._params,
                                                                    self._stores)
         if self._offload is None:
             self._stepper.unplanned = weakref.WeakMethod(self._unplanned_work)
-        self._register_pump_hooks(self._params)
-        #: torch's ``optimizer.state``: a view of the store (statestore/optim/_state.py)
-        self.state = OptimizerState(self, table)
+
+    def _planner(self):
+        """The stepper's planner, holding the layout (not the optimizer)."""
+        from ._plan import plan_step
+        keys, layout = self._keys, self._layout
+
+        def plan(store, items, order=None):
+            return plan_step(store, items, keys, layout, order)
+        return plan
 
     # ------------------------------------------------------------------ set-up
-    def _register_pump_hooks(self, params: Sequence[Tensor]) -> None:
-        """While backward produces gradients, let disk stores start the next step's reads
-        (:meth:`StateStore.pump`, which never blocks), or, with ``update_in_backward``,
-        update the parameters whose gradients are final. The hooks hold the optimizer
-        weakly."""
-        pump = backward_hook(self, self._stepper, self._prefetching)
-        if not hasattr(Tensor, "register_post_accumulate_grad_hook"):
+    def _wants_hook(self, p: Tensor) -> bool:
+        """With ``update_in_backward`` every parameter's gradient is applied from its hook;
+        otherwise disk stores read ahead from it (the base's rule)."""
+        return self.update_in_backward or super()._wants_hook(p)
+
+    def _grad_ready(self, p: Tensor) -> None:
+        if self.update_in_backward:
+            self._stepper.grad_ready(p)
             return
-        # Only parameters kept in a disk store: resident stores never prefetch, so an
-        # optimizer over RAM/GPU stores adds nothing to backward.
-        for p in params:
-            if p.requires_grad and p in self._stores and p not in self._hooked \
-                    and (self.update_in_backward or not self._stores[p].resident):
-                self._pump_hooks.append(p.register_post_accumulate_grad_hook(pump))
-                self._hooked.add(p)
+        super()._grad_ready(p)
 
     def __del__(self) -> None:
         off = getattr(self, "_offload", None)
         if off is not None:
             off.remove_hooks()
-        for h in getattr(self, "_pump_hooks", ()):
-            try:
-                h.remove()
-            except Exception:
-                pass
+        super().__del__()
 
-    def add_param_group(self, param_group: Dict[str, Any]) -> None:
-        """Add a param group, as ``torch.optim.Optimizer.add_param_group``.
-
-        Args:
-            param_group: a dict with ``"params"`` (and optionally ``"param_names"`` and any
-                hyperparameter; missing ones take the optimizer's defaults).
-
-        Raises:
-            ValueError, TypeError: torch's checks, the hyperparameters' checks, or parameters
-                the optimizer cannot take; the group is then not added (the optimizer stays
-                as it was).
-            StateStoreError: the optimizer has a ``process_group`` (its state partition is
-                fixed at construction).
-        """
-        n_groups = len(self.param_groups)
-        super().add_param_group(param_group)
-        table = getattr(self, "_table", None)   # None: torch's __init__ adding the first groups
-        saved = (dict(table.keys), list(table.params), dict(table.stores)) if table else None
-        try:
-            g = self.param_groups[-1]
-            validate_hyper(g["lr"], g["betas"], g["eps"], g["weight_decay"])
-            if table is not None:
-                if self._sharding is not None:
-                    raise StateStoreError("add_param_group is not supported with a "
-                                          "process_group (the state partition is fixed at "
-                                          "construction)")
-                table.set_keys(*index_keys(self.param_groups))
-                check_params(self._params, self._keys)
-                dtensors = DTensorParams(self._params, self._keys, group=self._dtensors.group)
-                assign_stores(table, self.state_store, self._owns, self._owned_stores)
-        except BaseException:
-            del self.param_groups[n_groups:]
-            if saved is not None:
-                table.set_keys(saved[0], saved[1])
-                table.stores.clear()
-                table.stores.update(saved[2])
-            raise
-        if table is not None:
-            added = self.param_groups[-1]["params"]
-            self._dtensors = dtensors
-            self._offload = attach_offload_path(self._offload, self, added, self._stores)
-            self._register_pump_hooks(added)
-
-    def _owns(self, p: Tensor) -> bool:
-        """True when this rank keeps ``p``'s states (always, without a process group)."""
-        return self._sharding is None or self._sharding.owns(p)
+    def _group_added(self, params: Sequence[Tensor]) -> None:
+        self._offload = attach_offload_path(self._offload, self, params, self._stores)
+        super()._group_added(params)
 
     @property
     def moment_dtype(self) -> str:
@@ -277,28 +184,10 @@ class _StoreAdam(torch.optim.Optimizer):
     def release_grads(self, value: bool) -> None:
         self._stepper.release_grads = value
 
-    def _store_loaded(self, store: StateStore) -> None:
-        """``store.load_checkpoint`` replaced the states under this optimizer (torch's order:
-        optimizer and scheduler built first): take the checkpoint's step counts and
-        hyperparameters, then save this optimizer's metadata with the store's checkpoints
-        again. A checkpoint that does not fit raises, stays detached, and the optimizer
-        refuses until a load into the store succeeds (``ParamTable.loaded``)."""
-        if self._table.failed or not self._table.loaded(store):    # refuses: stays detached
-            return
-        self._table.next_plans.clear()
+    def _forget_pending(self) -> None:
+        """States were replaced (a load): a pass of ``update_in_backward`` under way is
+        forgotten."""
         self._stepper.forget()
-        self._prefetching.discard(store)
-        resume(store, self._table, self.param_groups, self._moments,
-               sharded=self._sharding is not None, loaded=True)
-        store.attach_metadata(self._metadata_source(), process_group=self._dtensors.group,
-                              on_load=self._store_loaded)
-
-    def _metadata(self) -> dict:
-        return self._metadata_source()()
-
-    def _metadata_source(self):
-        return metadata_source(type(self).__name__, self.param_groups, self._table,
-                               self._moments.metadata())
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -333,56 +222,32 @@ class _StoreAdam(torch.optim.Optimizer):
         if closure is not None and not callable(closure):
             raise TypeError(f"closure must be callable or None, got {type(closure).__name__}")
         scale = grad_scale_of(div_scale, self.update_in_backward)
-        table = self._table
-        table.check_usable(type(self).__name__)
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        keys, released = self._keys, self._stepper.released
-        work, grads = collect_work(self.param_groups, keys, self._stores, self._owns, released,
-                                   type(self).__name__)
+        self._check_usable()
+        loss = self._run_closure(closure)
+        released = self._stepper.released
+        work, grads = self._collect(released)
         self._stepper.before_step(work, grads)
         if not grads and not released:
             return loss
-        if self._sharding is not None:
-            self._sharding.allreduce_grads(self._params, grads)
-            work = {st: [(g, [p for p in ps if self._owns(p)]) for g, ps in items]
-                    for st, items in work.items()}
         if self.skip_nonfinite and not self._dtensors.all_finite(list(grads.values())):
             return loss
         grad_scale = 1.0 if scale is None else scale
-        group_of = {p: g for g in self.param_groups for p in g["params"]}
-        for store, items in work.items():
-            ensure_states(store, [p for _, ps in items for p in ps], keys, group_of,
-                          self._moments)
-        if self._offload is not None:
+        self._ensure_states(work)
+        off = self._offload
+        if off is not None:
             try:
-                self._offload.before_step(grads)
+                off.before_step(grads)
             except BaseException:
-                self._offload.after_step()
+                off.after_step()
                 raise
         if self.update_in_backward:
             try:
-                self._stepper.finish_step(work, grads, _may_prefetch)
+                self._stepper.finish_step(work, grads, may_prefetch)
             finally:
-                if self._offload is not None:
-                    self._offload.after_step()
+                if off is not None:
+                    off.after_step()
             return loss
-        # A failure before anything changed (e.g. an I/O error the store reports) only rolls
-        # the counts back; after, some parameters and states hold this step and others the
-        # previous one: the optimizer refuses to go on (or to checkpoint) rather than diverge.
-        with table.stepping([keys[p] for p in grads if self._owns(p)]):
-            try:
-                for store, items in work.items():
-                    self._step_store(store, items, grads, grad_scale)
-            finally:
-                if self._offload is not None:
-                    self._offload.after_step()
-        if self._sharding is not None:
-            for store in work:
-                store.sync()
-            self._sharding.broadcast_params([p for p in self._params if p in grads])
+        self._run_step(work, grads, grad_scale, off.after_step if off is not None else None)
         return loss
 
     def _unplanned_work(self, params: Sequence[Tensor]) -> Dict[StateStore, list]:
@@ -393,38 +258,17 @@ class _StoreAdam(torch.optim.Optimizer):
             return {}
         chosen = {p for p in params if p in self._stores and self._owns(p)}
         work = work_of(self.param_groups, self._stores, chosen.__contains__)
-        group_of = {p: g for items in work.values() for g, ps in items for p in ps}
-        for store, items in work.items():
-            ensure_states(store, [p for _, ps in items for p in ps], self._keys, group_of,
-                          self._moments)
+        self._ensure_states(work)
         return work
-
-    def _plan(self, store: StateStore, items, order: Optional[Dict[Tensor, int]] = None):
-        return plan_step(store, items, self._keys, self._moments, order)
-
-    def _step_store(self, store: StateStore, items, grads: Dict[Tensor, Tensor],
-                    grad_scale: float) -> None:
-        all_units, meta = self._plan(store, items)
-        dev = store.device
-        with store.pipeline(all_units, mode="rw", wait=False) as pipe:
-            for tensors, (group, entries) in zip(pipe, meta):
-                self._update_unit(tensors, group, entries, grads, grad_scale, dev)
-        if _may_prefetch(store):
-            # Start reading the next step's first units now (the same plan, as long as the
-            # same parameters get gradients); gradient hooks pump more during backward.
-            store.prefetch(all_units, mode="rw")
-            self._prefetching.add(store)
 
     def _update_unit(self, tensors: List[Tensor], group: dict, entries, grads, grad_scale,
                      dev: torch.device) -> None:
-        """Run the kernel over one unit: its parameter slices, gradients and states."""
-        offloaded = update_begin(entries)   # offloaded parameters: fetched for the update
+        """Run the Adam kernel over one unit: its parameter slices, gradients and states."""
         u = UnitTensors(tensors, entries, grads, dev, self._offload, self._keys, self._steps,
                         self._moments, self._moment_dtypes)
-        self._table.touched = True
+        self._touch()
         u.update(group, self._keys, self._moments, grad_scale)
         u.put_back()
-        update_end(offloaded)               # ... and written back to their store
 
     @property
     def update_in_backward(self) -> bool:
@@ -477,13 +321,7 @@ class _StoreAdam(torch.optim.Optimizer):
             StateStoreIOError: a disk store failed to read a state.
             StateStoreError: a step failed part-way (:meth:`step`); sharded (docs/distributed.md).
         """
-        self._table.check_usable(type(self).__name__, end_open_step=True)
-        refuse_partial(self._sharding, "state_dict()")
-        return export_state_dict(self.param_groups, self._table, self._moments)
-
-    def shard_state_dict(self) -> Dict[str, Any]:
-        """This rank's shard of :meth:`state_dict`, marked as one (``docs/distributed.md``)."""
-        return shard_state_dict(self._sharding, self.param_groups, self._table, self._moments)
+        return super().state_dict()
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load torch's format (from ``torch.optim.AdamW``/``Adam`` or from this class).
@@ -507,12 +345,7 @@ class _StoreAdam(torch.optim.Optimizer):
             CheckpointMismatchError: groups or parameter counts that differ.
             StateStoreError: a step failed part-way; one rank's :meth:`shard_state_dict`.
         """
-        self._table.check_usable(type(self).__name__, end_open_step=True)
-        check_not_partial(state_dict, self._sharding, self._table)
-        new_hyper, plan = read_state_dict(state_dict, self.param_groups, self._table,
-                                          self._owns)
-        write_states(self.param_groups, new_hyper, plan, self._table, self._moments)
-        self._stepper.forget()
+        super().load_state_dict(state_dict)
 
     # ------------------------------------------------------------------ fp32 weights
     def master_weights(self) -> Dict[str, Tensor]:
@@ -534,7 +367,7 @@ class _StoreAdam(torch.optim.Optimizer):
             StateStoreError: an earlier step failed part-way (see :meth:`step`).
         """
         from ._masters import master_weights
-        self._table.check_usable(type(self).__name__, end_open_step=True)
+        self._check_usable(end_open_step=True)
         return master_weights(self._table)
 
     def save_master_weights(self, path: str) -> None:
@@ -552,7 +385,7 @@ class _StoreAdam(torch.optim.Optimizer):
             OSError: writing the file failed (the temporary file is removed).
         """
         from ._masters import save_master_weights
-        self._table.check_usable(type(self).__name__, end_open_step=True)
+        self._check_usable(end_open_step=True)
         save_master_weights(self._table, path)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -569,16 +402,11 @@ class _StoreAdam(torch.optim.Optimizer):
     def close(self) -> None:
         """Close the stores this optimizer created itself (never a store passed in) and
         release the page-locked staging of CUDA parameters."""
-        for s in self._owned_stores:
-            s.close()
-        self._owned_stores = []
+        super().close()
         if self._offload is not None:
             self._offload.after_step()
             self._offload.close()
             self._offload = None
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({len(self._params)} params, store={self.state_store!r})"
 
 
 class CPUAdam(_StoreAdam):
