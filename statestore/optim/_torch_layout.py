@@ -1,0 +1,312 @@
+"""The states of a torch optimizer class, as :class:`~statestore.optim.StoreOptimizer` keeps
+them in a store: :class:`TorchLayout`, learnt by probing the class.
+
+**Probing.** A torch optimizer creates a parameter's states itself, in ``step()`` (its
+``_init_group``) or, for ``Adagrad``, in its constructor. To learn them without memory, the
+class is built over a *meta-device* copy of the parameter (same shape and dtype, no data) with
+the group's hyperparameters, given a meta gradient and stepped: what its ``state`` holds
+afterwards names every state with its shape, dtype and device (the meta device: the
+parameter's; the CPU: a CPU scalar, as NAdam's ``mu_product``). A step that fails on the meta
+device after the states were made (``Tensor.item()`` in Adafactor's and ASGD's updates) is
+expected; one that fails before is reported. ``"step"`` is the class's step count: a tensor
+(its dtype and device recorded) or a number, or absent (SGD, Muon); the store does not hold
+it (the optimizer's step counts do, and ``"step"`` is rebuilt from them for each update).
+
+**Units.** A parameter is cut into element ranges only where the update is element-wise
+(torch's classes listed in :data:`ELEMENTWISE`, or ``elementwise=True``) and the parameter is
+fp32 or fp64: ATen's vectorized and scalar loops round fp16/bf16 arithmetic differently, so a
+low-precision parameter cut elsewhere than torch's own loop would cut it differs in its last
+bits. A state shaped like the parameter follows the range; a per-parameter scalar
+(NAdam's ``mu_product``, ASGD's ``eta`` and ``mu``) rides in the parameter's first unit.
+Anything else (Adafactor's row and column variances; Muon's whole-matrix update) makes the
+parameter one unit.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..errors import StateStoreError, StateStoreValueError
+from ._layout import IMPL_KEYS, StateLayout, json_group
+from ._dtensor import local
+
+__all__ = ["TorchLayout", "SavedLayout", "Probe", "ELEMENTWISE", "WHOLE", "REFUSED",
+           "class_name", "check_class", "ctor_kwargs"]
+
+#: torch's optimizers whose update is element by element (cut into element ranges)
+ELEMENTWISE = ("SGD", "Adagrad", "RMSprop", "Adam", "AdamW", "NAdam", "RAdam", "Adamax",
+               "Adadelta", "ASGD", "Rprop")
+#: torch's optimizers whose update needs the whole tensor (one unit per parameter)
+WHOLE = ("Adafactor", "Muon")
+#: torch's optimizers StoreOptimizer refuses, and why
+REFUSED = {
+    "LBFGS": "LBFGS keeps a history of flattened gradients and directions over all "
+             "parameters and re-evaluates the closure within step(): it has no "
+             "per-parameter states to keep in a store",
+    "SparseAdam": "SparseAdam updates sparse gradients row by row; a store keeps dense "
+                  "states (use StoreOptimizer(torch.optim.Adam, ...) on dense gradients)",
+}
+_SWITCHES = ("fused", "capturable", "differentiable")
+
+
+def class_name(cls: type) -> str:
+    """``torch.optim.Adafactor`` for torch's classes, else ``module.QualName``."""
+    if getattr(torch.optim, cls.__name__, None) is cls:
+        return f"torch.optim.{cls.__name__}"
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _is_torch_class(cls: type, names) -> bool:
+    return cls.__name__ in names and getattr(torch.optim, cls.__name__, None) is cls
+
+
+def check_class(cls: Any) -> None:
+    """Refuse what is not a torch optimizer class StoreOptimizer can run.
+
+    Raises:
+        TypeError: not a subclass of ``torch.optim.Optimizer`` (or a statestore one).
+        StateStoreValueError: LBFGS or SparseAdam (:data:`REFUSED`, with the reason).
+    """
+    if not isinstance(cls, type) or not issubclass(cls, torch.optim.Optimizer):
+        raise TypeError(f"StoreOptimizer: optimizer_cls must be a torch.optim.Optimizer "
+                        f"subclass (e.g. torch.optim.Muon), got {cls!r}")
+    if getattr(cls, "updates_offloaded_parameters", False):
+        raise TypeError(f"StoreOptimizer: {cls.__name__} already keeps its states in a store; "
+                        f"build it directly")
+    for name, why in REFUSED.items():
+        if _is_torch_class(cls, (name,)) or cls.__name__ == name and issubclass(
+                cls, getattr(torch.optim, name)):
+            raise StateStoreValueError(f"StoreOptimizer does not support {name}: {why}")
+
+
+def ctor_kwargs(cls: type, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """The keyword arguments ``cls`` is built with: the user's, ``foreach=False`` where the
+    class takes it (the single-tensor update StoreOptimizer runs).
+
+    Raises:
+        StateStoreValueError: ``foreach``, ``fused``, ``capturable`` or ``differentiable``
+            set True.
+    """
+    import inspect
+    out = dict(kwargs)
+    for k in ("foreach",) + _SWITCHES:
+        if out.get(k):
+            raise StateStoreValueError(
+                f"StoreOptimizer({cls.__name__}, {k}=True): StoreOptimizer runs the "
+                f"single-tensor update (what {cls.__name__}(..., foreach=False) computes), one "
+                f"pipeline unit at a time; leave {k} unset or False")
+    try:
+        takes = inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        takes = {}
+    if "foreach" in takes:
+        out["foreach"] = False
+    return out
+
+
+def meta_twin(p: Tensor) -> Tensor:
+    """A parameter of ``p``'s local shape and dtype on the meta device (no memory)."""
+    w = local(p)
+    return torch.empty(w.shape, dtype=w.dtype, device="meta")
+
+
+class Probe:
+    """The states one torch optimizer class keeps for one parameter (see the module
+    docstring): ``names`` (store states, in the class's order), ``specs`` (``{name: (shape,
+    dtype, on_param_device)}``) and ``step`` (None, ``("tensor", dtype, on_param_device)``
+    or ``("number", type)``)."""
+
+    __slots__ = ("names", "specs", "step")
+
+    def __init__(self, cls: type, kwargs: Dict[str, Any], group: Dict[str, Any], p: Tensor,
+                 key: str):
+        twin = meta_twin(p)
+        hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+        inner = cls([dict(hyper, params=[twin])], **kwargs)
+        twin.grad = torch.empty_like(twin)
+        failure: Optional[BaseException] = None
+        try:
+            with torch.no_grad():
+                inner.step()
+        except Exception as e:      # noqa: BLE001 - data-dependent ops fail on meta tensors
+            failure = e
+        state = inner.state.get(twin, {})
+        if failure is not None and not state:
+            raise StateStoreError(
+                f"StoreOptimizer({class_name(cls)}): could not learn the states of parameter "
+                f"{key!r}: a step of the class on a meta-device copy of it raised "
+                f"{type(failure).__name__}: {failure} before creating any state (a class must "
+                f"create a parameter's states before its first data-dependent operation; "
+                f"see docs/architecture.md, \"Adding an optimizer\")") from failure
+        self.names: List[str] = []
+        self.specs: Dict[str, Tuple[Tuple[int, ...], torch.dtype, bool]] = {}
+        self.step: Optional[Tuple] = None
+        for name, v in state.items():
+            if not isinstance(name, str) or "/" in name:
+                raise StateStoreError(f"StoreOptimizer({class_name(cls)}): state name "
+                                      f"{name!r} cannot name a store state")
+            if name == "step":
+                self.step = ("tensor", v.dtype, v.device.type == "meta") \
+                    if isinstance(v, Tensor) else ("number", type(v))
+            elif isinstance(v, Tensor):
+                self.names.append(name)
+                self.specs[name] = (tuple(v.shape), v.dtype, v.device.type == "meta")
+            else:
+                raise StateStoreError(
+                    f"StoreOptimizer({class_name(cls)}) keeps tensor states in the store; the "
+                    f"class keeps {name!r} = {type(v).__name__} for parameter {key!r}")
+
+
+def _hyper_key(group: Dict[str, Any]) -> str:
+    return repr(sorted((k, repr(v)) for k, v in group.items()
+                       if k not in ("params", "param_names")))
+
+
+class TorchLayout(StateLayout):
+    """The states of ``cls`` (built with ``kwargs``), probed per parameter shape, dtype and
+    group hyperparameters; ``elementwise``: whether its update is element by element."""
+
+    def __init__(self, cls: type, kwargs: Dict[str, Any], elementwise: bool):
+        super().__init__()
+        self.cls, self.kwargs, self.elementwise = cls, kwargs, elementwise
+        self.name = class_name(cls)
+        self._probes: Dict[Tuple, Probe] = {}
+        #: each parameter's last probe (a parameter's states asked without its group)
+        self._last: Dict[Tensor, Probe] = {}
+        self._groups: List[dict] = []
+        self._keys: Dict[Tensor, str] = {}
+        self._step: Optional[Tuple] = None
+
+    def bind(self, param_groups: List[dict], keys: Dict[Tensor, str]) -> None:
+        """The optimizer's groups and parameter keys (for states asked by parameter)."""
+        self._groups, self._keys = param_groups, keys
+
+    def probe(self, p: Tensor, group: Optional[Dict[str, Any]] = None) -> Probe:
+        """The states of ``p`` in ``group`` (default: its own group)."""
+        if group is None:
+            group = next((g for g in self._groups if any(q is p for q in g["params"])), {})
+        w = local(p)
+        key = (tuple(w.shape), w.dtype, _hyper_key(group))
+        pr = self._probes.get(key)
+        if pr is None:
+            pr = self._probes[key] = Probe(self.cls, self.kwargs, group, p,
+                                           self._keys.get(p, "?"))
+        self._last[p] = pr
+        if self._step is None and pr.step is not None:
+            self._step = pr.step
+        return pr
+
+    def _of(self, p: Tensor) -> Probe:
+        pr = self._last.get(p)
+        return pr if pr is not None else self.probe(p)
+
+    def step_kind(self) -> Optional[Tuple]:
+        """How the class keeps ``"step"`` (from the probes so far)."""
+        return self._step
+
+    # ------------------------------------------------------------------ states
+    def names(self, p: Tensor, group: Dict[str, Any]) -> List[str]:
+        return list(self.probe(p, group).names)
+
+    def known(self, name: str) -> bool:
+        return name in self.all_names()
+
+    def all_names(self) -> List[str]:
+        return list(dict.fromkeys(n for pr in self._probes.values() for n in pr.names))
+
+    def describe(self, owner: str) -> str:
+        return f"StoreOptimizer({self.name}) keeps {self.all_names()}"
+
+    def stored_problem(self, name: str, p: Tensor, group: Dict[str, Any]) -> Optional[str]:
+        if name not in self.probe(p, group).names:
+            return (f"state {name!r} is not one {self.name} keeps for it "
+                    f"({self.probe(p, group).names})")
+        return None
+
+    def spec(self, name: str, p: Tensor) -> Tuple[Tuple[int, ...], torch.dtype]:
+        pr = self._of(p)
+        if name not in pr.specs:
+            raise StateStoreValueError(f"parameter {self._keys.get(p, '?')!r}: {self.name} "
+                                       f"keeps no state {name!r} (it keeps {pr.names})")
+        shape, dtype, _ = pr.specs[name]
+        return shape, dtype
+
+    def on_param_device(self, name: str, p: Tensor) -> bool:
+        return self._of(p).specs[name][2]
+
+    # ------------------------------------------------------------------ units
+    def divisible(self, p: Tensor, group: Dict[str, Any]) -> bool:
+        if not self.elementwise or local(p).dtype not in (torch.float32, torch.float64):
+            return False
+        n = local(p).numel()
+        return all(math.prod(s) in (n, 1) for s, _, _ in self.probe(p, group).specs.values())
+
+    # ------------------------------------------------------------------ hyperparameters
+    def check_group(self, group: Dict[str, Any]) -> None:
+        """The class's own constructor checks (torch's messages), over meta copies of the
+        group's parameters."""
+        hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+        params = [meta_twin(p) for p in group.get("params", ()) if isinstance(p, Tensor)]
+        if params:
+            self.cls([dict(hyper, params=params)], **self.kwargs)
+
+    def metadata(self) -> Dict[str, Any]:
+        return {"optimizer_class": self.name, "step_format": _step_format(self._step)}
+
+    def resume_problem(self, meta: Dict[str, Any], stored: bool) -> Optional[str]:
+        saved = meta.get("optimizer_class")
+        if saved is not None and saved != self.name:
+            return (f"the store holds the states of StoreOptimizer({saved}), this optimizer "
+                    f"is StoreOptimizer({self.name})")
+        if saved is None and stored and meta.get("optimizer"):
+            return (f"the store holds the states of {meta['optimizer']}, this optimizer is "
+                    f"StoreOptimizer({self.name}): move them through state_dict()")
+        return None
+
+    # ------------------------------------------------------------------ torch's format
+    def torch_step(self, count: int) -> Any:
+        return make_step(self._step, count, None)
+
+
+def make_step(kind: Optional[Tuple], count: int, device) -> Any:
+    """``"step"`` as a class of ``kind`` keeps it after ``count`` steps (None: none)."""
+    if kind is None:
+        return None
+    if kind[0] == "tensor":
+        dev = device if kind[2] and device is not None else "cpu"
+        return torch.tensor(float(count), dtype=kind[1], device=dev)
+    return kind[1](count)
+
+
+def _step_format(kind: Optional[Tuple]) -> Optional[str]:
+    if kind is None:
+        return None
+    if kind[0] == "tensor":
+        return "tensor:" + str(kind[1]).replace("torch.", "")
+    return kind[1].__name__
+
+
+class SavedLayout(StateLayout):
+    """A :class:`~statestore.optim.StoreOptimizer` checkpoint's metadata read into torch's
+    format (``statestore convert --to torch``): groups as saved, ``"step"`` as the class
+    keeps it (its ``step_format``)."""
+
+    impl_keys = IMPL_KEYS
+
+    def __init__(self, metadata: Dict[str, Any]):
+        super().__init__()
+        fmt = metadata.get("step_format")
+        self._step = None
+        if isinstance(fmt, str) and fmt.startswith("tensor:"):
+            self._step = ("tensor", getattr(torch, fmt.split(":", 1)[1], torch.float32), False)
+        elif fmt in ("int", "float"):
+            self._step = ("number", int if fmt == "int" else float)
+
+    def torch_step(self, count: int) -> Any:
+        return make_step(self._step, count, None)
+
+    def group_metadata(self, group: Dict[str, Any]) -> Dict[str, Any]:
+        return json_group(group, self.impl_keys)
