@@ -95,16 +95,41 @@ def optimizer_metadata_problem(meta) -> Optional[str]:
                 if n in seen:
                     return f"parameter {clip(n)} is listed in more than one param group"
                 seen.add(n)
-            for k in ("lr", "eps", "weight_decay"):
+            for k in ("lr", "weight_decay"):
                 if k in g and not is_num(g[k]):
                     return f"'param_groups'[{i}][{clip(k)}] must be a number, got {clip(g[k])}"
-            if "betas" in g and (not isinstance(g["betas"], list) or len(g["betas"]) != 2
+            # eps: Adam's number, or Adafactor's (eps1 or null, eps2)
+            if "eps" in g and not is_num(g["eps"]) and not (
+                    isinstance(g["eps"], list) and all(e is None or is_num(e) for e in g["eps"])):
+                return f"'param_groups'[{i}]['eps'] must be a number or a list of numbers, got " \
+                       f"{clip(g['eps'])}"
+            if "betas" in g and (not isinstance(g["betas"], list) or not g["betas"]
                                  or not all(is_num(b) for b in g["betas"])):
-                return f"'param_groups'[{i}]['betas'] must be a pair of numbers"
+                return f"'param_groups'[{i}]['betas'] must be a list of numbers"
             for k in ("amsgrad", "maximize", "adamw_mode"):
                 if k in g and not isinstance(g[k], bool):
                     return f"'param_groups'[{i}][{clip(k)}] must be true or false, got {clip(g[k])}"
-    for k, kind in (("optimizer", str), ("version", int)):
+    for k, kind in (("optimizer", str), ("version", int), ("optimizer_class", str)):
         if k in meta and not isinstance(meta[k], kind):
             return f"{clip(k)} must be a {kind.__name__}, got {clip(meta[k])}"
+    return _parts_problem(meta.get("optimizers"), len(groups) if isinstance(groups, list) else 0) \
+        if "optimizers" in meta else None
+
+
+def _parts_problem(parts, ngroups: int) -> Optional[str]:
+    """What is wrong with ``optimizers``, the parts of the metadata of several optimizers on
+    one store (each an object whose ``param_groups`` are indices of the metadata's groups,
+    each group in one part), or None."""
+    if not isinstance(parts, list):
+        return "'optimizers' must be a list"
+    seen = set()
+    for i, part in enumerate(parts):
+        idx = part.get("param_groups") if isinstance(part, dict) else None
+        if not isinstance(idx, list) or not all(is_int(j) and 0 <= j < ngroups for j in idx):
+            return f"'optimizers'[{i}]['param_groups'] must list indices of 'param_groups'"
+        if seen & set(idx):
+            return f"'optimizers'[{i}] lists a param group another optimizer lists"
+        seen |= set(idx)
+        if not isinstance(part.get("optimizer", ""), str):
+            return f"'optimizers'[{i}]['optimizer'] must be a string"
     return None

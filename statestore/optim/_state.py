@@ -148,9 +148,16 @@ class OptimizerState(MutableMapping):
             raise StateStoreError("the optimizer this state belonged to no longer exists")
         return self._table
 
-    @staticmethod
-    def _has(table: ParamTable, p) -> bool:
-        return isinstance(p, Tensor) and p in table.stores and table.keys.get(p) in table.steps
+    def _has(self, table: ParamTable, p) -> bool:
+        """``p`` has an entry: it has stepped (or its states were loaded) and its entry is not
+        empty (torch's SGD without momentum keeps none)."""
+        if not (isinstance(p, Tensor) and p in table.stores and table.keys.get(p) in table.steps):
+            return False
+        layout = self._layout
+        if layout.torch_step(0) is not None:
+            return True
+        store, key = table.stores[p], table.keys[p]
+        return any(StateKey(key, n) in store for n in layout.visible_names())
 
     def __iter__(self) -> Iterator[Tensor]:
         table = self._live()

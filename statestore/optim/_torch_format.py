@@ -61,7 +61,8 @@ def export_state_dict(param_groups: List[dict], table: ParamTable, layout) -> Di
                 t = tensors.get(StateKey(k, n))
                 if t is not None:
                     entry[n] = as_param_layout(p, t)      # DTensor parameters: DTensors
-            state[index[p]] = entry
+            if entry:                   # torch keeps no entry without states (plain SGD)
+                state[index[p]] = entry
     return {"state": state, "param_groups": groups}
 
 
