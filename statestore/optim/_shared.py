@@ -33,7 +33,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from ..errors import StateStoreValueError
 
-__all__ = ["StoreShare", "attach", "share_of"]
+__all__ = ["StoreShare", "attach", "check_keys", "share_of", "part_of"]
 
 _SHARES: "weakref.WeakKeyDictionary[Any, StoreShare]" = weakref.WeakKeyDictionary()
 
@@ -90,21 +90,35 @@ class StoreShare:
                                         None, group, str(view.get("optimizer"))))
             taken |= keys
 
-    def add(self, member: _Member) -> None:
+    def kept_with(self, member: _Member) -> List[_Member]:
+        """The attached optimizers that stay beside ``member`` (those it replaces go).
+
+        Raises:
+            StateStoreValueError: ``member`` and another live optimizer of another kind name
+                the same parameter keys (torch's numbering of two optimizers).
+        """
         mine = member.key_set()
         kept = []
         for m in self.members:
-            if m.keys is member.keys or m.key_set() & mine:
+            same = m.key_set() & mine
+            if m.keys is member.keys or same and _replaces(member, m, same):
                 continue            # this optimizer again, or one it replaces
+            if same:
+                raise StateStoreValueError(
+                    f"{member.name} and {m.name} share a store and both name parameters "
+                    f"{sorted(same)[:3]}: optimizers on one store need distinct parameter "
+                    f"keys; pass model.named_parameters() (or param_names) to each (torch "
+                    f"numbers every optimizer's parameters from 0), or give each its own store")
             kept.append(m)
+        return kept
+
+    def add(self, member: _Member) -> None:
+        kept = self.kept_with(member)
         for m in kept:
             if m.group is not member.group:
                 raise StateStoreValueError(
                     f"{member.name} and {m.name} share a store but shard it over different "
                     f"process groups; give each its own store")
-        clash = sorted(mine & set().union(*(m.key_set() for m in kept))) if kept else []
-        if clash:       # unreachable: overlapping members are replaced above
-            raise StateStoreValueError(f"parameter keys {clash[:3]} are in two optimizers")
         self.members = kept + [member]
 
     def metadata(self) -> Optional[dict]:
@@ -149,6 +163,17 @@ class StoreShare:
         def part(meta: Any) -> Tuple[dict, Set[str]]:
             return part_of(meta, set(keys.values()), self.others(keys))
         return part
+
+
+def _replaces(new: _Member, old: _Member, keys: Set[str]) -> bool:
+    """Whether ``new`` takes over ``old``'s parameters (sharing ``keys``): ``old`` is a part no
+    optimizer holds, or its optimizer is gone, or it is the same kind of optimizer (the
+    model's optimizer built again) or over the very same tensors."""
+    if old.on_load() is None or old.name == new.name:
+        return True
+    by_key_old = {k: p for p, k in old.keys.items()}
+    by_key_new = {k: p for p, k in new.keys.items()}
+    return all(by_key_old.get(k) is by_key_new.get(k) for k in keys)
 
 
 def part_of(meta: Any, mine: Set[str], others: Set[str]) -> Tuple[dict, Set[str]]:
@@ -208,6 +233,18 @@ def share_of(store) -> StoreShare:
     if share is None:
         share = _SHARES[store] = StoreShare(store)
     return share
+
+
+def check_keys(store, keys: Dict, name: str) -> None:
+    """Refuse, before anything changes, an optimizer whose parameter keys collide with those
+    of another optimizer on ``store`` (:meth:`StoreShare.kept_with`)."""
+    share = _SHARES.get(store)
+    if share is not None:
+        share.kept_with(_Member(keys, lambda: {}, _alive, None, name))
+
+
+def _alive() -> None:
+    """A load callback standing for a live optimizer in :func:`check_keys`."""
 
 
 def attach(store, keys: Dict, source: Callable[[], dict], on_load, process_group,

@@ -32,7 +32,7 @@ from ._dtensor import DTensorParams
 from ._layout import StateLayout
 from ._metadata import metadata_source, resume
 from ._plan import Work, collect_work, ensure_states, plan_step
-from ._shared import attach, share_of
+from ._shared import attach, check_keys, share_of
 from ._sharding import Sharding, check_not_partial, refuse_partial, shard_state_dict
 from ._state import OptimizerState
 from ._table import ParamTable, StepUndo, assign_stores, index_keys
@@ -179,6 +179,7 @@ class StateStoreOptimizer(torch.optim.Optimizer):
     def _resume(self, store: StateStore, loaded: bool) -> None:
         """Take the states already in ``store`` (or just loaded into it), then attach this
         optimizer's metadata to it."""
+        check_keys(store, self._keys, self._kind())
         resume(store, self._table, self.param_groups, self._layout,
                owner=type(self).__name__, keep=tuple(self.defaults),
                sharded=self._sharding is not None, loaded=loaded,
@@ -188,7 +189,11 @@ class StateStoreOptimizer(torch.optim.Optimizer):
     def _attach(self, store: StateStore) -> None:
         """Save this optimizer's metadata with ``store``'s checkpoints; hear of its loads."""
         attach(store, self._keys, self._metadata_source(), self._store_loaded,
-               self._dtensors.group, type(self).__name__)
+               self._dtensors.group, self._kind())
+
+    def _kind(self) -> str:
+        """What this optimizer is, in messages about several optimizers on one store."""
+        return type(self).__name__
 
     def _store_loaded(self, store: StateStore) -> None:
         """``store.load_checkpoint`` replaced the states under this optimizer (torch's order:

@@ -223,6 +223,9 @@ class StoreOptimizer(StateStoreOptimizer):
                                   f"for parameter {key!r} that its probe did not show; "
                                   f"StoreOptimizer cannot keep them")
 
+    def _kind(self) -> str:
+        return f"StoreOptimizer({class_name(self.optimizer_cls)})"
+
     def __repr__(self) -> str:
         return (f"StoreOptimizer({class_name(self.optimizer_cls)}, {len(self._params)} params, "
                 f"store={self.state_store!r})")
