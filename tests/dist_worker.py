@@ -216,3 +216,30 @@ def killed_mid_save(rank: int, world: int, port: int, out: str, kind: str) -> No
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+@_exit_without_finalizing
+def store_optimizer_sharded(rank: int, world: int, port: int, out: str, k: int,
+                            n: int) -> None:
+    """StoreOptimizer(Adafactor) sharded over ``world`` ranks on NVMe stores, every rank on
+    the full batch (the averaged gradient is then the batch's, bit for bit): one checkpoint
+    saved collectively at ``k``, training on to ``n``; rank 0 keeps the parameters at ``k``
+    and ``n``."""
+    from statestore.optim import StoreOptimizer
+    _init(rank, world, port)
+    try:
+        model = make_model()
+        store = make_store("nvme", os.path.join(out, f"rank{rank}"))
+        opt = StoreOptimizer(torch.optim.Adafactor, model.named_parameters(), lr=1e-2,
+                             state_store=store, process_group=dist.group.WORLD)
+        train(model, opt, 0, k, rank, world, full=True)
+        store.save_checkpoint(os.path.join(out, "ckpt"))
+        if rank == 0:
+            _save_params(model, os.path.join(out, "at_k.safetensors"))
+        train(model, opt, k, n, rank, world, full=True)
+        if rank == 0:
+            _save_params(model, os.path.join(out, "at_n.safetensors"))
+        store.close()
+        _done()
+    finally:
+        dist.destroy_process_group()

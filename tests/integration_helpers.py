@@ -61,7 +61,16 @@ def param_groups(model, lr=3e-3):
              "weight_decay": 0.0}]
 
 
-def make_optimizer(model, store, lr=3e-3):
+#: the optimizers the integrations are tested with: statestore's Adam, and any torch
+#: optimizer through StoreOptimizer (Adafactor: whole-tensor units, a tuple hyperparameter)
+KINDS = ("hybrid", "adafactor")
+
+
+def make_optimizer(model, store, lr=3e-3, kind="hybrid"):
+    if kind == "adafactor":
+        from statestore.optim import StoreOptimizer
+        return StoreOptimizer(torch.optim.Adafactor, param_groups(model), lr=lr,
+                              state_store=store)
     from statestore.optim import HybridAdam
     return HybridAdam(param_groups(model), lr=lr, betas=(0.9, 0.95), state_store=store)
 

@@ -31,24 +31,24 @@ def _train(accelerator, model, opt, sched, batches, steps):
             opt.zero_grad(set_to_none=True)
 
 
-def _setup(tmp_path, store_name, tag, integration):
+def _setup(tmp_path, store_name, tag, integration, kind="hybrid"):
     from accelerate import Accelerator
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUM)
     model = tiny_llama()
     store = STORES[store_name](tmp_path / f"store-{tag}")
-    opt = make_optimizer(model, store)
+    opt = make_optimizer(model, store, kind=kind)
     sched = warmup(opt)
     prep = ss_accelerate.prepare if integration else (lambda acc, *o: acc.prepare(*o))
     model, opt, sched = prep(accelerator, model, opt, sched)
     return accelerator, model, opt, sched, store
 
 
-@pytest.mark.parametrize("store_name", list(STORES))
-@pytest.mark.parametrize("integration", [True, False], ids=["integration", "plain"])
-def test_accelerate_resume_bit_for_bit(tmp_path, store_name, integration):
+@pytest.mark.parametrize("store_name,integration,kind", [
+    (s, i, "hybrid") for s in STORES for i in (True, False)] + [("nvme", True, "adafactor")])
+def test_accelerate_resume_bit_for_bit(tmp_path, store_name, integration, kind):
     batches = token_batches(STEPS * ACCUM)
     ckpt = tmp_path / "ckpt"
-    acc, model, opt, sched, store = _setup(tmp_path, store_name, "full", integration)
+    acc, model, opt, sched, store = _setup(tmp_path, store_name, "full", integration, kind)
     assert opt.optimizer.state_store is store          # how to reach the store after prepare
     _train(acc, model, opt, sched, batches[:SAVE_AT * ACCUM], SAVE_AT)
     acc.save_state(str(ckpt))
@@ -59,7 +59,7 @@ def test_accelerate_resume_bit_for_bit(tmp_path, store_name, integration):
         assert (ckpt / "statestore").is_dir()
         assert os.path.getsize(ckpt / "optimizer.bin") < 64 * 1024   # param groups only
 
-    acc, model, opt, sched, store = _setup(tmp_path, store_name, "resumed", integration)
+    acc, model, opt, sched, store = _setup(tmp_path, store_name, "resumed", integration, kind)
     acc.load_state(str(ckpt))
     _train(acc, model, opt, sched, batches[SAVE_AT * ACCUM:], STEPS - SAVE_AT)
     assert opt.param_groups[0]["lr"] == lr_full

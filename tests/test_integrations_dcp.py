@@ -27,14 +27,15 @@ def _train(model, opt, sched, batches):
         opt.zero_grad(set_to_none=True)
 
 
-@pytest.mark.parametrize("store_name", list(STORES))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_dcp_resume_bit_for_bit(tmp_path, store_name, dtype):
+@pytest.mark.parametrize("store_name,dtype,kind", [
+    (s, d, "hybrid") for s in STORES for d in (torch.float32, torch.bfloat16)] + [
+    ("nvme", torch.float32, "adafactor")])
+def test_dcp_resume_bit_for_bit(tmp_path, store_name, dtype, kind):
     batches = token_batches(STEPS)
     ckpt = str(tmp_path / "dcp")
     model = tiny_llama(dtype=dtype)
     store = STORES[store_name](tmp_path / "a")
-    opt = make_optimizer(model, store)
+    opt = make_optimizer(model, store, kind=kind)
     sched = warmup(opt)
     _train(model, opt, sched, batches[:SAVE_AT])
     dcp.save({"model": model.state_dict(), "optim": StateStoreStateful(opt),
@@ -45,7 +46,7 @@ def test_dcp_resume_bit_for_bit(tmp_path, store_name, dtype):
 
     model = tiny_llama(seed=123, dtype=dtype)              # other weights: all come from DCP
     store = STORES[store_name](tmp_path / "b")
-    opt = make_optimizer(model, store, lr=1.0)          # other lr: it comes from DCP too
+    opt = make_optimizer(model, store, lr=1.0, kind=kind)   # other lr: it comes from DCP too
     sched = warmup(opt)
     state = {"model": model.state_dict(), "optim": StateStoreStateful(opt),
              "sched": sched.state_dict()}

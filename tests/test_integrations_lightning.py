@@ -23,23 +23,23 @@ pytestmark = [pytest.mark.filterwarnings("ignore:.*treespec"),
 
 
 class TinyLM(L.LightningModule):
-    def __init__(self, store):
+    def __init__(self, store, kind="hybrid"):
         super().__init__()
         self.model = tiny_llama()
-        self.store = store
+        self.store, self.kind = store, kind
 
     def training_step(self, batch, _):
         return self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
 
     def configure_optimizers(self):
-        opt = make_optimizer(self.model, self.store)
+        opt = make_optimizer(self.model, self.store, kind=self.kind)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": warmup(opt), "interval": "step"}}
 
 
-def _fit(tmp_path, store_name, tag, integration, epochs, ckpt_path=None):
+def _fit(tmp_path, store_name, tag, integration, epochs, ckpt_path=None, kind="hybrid"):
     from lightning.pytorch.callbacks import ModelCheckpoint
     store = STORES[store_name](tmp_path / f"store-{tag}")
-    module = TinyLM(store)
+    module = TinyLM(store, kind)
     callbacks = [ModelCheckpoint(dirpath=str(tmp_path / "ckpts"), save_top_k=-1,
                                  every_n_epochs=1, save_on_train_epoch_end=True)]
     if integration:
@@ -56,10 +56,10 @@ def _fit(tmp_path, store_name, tag, integration, epochs, ckpt_path=None):
     return out, lr
 
 
-@pytest.mark.parametrize("store_name", list(STORES))
-@pytest.mark.parametrize("integration", [True, False], ids=["integration", "plain"])
-def test_lightning_resume_bit_for_bit(tmp_path, store_name, integration):
-    full, lr_full = _fit(tmp_path, store_name, "full", integration, EPOCHS)
+@pytest.mark.parametrize("store_name,integration,kind", [
+    (s, i, "hybrid") for s in STORES for i in (True, False)] + [("nvme", True, "adafactor")])
+def test_lightning_resume_bit_for_bit(tmp_path, store_name, integration, kind):
+    full, lr_full = _fit(tmp_path, store_name, "full", integration, EPOCHS, kind=kind)
     ckpts = sorted(os.listdir(tmp_path / "ckpts"))
     first = next(n for n in ckpts if n.startswith("epoch=0") and n.endswith(".ckpt"))
     saved = torch.load(tmp_path / "ckpts" / first, weights_only=False)
@@ -70,7 +70,7 @@ def test_lightning_resume_bit_for_bit(tmp_path, store_name, integration):
     else:
         assert saved["optimizer_states"][0]["state"]
     resumed, lr_resumed = _fit(tmp_path, store_name, "resumed", integration, EPOCHS,
-                               ckpt_path=str(tmp_path / "ckpts" / first))
+                               ckpt_path=str(tmp_path / "ckpts" / first), kind=kind)
     assert lr_resumed == lr_full
     assert_same_params(full, resumed)
 

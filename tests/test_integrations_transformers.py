@@ -29,10 +29,11 @@ def _args(out):
         dataloader_num_workers=0, disable_tqdm=True)
 
 
-def _run(trainer_cls, tmp_path, store_name, tag, resume=None, dtype=torch.float32):
+def _run(trainer_cls, tmp_path, store_name, tag, resume=None, dtype=torch.float32,
+         kind="hybrid"):
     model = tiny_llama(dtype=dtype)
     store = STORES[store_name](tmp_path / f"store-{tag}")
-    opt = make_optimizer(model, store)
+    opt = make_optimizer(model, store, kind=kind)
     trainer = trainer_cls(model=model, args=_args(tmp_path / "out"),
                           train_dataset=TokenDataset(32), optimizers=(opt, warmup(opt)))
     trainer.train(resume_from_checkpoint=resume)
@@ -42,12 +43,12 @@ def _run(trainer_cls, tmp_path, store_name, tag, resume=None, dtype=torch.float3
     return out, lr
 
 
-@pytest.mark.parametrize("store_name", list(STORES))
-@pytest.mark.parametrize("integration", [True, False], ids=["integration", "plain"])
-def test_trainer_resume_bit_for_bit(tmp_path, store_name, integration):
+@pytest.mark.parametrize("store_name,integration,kind", [
+    (s, i, "hybrid") for s in STORES for i in (True, False)] + [("nvme", True, "adafactor")])
+def test_trainer_resume_bit_for_bit(tmp_path, store_name, integration, kind):
     from transformers import Trainer
     cls = StateStoreTrainer if integration else Trainer
-    full, lr_full = _run(cls, tmp_path, store_name, "full")
+    full, lr_full = _run(cls, tmp_path, store_name, "full", kind=kind)
     ckpt = tmp_path / "out" / f"checkpoint-{SAVE_AT}"
     if integration:
         assert (ckpt / "statestore" / "manifest.parquet").exists() or \
@@ -55,7 +56,8 @@ def test_trainer_resume_bit_for_bit(tmp_path, store_name, integration):
         assert not (ckpt / "optimizer.pt").exists()
     else:
         assert (ckpt / "optimizer.pt").exists()
-    resumed, lr_resumed = _run(cls, tmp_path, store_name, "resumed", resume=str(ckpt))
+    resumed, lr_resumed = _run(cls, tmp_path, store_name, "resumed", resume=str(ckpt),
+                               kind=kind)
     assert lr_resumed == lr_full
     assert_same_params(full, resumed)
 
