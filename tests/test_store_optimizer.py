@@ -156,7 +156,8 @@ def test_resume_on_every_store(store_name, tmp_path):
     store = make(tmp_path / "b")
     opt = StoreOptimizer(cls, model.named_parameters(), state_store=store, **dict(kw, lr=1.0))
     sched = _scheduler(opt)
-    store.load_checkpoint(str(tmp_path / "ckpt"))     # takes the step counts and lrs back
+    with pytest.warns(ss.ResumeWarning, match="lr 1.0 -> 0.01"):
+        store.load_checkpoint(str(tmp_path / "ckpt"))     # takes the step counts and lrs back
     sched.load_state_dict(saved_sched)
     assert opt.param_groups[0]["initial_lr"] == kw["lr"]
     _train(model, opt, STEPS, STEPS + 2, sched)
@@ -177,7 +178,8 @@ def test_resume_across_stores_in_the_constructors_order(tmp_path):
     store.close()
     store = ss.DeviceStore("cpu")
     store.load_checkpoint(str(tmp_path / "ckpt"))
-    opt = StoreOptimizer(cls, model.named_parameters(), state_store=store, **dict(kw, lr=1.0))
+    with pytest.warns(ss.ResumeWarning, match="lr 1.0 -> 0.01"):
+        opt = StoreOptimizer(cls, model.named_parameters(), state_store=store, **dict(kw, lr=1.0))
     assert opt.param_groups[0]["lr"] == kw["lr"]
     _train(model, opt, STEPS, STEPS + 2)
     _same(want, model)

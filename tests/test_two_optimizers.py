@@ -86,12 +86,13 @@ def test_muon_and_hybrid_adam_resume_bit_for_bit(shared, torch_order, tmp_path):
     model.load_state_dict(weights)
     stores = [ss.DeviceStore("cpu")]
     stores.append(stores[0] if shared else ss.NVMeStore(str(tmp_path / "b1")))
-    if torch_order:
-        opts = _build(model, *stores, lr=9.0)
-    for s, c in zip(stores if not shared else stores[:1], ckpts):
-        s.load_checkpoint(c)
-    if not torch_order:
-        opts = _build(model, *stores, lr=9.0)
+    with pytest.warns(ss.ResumeWarning, match="lr 9.0 -> 0.02"):     # Muon's, given here
+        if torch_order:
+            opts = _build(model, *stores, lr=9.0)
+        for s, c in zip(stores if not shared else stores[:1], ckpts):
+            s.load_checkpoint(c)
+        if not torch_order:
+            opts = _build(model, *stores, lr=9.0)
     assert opts[0].param_groups[0]["lr"] == 0.02        # from the checkpoint
     _train(model, opts, STEPS, STEPS + MORE)
     _same(want, model)
