@@ -11,7 +11,7 @@ import torch
 
 import statestore as ss
 from conftest import BACKENDS
-from statestore.optim import CPUAdam, StateStoreOptimizer, StoreOptimizer
+from statestore.optim import CPUAdam, StateLayout, StateStoreOptimizer, StoreOptimizer
 
 O = torch.optim
 #: (id, class, kwargs): every torch optimizer with tensor states, in its configurations
@@ -314,6 +314,44 @@ def test_a_lion_outside_torch(elementwise, tmp_path):
     _train(model, opt, 0, STEPS)
     _same(want, model)
     assert store.metadata()["optimizer_class"].endswith("test_store_optimizer.Lion")
+    store.close()
+
+
+class StoreLion(StateStoreOptimizer):
+    """docs/architecture.md's "Adding an optimizer" example, as written there."""
+
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *,
+                 state_store=None, process_group=None):
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay),
+                         StateLayout(["exp_avg"], dtype=torch.float32),
+                         state_store=state_store, process_group=process_group)
+
+    def _update_unit(self, tensors, group, entries, grads, grad_scale, dev):
+        (b1, b2), lr, wd = group["betas"], group["lr"], group["weight_decay"]
+        for (p, a, b, names), m in zip(entries, tensors):     # one state per entry
+            w = p.detach().view(-1)[a:b]        # (_dtensor.local(p) for DTensors)
+            g = grads[p].view(-1)[a:b] / grad_scale
+            self._touch()                       # about to change the parameter and state
+            w.mul_(1 - lr * wd).add_(m.mul(b1).add(g, alpha=1 - b1).sign_(), alpha=-lr)
+            m.lerp_(g, 1 - b2)
+
+
+def test_adding_an_optimizer_is_one_class(tmp_path):
+    """The documented example, cut into units on a disk store, resumed from a checkpoint:
+    the same bits as the Lion above in RAM."""
+    kw = dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
+    want = _model()
+    _train(want, Lion(want.parameters(), **kw), 0, STEPS + 2)
+    model = _model()
+    store = dict(BACKENDS)["simdisk"](tmp_path)
+    _train(model, StoreLion(model.named_parameters(), state_store=store, **kw), 0, STEPS)
+    store.save_checkpoint(str(tmp_path / "ckpt"))
+    other = ss.DeviceStore("cpu")
+    other.load_checkpoint(str(tmp_path / "ckpt"))
+    opt = StoreLion(model.named_parameters(), state_store=other, **kw)
+    assert other.metadata()["optimizer"] == "StoreLion" and opt.step_count(model[0].weight) == 3
+    _train(model, opt, STEPS, STEPS + 2)
+    _same(want, model)
     store.close()
 
 
