@@ -399,3 +399,20 @@ def test_sharded_over_a_process_group_and_resumed_in_one_process(tmp_path):
     W.train(model, StoreOptimizer(O.Adafactor, model.named_parameters(), lr=1e-2,
                                   state_store=store), k, n)
     assert all(torch.equal(model.state_dict()[name], v) for name, v in want.state_dict().items())
+
+
+def test_parameters_offloaded_too(tmp_path):
+    """offload_parameters: each unit's parameters are fetched for the class's update and
+    written back after (the base's seam), bit for bit."""
+    _, cls, kw = BY_ID["nadam"]
+    want, _ = _reference(cls, kw)
+    model = _model()
+    params, states = ss.NVMeStore(str(tmp_path / "p"), budget_bytes=1 << 20), \
+        ss.NVMeStore(str(tmp_path / "s"), budget_bytes=1 << 20)
+    with ss.offload_parameters(model, params, prefetch=1):
+        _train(model, StoreOptimizer(cls, model.named_parameters(), state_store=states, **kw),
+               0, STEPS)
+    _same(want, model)
+    params.close()
+    states.close()
+
