@@ -416,3 +416,61 @@ def test_parameters_offloaded_too(tmp_path):
     params.close()
     states.close()
 
+
+class _FailsOnce(torch.optim.SGD):
+    """SGD whose step raises once, after updating its first parameter (a fault mid-step)."""
+    armed = False
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if not type(self).armed:
+            return super().step(closure)
+        type(self).armed = False
+        p = self.param_groups[0]["params"][0]
+        p.add_(1.0)
+        raise RuntimeError("fault after the first parameter")
+
+
+def test_a_step_failing_part_way_refuses_until_reloaded(tmp_path):
+    """DESIGN's "After a failure": a fault after the class changed a parameter leaves the
+    optimizer refusing step(), state_dict() and saves; the last checkpoint reloads into a new
+    one, which trains on exactly."""
+    want, _ = _reference(O.SGD, dict(lr=0.1, momentum=0.9), steps=STEPS + 1)
+    model = _model()
+    store = ss.DeviceStore("cpu")
+    opt = StoreOptimizer(_FailsOnce, model.named_parameters(), state_store=store, lr=0.1,
+                         momentum=0.9)
+    _train(model, opt, 0, STEPS)
+    store.save_checkpoint(str(tmp_path / "ckpt"))
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    _FailsOnce.armed = True
+    with pytest.raises(RuntimeError, match="fault after the first parameter"):
+        _train(model, opt, STEPS, STEPS + 1)
+    for call in (opt.step, opt.state_dict, lambda: store.save_checkpoint(str(tmp_path / "x"))):
+        with pytest.raises(ss.StateStoreError, match="failed part-way"):
+            call()
+    store.load_checkpoint(str(tmp_path / "ckpt"))
+    model.load_state_dict(weights)
+    _train(model, StoreOptimizer(_FailsOnce, model.named_parameters(), state_store=store,
+                                 lr=0.1, momentum=0.9), STEPS, STEPS + 1)
+    _same(want, model)
+
+
+def test_convert_to_torch_loads_into_the_class(tmp_path):
+    """``statestore convert --to torch`` of a StoreOptimizer checkpoint: optimizer_cls loads
+    it (SGD's entries without "step", Adafactor's with one) and trains on exactly."""
+    from statestore.__main__ import to_torch_state_dict
+    for case in ("sgd", "adafactor"):
+        _, cls, kw = BY_ID[case]
+        want, _ = _reference(cls, kw, steps=STEPS + 1)
+        model = _model()
+        store = ss.DeviceStore("cpu")
+        _train(model, StoreOptimizer(cls, model.named_parameters(), state_store=store, **kw),
+               0, STEPS)
+        store.save_checkpoint(str(tmp_path / case))
+        sd = to_torch_state_dict(str(tmp_path / case))
+        assert ("step" in sd["state"][0]) == (case == "adafactor")
+        opt = cls(model.parameters(), foreach=False, **kw)
+        opt.load_state_dict(sd)
+        _train(model, opt, STEPS, STEPS + 1)
+        _same(want, model)

@@ -140,7 +140,6 @@ def metadata_source(name: str, param_groups: List[dict], table: ParamTable,
     in the registry of stores shared by optimizers) would never be freed."""
     keys, steps, params, failed = table.keys, table.steps, table.params, table.failed
     table_ref = weakref.ref(table)
-    extra = layout.metadata()
 
     def metadata() -> dict:
         live = table_ref()
@@ -161,7 +160,7 @@ def metadata_source(name: str, param_groups: List[dict], table: ParamTable,
             "params": {keys[p]: {"shape": list(p.shape),
                                  "dtype": str(p.dtype).replace("torch.", "")}
                        for p in params},
-            **extra,
+            **layout.metadata(),        # at save time: what the steps so far found out
         }
     return metadata
 
