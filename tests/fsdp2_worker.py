@@ -324,3 +324,44 @@ def fsdp2_resume2(rank: int, world: int, out: str) -> None:
     path = _deferred_lane.install(opt, DeferredLane)
     train(model, opt, 0, N)
     write(out, "final2_offload.pt", dict(result(model, opt), staged=path.stats()))
+
+
+# ------------------------------------------------------------------------------ StoreOptimizer
+def make_store_opt(model, store):
+    from statestore.optim import StoreOptimizer
+    return StoreOptimizer(torch.optim.RMSprop, model.named_parameters(), **RMSPROP,
+                          state_store=store)
+
+
+RMSPROP = dict(lr=1e-2, weight_decay=0.05, momentum=0.9, centered=True)
+
+
+@_worker
+def fsdp2_store_optimizer(rank: int, world: int, out: str) -> None:
+    """At 2 ranks: StoreOptimizer(RMSprop, centered, momentum) over FSDP2's DTensor
+    parameters on an NVMeStore per rank, trained to K, saved collectively, trained on to N;
+    the states through DCP's ``get_optimizer_state_dict``. Classes whose update needs the
+    whole tensor (Adafactor, Muon), or that keep a per-parameter scalar state (NAdam's
+    ``mu_product``), refuse sharded parameters at construction, naming one."""
+    from statestore.optim import StoreOptimizer
+    model = shard(make_model())
+    matrices = [(n, p) for n, p in model.named_parameters() if p.ndim == 2]
+    for cls, params, why in ((torch.optim.Adafactor, matrices, "needs the whole tensor"),
+                             (torch.optim.Muon, matrices, "needs the whole tensor"),
+                             (torch.optim.NAdam, matrices, "keeps ['mu_product']")):
+        try:
+            StoreOptimizer(cls, params, state_store=ss.DeviceStore("cpu"))
+        except ss.StateStoreValueError as e:
+            assert "'l0.weight' is a DTensor sharded over 2 ranks" in str(e), str(e)
+            assert why in str(e), str(e)
+        else:
+            raise AssertionError(f"{cls.__name__} took sharded parameters")
+    store = ss.NVMeStore(os.path.join(out, f"so{rank}"))
+    opt = make_store_opt(model, store)
+    train(model, opt, 0, K)
+    store.save_checkpoint(os.path.join(out, "so_ckpt"), progress=False)
+    write(out, "so_weights_k.pt", full_params(model))
+    write(out, "so_states_k.pt", full_states(model, opt))
+    train(model, opt, K, N)
+    write(out, "so_final.pt", result(model, opt))
+    store.close()

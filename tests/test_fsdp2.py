@@ -205,3 +205,36 @@ def test_param_groups_replaced_from_outside_are_refused():
     with pytest.raises(ss.StateStoreError, match=r"param_groups\[0\]\['params'\] holds tensors "
                                                  r"this optimizer was not given.*DeepSpeed"):
         opt.step()
+
+
+def test_store_optimizer_over_fsdp2(tmp_path):
+    """StoreOptimizer(RMSprop) over FSDP2's DTensor parameters (2 ranks, uneven and empty
+    shards, a bf16 layer): each rank updates its local shards, states keyed by the
+    parameters' names; bit for bit torch's RMSprop(foreach=False) in one process, parameters
+    and the states DCP's ``get_optimizer_state_dict`` gathers. The 2-rank checkpoint resumes
+    in one plain process bit for bit. Adafactor, Muon and NAdam refuse sharded parameters
+    (in the worker)."""
+    W.run_ranks(W.fsdp2_store_optimizer, 2, str(tmp_path))
+    model = W.make_model()
+    opt = torch.optim.RMSprop(model.named_parameters(), **W.RMSPROP, foreach=False)
+    W.train(model, opt, 0, W.K)
+    _same(_states(model, opt), torch.load(tmp_path / "so_states_k.pt"))
+    W.train(model, opt, W.K, W.N)
+    got = torch.load(tmp_path / "so_final.pt")
+    _same(got["params"], {n: p.detach() for n, p in model.named_parameters()})
+    _same(got["states"], _states(model, opt))
+
+    resumed = W.make_model()
+    resumed.load_state_dict(torch.load(tmp_path / "so_weights_k.pt"))
+    store = ss.DeviceStore("cpu")
+    store.load_checkpoint(str(tmp_path / "so_ckpt"), progress=False)
+    W.train(resumed, W.make_store_opt(resumed, store), W.K, W.N)
+    _same({n: p.detach() for n, p in resumed.named_parameters()}, got["params"])
+
+
+def _states(model, opt) -> dict:
+    """A torch optimizer's states by ``name/state``, as ``fsdp2_worker.full_states`` gives
+    them (floating states in fp32)."""
+    names = [n for n, _ in model.named_parameters()]
+    return {f"{names[i]}/{k}": (v.float() if k != "step" else v).clone()
+            for i, st in opt.state_dict()["state"].items() for k, v in st.items()}

@@ -28,7 +28,7 @@ from .._regions import Region, chunk_region
 from ..errors import StateStoreError, StateStoreValueError
 
 __all__ = ["is_dtensor", "local", "local_shape", "local_grad", "DTensorParams", "as_param_layout",
-           "local_state", "region_of"]
+           "local_state", "region_of", "sharded_over_ranks"]
 
 
 def _dtensor_type():
@@ -56,6 +56,16 @@ def local_shape(p: Tensor) -> tuple:
     """The shape of :func:`local` ``(p)``: what a state "shaped like the parameter" has in
     the store."""
     return tuple(local(p).shape)
+
+
+def sharded_over_ranks(p: Tensor) -> bool:
+    """Whether ``p`` is a DTensor cut over several ranks (``Shard(d)`` on a mesh of more than
+    one): each rank then updates a part of it. The same answer on every rank (an empty or
+    whole local shard included), so that a refusal based on it happens on all of them."""
+    if not is_dtensor(p) or p.device_mesh.size() <= 1:
+        return False
+    from torch.distributed.tensor import Shard
+    return any(isinstance(pl, Shard) for pl in p.placements)
 
 
 def local_grad(p: Tensor, g: Tensor) -> Tensor:
@@ -192,8 +202,10 @@ class DTensorParams:
 def as_param_layout(p: Tensor, t: Tensor) -> Tensor:
     """A state ``t`` of ``p``'s local shard as torch's optimizers keep states of DTensor
     parameters: a DTensor of ``p``'s mesh, placements and global shape (sharing ``t``'s
-    storage); ``t`` itself when ``p`` is not a DTensor."""
-    if not is_dtensor(p):
+    storage); ``t`` itself when ``p`` is not a DTensor, or when ``t`` is not shaped like the
+    local shard (a per-parameter scalar such as NAdam's ``mu_product``, which torch's
+    optimizers keep as a plain tensor for DTensor parameters too)."""
+    if not is_dtensor(p) or tuple(t.shape) != tuple(local(p).shape):
         return t
     from torch.distributed.tensor import DTensor
     return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False,
@@ -219,6 +231,8 @@ def local_state(p: Tensor, key: str, name: str, t: Tensor) -> Tensor:
         if is_dtensor(t):
             return t.full_tensor()
         return t
+    if not is_dtensor(t) and tuple(t.shape) != tuple(p.shape):
+        return t            # not shaped like the parameter: a per-parameter scalar, kept whole
     if is_dtensor(t):
         if t.device_mesh != p.device_mesh:
             raise StateStoreValueError(f"state {name!r} of parameter {key!r} is a DTensor on "

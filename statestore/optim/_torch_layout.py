@@ -31,7 +31,7 @@ from torch import Tensor
 
 from ..errors import StateStoreError, StateStoreValueError
 from ._layout import IMPL_KEYS, StateLayout, json_group
-from ._dtensor import local
+from ._dtensor import local, sharded_over_ranks
 
 __all__ = ["TorchLayout", "SavedLayout", "Probe", "ELEMENTWISE", "WHOLE", "REFUSED",
            "class_name", "check_class", "ctor_kwargs"]
@@ -247,11 +247,41 @@ class TorchLayout(StateLayout):
     # ------------------------------------------------------------------ hyperparameters
     def check_group(self, group: Dict[str, Any]) -> None:
         """The class's own constructor checks (torch's messages), over meta copies of the
-        group's parameters."""
+        group's parameters; a class whose update needs the whole tensor refuses a DTensor
+        parameter sharded over several ranks (its update on each rank's shard would not be
+        the class's update of the parameter)."""
+        names = group.get("param_names") or []
+        for i, p in enumerate(group.get("params", ())):
+            if isinstance(p, Tensor) and sharded_over_ranks(p):
+                name = names[i] if i < len(names) else self._keys.get(p, f"#{i}")
+                self._check_sharded(p, name, group)
         hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
         params = [meta_twin(p) for p in group.get("params", ()) if isinstance(p, Tensor)]
         if params:
             self.cls([dict(hyper, params=params)], **self.kwargs)
+
+    def _check_sharded(self, p: Tensor, name: str, group: Dict[str, Any]) -> None:
+        """Refuse DTensor parameter ``p`` (sharded over several ranks, each updating its local
+        shard) where that is not the class's update or its states cannot be saved: a class
+        needing the whole tensor, or one keeping a per-parameter scalar state."""
+        where = f"parameter {name!r} is a DTensor sharded over {p.device_mesh.size()} ranks " \
+                f"({tuple(p.placements)})"
+        fix = ("give this optimizer parameters that are not sharded (leave their module out "
+               "of fully_shard, or Replicate() placements)")
+        if not self.elementwise:
+            raise StateStoreValueError(
+                f"{where}, and {self.name}'s update needs the whole tensor: each rank would "
+                f"update its shard alone, not what {self.name} computes. {fix[0].upper()}"
+                f"{fix[1:]}, or use an element-wise class on sharded ones")
+        shard = tuple(local(p).shape)
+        scalars = [n for n, (shape, _, _) in self.probe(p, group).specs.items()
+                   if tuple(shape) != shard]
+        if scalars:
+            raise StateStoreValueError(
+                f"{where}, and {self.name} keeps {scalars} for it, states not shaped like the "
+                f"parameter (one per parameter, not per element), which a sharded checkpoint "
+                f"cannot hold as regions of the parameter: {fix}, or use a class whose "
+                f"states are all shaped like the parameter (SGD, Adam, RMSprop...)")
 
     def metadata(self) -> Dict[str, Any]:
         return {"optimizer_class": self.name, "step_format": _step_format(self._step)}
