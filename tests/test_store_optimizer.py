@@ -318,7 +318,7 @@ def test_a_lion_outside_torch(elementwise, tmp_path):
 
 
 class StoreLion(StateStoreOptimizer):
-    """docs/architecture.md's "Adding an optimizer" example, as written there."""
+    """docs/extending.md's "Adding an optimizer" example, as written there."""
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *,
                  state_store=None, process_group=None):

@@ -140,7 +140,7 @@ class Probe:
                 f"{key!r}: a step of the class on a meta-device copy of it raised "
                 f"{type(failure).__name__}: {failure} before creating any state (a class must "
                 f"create a parameter's states before its first data-dependent operation; "
-                f"see docs/architecture.md, \"Adding an optimizer\")") from failure
+                f"see docs/extending.md, \"Adding an optimizer\")") from failure
         self.names: List[str] = []
         self.specs: Dict[str, Tuple[Tuple[int, ...], torch.dtype, bool]] = {}
         self.step: Optional[Tuple] = None

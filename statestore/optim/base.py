@@ -9,7 +9,7 @@ it in either order, torch's ``state_dict()`` format both ways, ``optimizer.state
 ``process_group`` sharding, the read-ahead of disk stores during backward, and the seam the
 integrations find (``isinstance(opt, StateStoreOptimizer)``, ``opt.state_store``).
 
-An optimizer on it is one class (``docs/architecture.md``, "Adding an optimizer"): it passes
+An optimizer on it is one class (``docs/extending.md``, "Adding an optimizer"): it passes
 its defaults and a :class:`~statestore.optim._layout.StateLayout` (which states a parameter
 keeps, how its hyperparameters are saved) to ``__init__`` and implements
 :meth:`StateStoreOptimizer._update_unit`, the update of one pipeline unit. ``CPUAdam`` and

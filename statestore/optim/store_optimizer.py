@@ -9,7 +9,7 @@ the unit's parameter ranges with the unit's state tensors as that instance's ``s
 states a class keeps, and how a parameter is cut into units, is probed from the class
 (:mod:`statestore.optim._torch_layout`).
 
-A class outside ``torch.optim`` works when it follows torch's pattern (``docs/architecture.md``,
+A class outside ``torch.optim`` works when it follows torch's pattern (``docs/extending.md``,
 "Adding an optimizer"): hyperparameters in ``param_groups``, per-parameter states in
 ``self.state[p]`` (tensors, plus an optional ``"step"``), created in ``step()`` (or the
 constructor) before any data-dependent operation, and an update of each parameter that reads
