@@ -1,59 +1,37 @@
 """The checkpoint-link seam of a store: how a linked checkpoint save (and a ``state_dict()``
 snapshot) takes the store's files as shards by hard link instead of copying their states, and
-how a linked load takes a checkpoint's shards as the store's files (docs/scale.md). Backends
-with files implement the two hooks (NVMeStore); every other store copies."""
+how a linked load takes a checkpoint's shards as the store's files (docs/scale.md).
+
+Every store holds a :class:`FileLinks` object as ``store.links``: the default links nothing
+(every store but those with files copies); NVMeStore holds an ``NVMeLinks``
+(``backends/_nvme_links.py``), TieredStore one over its tiers. A linked save asks
+``store.links.linkable(...)``; a linked load calls :meth:`StateStore.adopt_file`, which
+asks ``store.links.adopt(...)`` and registers the states in the store's catalogue."""
 from __future__ import annotations
 
 from typing import List, Sequence, Tuple
 
 from ._types import LinkableFile, StateKey, StateSpec
 
-__all__ = ["LinkSeam"]
+__all__ = ["FileLinks", "NO_LINKS"]
 
 
-class LinkSeam:
-    """Part of :class:`~statestore.StateStore`: the public seam checkpoints call, and the
-    backend hooks behind it."""
+class FileLinks:
+    """What a store's files offer checkpoints. This base offers nothing: no file to link,
+    no shard adopted (the states are copied)."""
 
-    def _linkable(self, keys: Sequence[StateKey], root: str, shard_bytes: int) -> List["LinkableFile"]:
-        """Backend hook of :meth:`linkable_files`. Default: none."""
+    def linkable(self, keys: Sequence[StateKey], root: str,
+                 shard_bytes: int) -> List[LinkableFile]:
+        """The files a checkpoint in the local directory ``root`` may hard-link as shards;
+        each holds only states of ``keys``, at most ``shard_bytes`` of them or one state."""
         return []
 
-    def _adopt(self, path: str, rows: Sequence[Tuple[StateKey, StateSpec, int, str]],
-               names: Sequence[str]) -> bool:
-        """Backend hook of :meth:`adopt_file`: take the file. Default: False (cannot)."""
+    def adopt(self, path: str, rows: Sequence[Tuple[StateKey, StateSpec, int, str]],
+              names: Sequence[str]) -> bool:
+        """Take the checkpoint shard at ``path`` as one of the store's files, its states
+        ``rows`` placed in it; False where it cannot (nothing changed)."""
         return False
 
-    def linkable_files(self, keys: Sequence[StateKey], root: str,
-                       shard_bytes: int) -> List[LinkableFile]:
-        """For checkpoint saves and ``state_dict()`` snapshots (call after :meth:`sync`):
-        the store's files that a checkpoint in the local directory ``root`` may hard-link as
-        shards instead of copying their states; each holds only states of ``keys``, at most
-        ``shard_bytes`` of them or a single state.
 
-        Returns:
-            :class:`~statestore._types.LinkableFile` records (none for most stores).
-        """
-        return self._linkable(keys, root, shard_bytes)
-
-    def adopt_file(self, path: str, rows: Sequence[Tuple[StateKey, StateSpec, int, str]],
-                   names: Sequence[str]) -> bool:
-        """For linked loads: take the checkpoint shard at the local ``path`` as one of the
-        store's files (a hard link, never written: copy-on-write) instead of copying its
-        states, and register them. ``rows``: ``(key, spec, data offset, checksum)`` of the
-        states it holds; ``names``: every tensor in it but pads.
-
-        Returns:
-            True when the states are now in the store (the caller verifies their checksums);
-            False where the store cannot, and nothing changed.
-        """
-        self._check_open()
-        self.cancel_prefetch()
-        if any(k in self._specs for k, _, _, _ in rows) or not self._adopt(path, rows, names):
-            return False
-        for k, spec, _, _ in rows:
-            self._specs[k] = spec
-            self._aligned_bytes += self._ring_bytes(spec)
-            self._in_flight.repaired(k)
-        return True
-
+#: The links of a store without files to link.
+NO_LINKS = FileLinks()

@@ -3,7 +3,7 @@
 
 Resident stores hand out views of their live states (as torch's optimizers return their own
 state tensors). For a disk store, the states' files are snapshotted the way a linked checkpoint
-takes them (:meth:`StateStore.linkable_files`): each file is frozen (the store never writes it
+takes them (``store.links.linkable``): each file is frozen (the store never writes it
 again: later writes of its states go to a new file, copy-on-write) and memory-mapped
 privately, so the returned tensors are the values at the time of the call, cost no RAM until
 read (their pages are the kernel's page cache, evictable) and no disk beyond the files the
@@ -56,7 +56,7 @@ def _linked(store, keys: Sequence[StateKey], out: Dict[StateKey, torch.Tensor]) 
         return
     tmp = tempfile.mkdtemp(prefix=".state_dict-", dir=root)
     try:
-        for i, lf in enumerate(store.linkable_files(list(keys), tmp, _NO_SHARD_LIMIT)):
+        for i, lf in enumerate(store.links.linkable(list(keys), tmp, _NO_SHARD_LIMIT)):
             dst = os.path.join(tmp, f"{i:05d}.safetensors")
             try:
                 lf.link(dst, mapped=True)   # frozen for good: the mapping reads its pages

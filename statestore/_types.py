@@ -108,7 +108,7 @@ class Slice:
 
 
 class LinkableFile(NamedTuple):
-    """A state file a checkpoint can take as a shard (``StateStore._linkable``).
+    """A state file a checkpoint can take as a shard (``store.links.linkable``).
 
     ``rows``: ``(key, absolute byte offset)`` of the states in it; ``hashes``: checksums of
     its states' bytes already known (the checkpoint adds the ones it computes); ``link(dst)``

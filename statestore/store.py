@@ -1,17 +1,9 @@
 """``StateStore``: the base every store is an instance of, and everything written once on
 top of the backend primitives: the catalogue, ``get``/``put``, the pipeline and ``stream``,
-prefetch, ``sync``, metadata, checkpoints, stats and lifetime.
-
-Backends subclass one of two kinds (``statestore/backends/base.py``): ``ResidentStore``
-(``_allocate``, ``_free``, ``_view``: the pipeline hands out live views) or
-``StreamingStore`` (``_allocate``, ``_free``, ``_submit_read``, ``_submit_write``, usually
-``_alloc_host_buffer`` and ``_flush``: states move through a ring of host buffers of
-``budget_bytes``, whose write-behind is ``store.in_flight``). The primitives keep their
-leading underscore: users never call them; the store, the pipeline and the backends do.
-A backend sees ``__init__`` → (``_allocate`` | ``_free`` | ``_view`` | ``_submit_read`` |
-``_submit_write``)* → ``_flush`` (from :meth:`sync`) → ``_close``.
-
-Stores are not thread-safe: one thread drives a store (its own background I/O aside).
+prefetch, ``sync``, metadata, checkpoints, stats and lifetime. Backends subclass
+``ResidentStore`` or ``StreamingStore`` (``statestore/backends/base.py``; the primitives and
+their call order: docs/architecture.md, "Stores" and "Adding a backend"). Stores are not
+thread-safe: one thread drives a store (its own background I/O aside).
 """
 from __future__ import annotations
 
@@ -25,11 +17,11 @@ import torch
 from ._access import CHUNK_BYTES, PipelineAccess
 from ._entries import check_entries, check_value
 from ._inflight import InFlightWrites
-from ._links import LinkSeam
+from ._links import NO_LINKS, FileLinks
 from ._regions import Region
 from ._ring import aligned_buffer
 from ._signals import deferred_signals
-from ._types import LinkableFile, Slice, StateKey, StateSpec, as_key
+from ._types import LinkableFile, StateKey, StateSpec, as_key
 from .errors import StateKeyError, StateStoreClosedError, StateStoreError, StateStoreValueError
 from .kernels import stream_copy_
 from .pipeline import Prefetch
@@ -41,7 +33,7 @@ __all__ = ["StateStore", "DEFAULT_BUDGET_BYTES", "CHUNK_BYTES", "LinkableFile"]
 DEFAULT_BUDGET_BYTES = 256 * 1024 * 1024
 
 
-class StateStore(PipelineAccess, LinkSeam, ABC):
+class StateStore(PipelineAccess, ABC):
     """The base every store is an instance of; backends subclass
     :class:`~statestore.ResidentStore` or :class:`~statestore.StreamingStore` (module
     docstring).
@@ -63,6 +55,8 @@ class StateStore(PipelineAccess, LinkSeam, ABC):
     #: (a multiple of :attr:`alignment`), so transfers start where the store aligned the
     #: state's data (NVMeStore: 1 MiB; docs/nvme.md, "Alignment of the data").
     transfer_alignment: int = 1
+    #: How checkpoints link its files and adopt theirs (``_links.py``; NVMeStore's own).
+    links: FileLinks = NO_LINKS
 
     def __init__(self, *, budget_bytes: Optional[int] = None):
         if budget_bytes is None:
@@ -96,16 +90,7 @@ class StateStore(PipelineAccess, LinkSeam, ABC):
     def _free(self, keys: Sequence[StateKey]) -> None:
         """Release the storage of states (their specs are already gone)."""
 
-    # Declared abstract by ResidentStore (_view) and StreamingStore (_submit_read,
-    # _submit_write): statestore.backends.base.
-    def _view(self, key: StateKey) -> torch.Tensor:
-        raise NotImplementedError
-
-    def _submit_read(self, s: Slice, out: torch.Tensor):
-        raise NotImplementedError
-
-    def _submit_write(self, s: Slice, src: torch.Tensor, *, optimizer_pass: bool = False):
-        raise NotImplementedError
+    # _view, _submit_read, _submit_write: declared abstract by the two kinds (backends/base.py)
 
     def _alloc_host_buffer(self, nbytes: int) -> torch.Tensor:
         """A 1-D uint8 host buffer for the pipeline's ring; aligned to :attr:`alignment`."""
@@ -301,6 +286,22 @@ class StateStore(PipelineAccess, LinkSeam, ABC):
         self._in_flight.drain()
         self._flush()
 
+    def adopt_file(self, path: str, rows: Sequence[Tuple[StateKey, StateSpec, int, str]],
+                   names: Sequence[str]) -> bool:
+        """For linked loads: take the checkpoint shard ``path`` (``rows``: ``(key, spec, data
+        offset, checksum)`` of its states; ``names``: its tensors but pads) as a file of the
+        store (:attr:`links`) and register its states. True when they are here (the caller
+        verifies their checksums), False where the store cannot (nothing changed)."""
+        self._check_open()
+        self.cancel_prefetch()
+        if any(k in self._specs for k, _, _, _ in rows) or not self.links.adopt(path, rows, names):
+            return False
+        for k, spec, _, _ in rows:
+            self._specs[k] = spec
+            self._aligned_bytes += self._ring_bytes(spec)
+            self._in_flight.repaired(k)
+        return True
+
     # ------------------------------------------------------------------ metadata
     def attach_metadata(self, provider: Callable[[], Optional[dict]], *,
                         process_group: Any = "keep",
@@ -334,9 +335,7 @@ class StateStore(PipelineAccess, LinkSeam, ABC):
             self._process_group = process_group
 
     # ------------------------------------------------------------------ checkpoint state
-    # What statestore.checkpoint reads and records on a store: its only way to the attached
-    # optimizer's metadata, the group the states are sharded over and a sharded load's
-    # states left on disk.
+    # What statestore.checkpoint reads and records on a store (its way to the optimizer's).
     @property
     def process_group(self) -> Any:
         """The ``torch.distributed`` group this store's states are sharded over (the

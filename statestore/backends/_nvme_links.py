@@ -1,61 +1,75 @@
 """How an NVMeStore's files become checkpoint shards without copying (a linked save hard-
 links them, frozen: copy-on-write from then on) and how a checkpoint's shards become its
-files (a linked load adopts them): docs/nvme.md, "Checkpoints link the files"."""
+files (a linked load adopts them): docs/nvme.md, "Checkpoints link the files".
+
+:class:`NVMeLinks` is the store's ``links`` (:class:`~statestore._links.FileLinks`): it decides
+which files may be linked and which shards adopted, and reaches the store only through what
+the store hands it at construction: its directory, its file table (``files``: path ->
+:class:`StateFile`; ``where``: key -> (file, data offset), read here), its write checksums,
+its ``in_flight`` and ``spec``, and two operations of the store, ``settle`` (make every file
+hold the current value of its states) and ``take`` (register an adopted file)."""
 from __future__ import annotations
 
 import bisect
 import os
 import struct
-from typing import Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Sequence, Tuple
 
+from .._links import FileLinks
 from .._types import LinkableFile, StateKey, StateSpec
-from ..errors import StateStoreIOError
-from ..io import IOFile
 from ._nvme_files import ALIGN, StateFile, still_named
 from ._space import check_space, reclaimable_bytes
 
-__all__ = ["CheckpointLinks"]
+__all__ = ["NVMeLinks"]
 
 
-class CheckpointLinks:
-    """NVMeStore's part that implements the checkpoint-link hooks of
-    :class:`~statestore.StateStore` (``_linkable``, ``_adopt``) on its file tables."""
+class NVMeLinks(FileLinks):
+    """An NVMeStore's files as checkpoint shards.
 
-    def _linkable(self, keys: Sequence[StateKey], root: str, shard_bytes: int) -> List[LinkableFile]:
+    Args:
+        dir: the store's directory.
+        files: the store's files by path (read: which files hold which states).
+        where: each state's file and data offset (read).
+        digests: the store's ``WriteDigests`` (checksums known from puts and loads).
+        in_flight: the store's ``InFlightWrites`` (states whose last write failed).
+        spec: the store's ``spec(key)``.
+        settle: makes every file hold the current value of each state it has (checks the
+            files, lets unused successors go, moves partly rewritten frozen files' states to
+            their successors, flushes); raises as a read of a damaged file would.
+        take: ``take(path, size, header, rows)`` registers the shard at ``path`` (already
+            checked here) as a frozen, read-only file of the store; False when it cannot.
+    """
+
+    def __init__(self, dir: str, files: Dict[str, StateFile],
+                 where: Dict[StateKey, Tuple[StateFile, int]], digests, in_flight,
+                 spec: Callable[[StateKey], StateSpec], settle: Callable[[], None],
+                 take: Callable[[str, int, bytes, Sequence], bool]):
+        self.dir, self.files, self.where, self.digests = dir, files, where, digests
+        self.in_flight, self.spec, self.settle, self.take = in_flight, spec, settle, take
+
+    def linkable(self, keys: Sequence[StateKey], root: str, shard_bytes: int) -> List[LinkableFile]:
         try:
             if os.stat(root).st_dev != os.stat(self.dir).st_dev:
                 return []           # another filesystem: no hard links
         except OSError:
             return []
-        # A file truncated (or removed, reported once) under the store raises here, as reading
-        # its states for a copy would: a link must never make a damaged file a shard.
-        self._check_files()
-        # A successor reserved but never written (no state of its frozen file was written
-        # since): let it go, the frozen file is still current and can be linked again.
-        for sf in [f for f in self._files.values() if f.frozen and f.successor is not None]:
-            succ = sf.successor
-            if not succ.keys and not any(k in self._cow for k in sf.keys) \
-                    and succ.path in self._files:
-                sf.successor = None
-                self._drop_file(succ, unlink=True)
-        # A frozen file whose states were partly rewritten: move the rest to its successor,
-        # so every file linked holds the current value of every state it has.
-        for sf in [f for f in self._files.values() if f.frozen and f.successor is not None]:
-            self._materialize_file(sf)
-        self._flush()
+        # Every file linked must hold the current value of every state it has; a file
+        # truncated (or removed, reported once) under the store raises here, as reading its
+        # states for a copy would: a link must never make a damaged file a shard.
+        self.settle()
         wanted = set(keys)
         out = []
         linked = []
-        for sf in self._files.values():
+        for sf in self.files.values():
             if not sf.keys or not sf.keys <= wanted or not still_named(sf):
                 continue
-            if len(sf.keys) > 1 and sum(self._specs[k].nbytes for k in sf.keys) > shard_bytes:
+            if len(sf.keys) > 1 and sum(self.spec(k).nbytes for k in sf.keys) > shard_bytes:
                 continue
             linked.append(sf)
         # After this save, the next write of each linked file's states goes to a new file of
         # the same size (copy-on-write): refuse the save now, before anything is linked,
         # when the filesystem will not have that room once the save removed what it replaces.
-        cow = sum(sf.size for sf in self._files.values()
+        cow = sum(sf.size for sf in self.files.values()
                   if sf.keys and sf.successor is None and (sf.frozen or sf in linked))
         if linked:
             check_space(f"NVMeStore: a checkpoint in {root} linking {linked[0].path}"
@@ -63,24 +77,15 @@ class CheckpointLinks:
                         f"(the store's next writes then copy them)", self.dir, cow,
                         extra_free=reclaimable_bytes(root))
         for sf in linked:
-            rows = sorted(((k, self._where[k][1]) for k in sf.keys), key=lambda r: r[1])
+            rows = sorted(((k, self.where[k][1]) for k in sf.keys), key=lambda r: r[1])
             hashes = dict(sf.hashes)
-            hashes.update((k, h) for k, h in self._digests.known(sf.keys).items()
+            hashes.update((k, h) for k, h in self.digests.known(sf.keys).items()
                           if not self.in_flight.is_damaged(k))
-            out.append(LinkableFile(rows, hashes, self._link_file(sf, hashes)))
+            out.append(LinkableFile(rows, hashes, _link_file(sf, hashes)))
         return out
 
-    def _link_file(self, sf: StateFile, hashes: Dict[StateKey, str]):
-        def link(dst: str, mapped: bool = False) -> None:
-            sf.frozen = True        # first: from here on the store never writes this file
-            if mapped:
-                sf.mapped = True
-            os.link(sf.path, dst)
-            sf.hashes = hashes      # frozen bytes: these (and those the save adds) stay valid
-        return link
-
-    def _adopt(self, path: str, rows: Sequence[Tuple[StateKey, StateSpec, int, str]],
-               names: Sequence[str]) -> bool:
+    def adopt(self, path: str, rows: Sequence[Tuple[StateKey, StateSpec, int, str]],
+              names: Sequence[str]) -> bool:
         """Take the checkpoint shard ``path`` as a state file by hard link instead of copying
         it, frozen from the start (the store never writes it: its states' writes go to a new
         file, copy-on-write, as after a linked save) and opened read-only. Possible where the
@@ -106,28 +111,17 @@ class CheckpointLinks:
         header = struct.pack("<Q", n) + header
         if len(header) != 8 + n or any(off < len(header) for _, _, off, _ in rows):
             return False
-        dst = os.path.join(self.dir, f"states-{self._id}-{self._nfiles:05d}.safetensors")
-        self._nfiles += 1
-        try:
-            os.link(path, dst)
-        except OSError:
-            return False
-        try:
-            f = IOFile(dst, readonly=True, direct=self._direct)
-        except StateStoreIOError:
-            os.unlink(dst)
-            return False
-        sf = StateFile(dst, f, st.st_size, header)
-        sf.frozen = sf.readonly = True
-        self._files[dst] = sf
-        if not self.keep_files:
-            self._paths.add(dst)
-        for k, _, off, checksum in rows:
-            self._where[k] = (sf, off)
-            sf.keys.add(k)
-            sf.hashes[k] = checksum     # verified by the caller, else the load clears us
-        self._index_blocks(sf, [(k, spec) for k, spec, _, _ in rows])
-        return True
+        return self.take(path, st.st_size, header, rows)
+
+
+def _link_file(sf: StateFile, hashes: Dict[StateKey, str]):
+    def link(dst: str, mapped: bool = False) -> None:
+        sf.frozen = True        # first: from here on the store never writes this file
+        if mapped:
+            sf.mapped = True
+        os.link(sf.path, dst)
+        sf.hashes = hashes      # frozen bytes: these (and those the save adds) stay valid
+    return link
 
 
 def _blocks_ok(rows) -> bool:

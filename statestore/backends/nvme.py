@@ -43,7 +43,7 @@ from ._nvme_files import (ALIGN, COPY_CHUNK, MAX_DATA_ALIGN, MAX_FILE_DATA, Stat
                           after_both, check_present, check_size, covered, data_alignment,
                           round_up, unlink_all)
 from ._nvme_cow import CopyOnWrite
-from ._nvme_links import CheckpointLinks
+from ._nvme_links import NVMeLinks
 from ._nvme_packed import SMALL_ALIGN, PackedStates
 from ._space import check_space, no_space
 from .base import StreamingStore
@@ -51,7 +51,7 @@ from .base import StreamingStore
 __all__ = ["NVMeStore"]
 
 
-class NVMeStore(CheckpointLinks, CopyOnWrite, PackedStates, StreamingStore):
+class NVMeStore(CopyOnWrite, PackedStates, StreamingStore):
     """States in files under ``dir``, read and written with asynchronous direct I/O.
 
     Args:
@@ -152,6 +152,10 @@ class NVMeStore(CheckpointLinks, CopyOnWrite, PackedStates, StreamingStore):
         self._lock = None if self.keep_files else StoreLock(dir, self._id)
         if self._lock is not None:
             self._paths.add(self._lock.path)
+        # how checkpoints link these files and adopt theirs (store.links): an object of its
+        # own, given the tables it reads and two operations of the store
+        self.links = NVMeLinks(dir, self._files, self._where, self._digests, self.in_flight,
+                               self.spec, self._settle_files, self._take_file)
 
     # ------------------------------------------------------------------ layout
     def _allocate(self, entries: Sequence[Tuple[StateKey, StateSpec]]) -> None:
@@ -428,6 +432,51 @@ class NVMeStore(CheckpointLinks, CopyOnWrite, PackedStates, StreamingStore):
             if sf.dirty:
                 sf.dirty = False
                 sf.file.fsync()
+
+    # ------------------------------------------------------------------ checkpoint links
+    def _settle_files(self) -> None:
+        """Before files are linked: each must hold the current value of every state it has."""
+        # A file truncated (or removed, reported once) under the store raises here.
+        self._check_files()
+        # A successor reserved but never written (no state of its frozen file was written
+        # since): let it go, the frozen file is still current and can be linked again.
+        for sf in [f for f in self._files.values() if f.frozen and f.successor is not None]:
+            succ = sf.successor
+            if not succ.keys and not any(k in self._cow for k in sf.keys) \
+                    and succ.path in self._files:
+                sf.successor = None
+                self._drop_file(succ, unlink=True)
+        # A frozen file whose states were partly rewritten: move the rest to its successor.
+        for sf in [f for f in self._files.values() if f.frozen and f.successor is not None]:
+            self._materialize_file(sf)
+        self._flush()
+
+    def _take_file(self, path: str, size: int, header: bytes, rows) -> bool:
+        """Register the checkpoint shard ``path`` (checked by :class:`NVMeLinks`) as a state
+        file by hard link: frozen from the start, opened read-only; ``rows``: ``(key, spec,
+        data offset, checksum)``."""
+        dst = os.path.join(self.dir, f"states-{self._id}-{self._nfiles:05d}.safetensors")
+        self._nfiles += 1
+        try:
+            os.link(path, dst)
+        except OSError:
+            return False
+        try:
+            f = IOFile(dst, readonly=True, direct=self._direct)
+        except StateStoreIOError:
+            os.unlink(dst)
+            return False
+        sf = StateFile(dst, f, size, header)
+        sf.frozen = sf.readonly = True
+        self._files[dst] = sf
+        if not self.keep_files:
+            self._paths.add(dst)
+        for k, _, off, checksum in rows:
+            self._where[k] = (sf, off)
+            sf.keys.add(k)
+            sf.hashes[k] = checksum     # verified by the caller, else the load clears us
+        self._index_blocks(sf, [(k, spec) for k, spec, _, _ in rows])
+        return True
 
     def _close(self) -> None:
         try:

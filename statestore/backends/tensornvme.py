@@ -11,7 +11,7 @@ not pretend it does:
   block never written reads as zeros. A slice that starts or ends inside a block (a pipeline
   cut some other way) is read or merged through a bounce buffer of one block;
 * checkpoints **copy** what the store reads back (checked against the checksum taken when it
-  was written): there are no files to hard-link (:meth:`_linkable` offers none);
+  was written): there are no files to hard-link (its ``links`` are the default: none);
 * :meth:`sync` waits for every write, ``fdatasync``\\ s TensorNVMe's file and drops it from the
   page cache (TensorNVMe has neither ``fsync`` nor ``O_DIRECT``): after it, the states are on
   the disk and the next reads come from there. Between syncs the page cache holds what was

@@ -24,12 +24,30 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .._types import Slice, StateKey, StateSpec, as_key
+from .._links import FileLinks
+from .._types import LinkableFile, Slice, StateKey, StateSpec, as_key
 from ..errors import StateStoreClosedError, StateStoreError, StateStoreValueError
 from ..pipeline import StatePipeline, check_mode, check_slice, unit_lists
 from ..store import StateStore
 
 __all__ = ["TieredStore"]
+
+
+class TierLinks(FileLinks):
+    """A TieredStore's links: the files of its tiers (each asked for its own states); a
+    checkpoint's shard is never adopted whole (its states may belong to several tiers)."""
+
+    def __init__(self, tiers: Sequence[StateStore]):
+        self.tiers = tiers
+
+    def linkable(self, keys: Sequence[StateKey], root: str,
+                 shard_bytes: int) -> List[LinkableFile]:
+        out: List[LinkableFile] = []
+        for t in self.tiers:
+            mine = [k for k in keys if k in t]
+            if mine:
+                out += t.links.linkable(mine, root, shard_bytes)
+        return out
 
 
 class TieredStore(StateStore):
@@ -76,6 +94,7 @@ class TieredStore(StateStore):
         if abs(total - 1.0) > 1e-6:
             raise StateStoreValueError(f"tiers: fractions must sum to 1, got {total}")
         self.tiers: List[StateStore] = [s for s, _ in tiers]
+        self.links = TierLinks(self.tiers)
         self.fractions: List[float] = [float(f) for _, f in tiers]
         if device is None:
             self._device = self.tiers[0].device
@@ -271,14 +290,6 @@ class TieredStore(StateStore):
                 err = err or e
         if err is not None:
             raise err
-
-    def _linkable(self, keys, root: str, shard_bytes: int):
-        out = []
-        for t in self.tiers:
-            mine = [k for k in keys if k in t]
-            if mine:
-                out += t.linkable_files(mine, root, shard_bytes)
-        return out
 
     def _close(self) -> None:
         err = None

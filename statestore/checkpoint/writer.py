@@ -74,7 +74,7 @@ def write_shards(store, fs, root: str, keys: List[StateKey], stem: str, shard_by
     returns the manifest rows. Every file created is listed in ``written`` (for clean-up).
 
     With ``link``, the store's own files that can serve as shards (``NVMeStore`` files on
-    the same local filesystem, ``StateStore._linkable``) are hard-linked and frozen instead of
+    the same local filesystem, ``store.links``) are hard-linked and frozen instead of
     copied: only states whose checksum the store does not know are read. The rest is copied."""
     rows: List[ManifestRow] = []
     n = 0
@@ -83,7 +83,7 @@ def write_shards(store, fs, root: str, keys: List[StateKey], stem: str, shard_by
         for k in keys:
             store.in_flight.check_damaged(k)     # as reading it to copy would: no stale state saved
         linked = set()
-        for lf in store.linkable_files(keys, root, shard_bytes):
+        for lf in store.links.linkable(keys, root, shard_bytes):
             name = f"{stem}-{n:05d}.safetensors"
             final, tmp = join(root, name), join(root, f".{name}.tmp")
             try:
