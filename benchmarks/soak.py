@@ -10,7 +10,7 @@ compared bit for bit with an uninterrupted reference run at the same step.
   ``HybridAdam`` (or ``--optimizer cpu``: ``CPUAdam``) over the chosen store. Every
   ``--ckpt-every`` steps it writes the model weights (temporary name, fsync, rename) and then
   re-saves the optimizer checkpoint to the same path (the atomic re-save of
-  ``docs/checkpoint-format.md``). A killed trainer's successor resumes from whatever
+  ``docs/checkpoint-io.md``). A killed trainer's successor resumes from whatever
   checkpoint is there, in the same store directory.
 * The parent computes the reference run in-process, launches trainers as child processes
   (``multiprocessing`` forkserver with torch and statestore preloaded, so a restart costs

@@ -1,4 +1,4 @@
-"""Power-loss ordering of a save (docs/checkpoint-format.md, "Saving: the atomic commit
+"""Power-loss ordering of a save (docs/checkpoint-io.md, "Saving: the atomic commit
 protocol"): every name a manifest depends on is durable before the manifest's rename, found by
 recording the order of ``mkdir``, ``fsync``, ``link`` and ``rename`` calls during a save."""
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Loading a checkpoint into a store (whole, or one rank's shard with the rest deferred) and
-verifying one without loading it (``docs/checkpoint-format.md``, "Loading: verification").
+verifying one without loading it (``docs/checkpoint-io.md``, "Loading: verification").
 
 Loading reads the manifest (:mod:`.manifest`), checks every shard's header against it
 (:mod:`.shard_check`), takes the shards a store can adopt by hard link (:mod:`.linked_load`),
@@ -279,7 +279,7 @@ def _load_tensors(store, f: ShardReader, fpath: str, rows: List[ManifestRow], ba
 
 def verify_checkpoint(path: str, *, progress: Optional[bool] = None) -> List[str]:
     """Check a checkpoint without loading it: manifest, shard headers and files, and every
-    tensor checksum (``docs/checkpoint-format.md``, "What verify checks").
+    tensor checksum (``docs/checkpoint-io.md``, "Loading: verification").
 
     Args:
         path: the checkpoint directory: a local path or any fsspec URL.

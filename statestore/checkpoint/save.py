@@ -45,7 +45,7 @@ def save_checkpoint(store, path: str, *, shard_bytes: int = DEFAULT_SHARD_BYTES,
             link (the store freezes them and writes later updates to new files, so the
             checkpoint never changes); the save writes no state bytes, and reads only states
             whose checksum the store did not compute as it wrote them. False copies every
-            state (``docs/checkpoint-format.md``).
+            state (``docs/checkpoint-io.md``).
 
     Raises:
         StateStoreValueError: a bad argument, or metadata of the wrong shape or not

@@ -1,5 +1,5 @@
-"""One save at a time per checkpoint directory (``docs/checkpoint-format.md``, "Concurrent
-saves").
+"""One save at a time per checkpoint directory (``docs/checkpoint-io.md``, "Saving:
+the atomic commit protocol", step 0).
 
 Two saves racing to one path (threads, processes, ranks that each save a non-collective
 store) would each remove the other's shards as "stale" once their own manifest is in place,

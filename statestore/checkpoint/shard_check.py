@@ -1,6 +1,6 @@
 """Checks of a checkpoint's shard files against its manifest (:func:`check_shard_header`),
 and of whole files beyond their listed tensors (``docs/errors.md``,
-"Untrusted checkpoint bytes"; ``docs/checkpoint-format.md``, "What verify checks").
+"Untrusted checkpoint bytes"; ``docs/checkpoint-io.md``, "Loading: verification").
 
 Tensor checksums cover the bytes a load copies. The rest of a shard decides whether stock
 tools can still read it, and a damaged rest is a damaged file: so both ``verify`` and load

@@ -5,7 +5,7 @@ the clean-up of earlier saves' files.
 Every state is streamed through the store's pipeline (:func:`.stream.read_states`) into shards
 written under temporary names, fsync'd and renamed; the manifest is written the same way,
 last: a checkpoint exists exactly when its manifest does. Shards of an earlier save at the
-same path are removed only after the new manifest is in place (``docs/checkpoint-format.md``,
+same path are removed only after the new manifest is in place (``docs/checkpoint-io.md``,
 "Saving: the atomic commit protocol").
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A sequential ``O_DIRECT`` file writer overlapped with its caller (checkpoint shards).
 
-See :class:`DirectWriter`; ``docs/checkpoint-format.md`` ("Local writes") for its place in a save.
+See :class:`DirectWriter`; ``docs/checkpoint-io.md`` ("Local writes") for its place in a save.
 """
 from __future__ import annotations
 
