@@ -376,18 +376,12 @@ def test_sharded_over_a_process_group_and_resumed_in_one_process(tmp_path):
     """process_group= sharding: 2 ranks (gloo) train StoreOptimizer(Adafactor) on NVMe stores
     and save one checkpoint collectively; it equals torch's Adafactor in one process, and the
     checkpoint resumes in one process, bit for bit."""
-    import socket
-
-    import torch.multiprocessing as mp
     from safetensors.torch import load_file
 
     import dist_worker as W
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from fsdp2_worker import run_ranks
     k, n = 2, 4
-    mp.spawn(W.store_optimizer_sharded, args=(2, port, str(tmp_path), k, n), nprocs=2,
-             join=True)
+    run_ranks(W.store_optimizer_sharded, 2, str(tmp_path), k, n)     # the join bounded
     want = W.make_model()
     W.train(want, O.Adafactor(want.parameters(), lr=1e-2, foreach=False), 0, n)
     got = load_file(str(tmp_path / "at_n.safetensors"))
