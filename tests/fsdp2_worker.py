@@ -209,10 +209,12 @@ def fsdp2_save(rank: int, world: int, out: str) -> None:
     """At 2 ranks: the refusals; ``skip_nonfinite`` agreeing across ranks; FSDP2 + HybridAdam (NVMeStore per rank, update_in_backward
     with release_grads) trained to K, saved collectively and through DCP, trained on to N;
     the same with int8 moments; torch's AdamW beside HybridAdam with clip_grad_norm_ on the
-    DTensor gradients, and torch's states through DCP. Rank 0 writes the results."""
+    DTensor gradients, and torch's states through DCP; StoreOptimizer's part
+    (:func:`store_optimizer_part`). Rank 0 writes the results."""
     import torch.distributed.checkpoint as dcp
     refusals(rank, world)
     nonfinite_everywhere(rank)
+    store_optimizer_part(rank, world, out)
     model = shard(make_model())
     store = ss.NVMeStore(os.path.join(out, f"store{rank}"))
     opt = make_opt(model, store, update_in_backward=True, release_grads=True)
@@ -336,8 +338,7 @@ def make_store_opt(model, store):
 RMSPROP = dict(lr=1e-2, weight_decay=0.05, momentum=0.9, centered=True)
 
 
-@_worker
-def fsdp2_store_optimizer(rank: int, world: int, out: str) -> None:
+def store_optimizer_part(rank: int, world: int, out: str) -> None:
     """At 2 ranks: StoreOptimizer(RMSprop, centered, momentum) over FSDP2's DTensor
     parameters on an NVMeStore per rank, trained to K, saved collectively, trained on to N;
     the states through DCP's ``get_optimizer_state_dict``. Classes whose update needs the

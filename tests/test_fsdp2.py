@@ -118,10 +118,11 @@ def test_fsdp2_train_save_and_resume_at_1_2_3(tmp_path):
     AdamW beside HybridAdam with ``clip_grad_norm_`` on DTensor gradients agrees, and its DCP
     states load into HybridAdam. Placements other than Shard/Replicate on a 1-D mesh are refused.
     ``convert --to torch`` assembles regions; a manifest whose regions leave a gap or
-    overlap is refused."""
+    overlap is refused. StoreOptimizer in the same ranks: :func:`_check_store_optimizer`."""
     out = tmp_path
     want = _reference(out, W.N, save_at=W.K)
     W.run_ranks(W.fsdp2_save, 2, str(out))
+    _check_store_optimizer(out)
     final2 = torch.load(out / "final2.pt")
     _same(final2["params"], want["params"])
     _same(final2["states"], want["states"])
@@ -207,14 +208,21 @@ def test_param_groups_replaced_from_outside_are_refused():
         opt.step()
 
 
-def test_store_optimizer_over_fsdp2(tmp_path):
+def _states(model, opt) -> dict:
+    """A torch optimizer's states by ``name/state``, as ``fsdp2_worker.full_states`` gives
+    them (floating states in fp32)."""
+    names = [n for n, _ in model.named_parameters()]
+    return {f"{names[i]}/{k}": (v.float() if k != "step" else v).clone()
+            for i, st in opt.state_dict()["state"].items() for k, v in st.items()}
+
+
+def _check_store_optimizer(tmp_path) -> None:
     """StoreOptimizer(RMSprop) over FSDP2's DTensor parameters (2 ranks, uneven and empty
     shards, a bf16 layer): each rank updates its local shards, states keyed by the
     parameters' names; bit for bit torch's RMSprop(foreach=False) in one process, parameters
     and the states DCP's ``get_optimizer_state_dict`` gathers. The 2-rank checkpoint resumes
     in one plain process bit for bit. Adafactor, Muon and NAdam refuse sharded parameters
     (in the worker)."""
-    W.run_ranks(W.fsdp2_store_optimizer, 2, str(tmp_path))
     model = W.make_model()
     opt = torch.optim.RMSprop(model.named_parameters(), **W.RMSPROP, foreach=False)
     W.train(model, opt, 0, W.K)
@@ -231,10 +239,3 @@ def test_store_optimizer_over_fsdp2(tmp_path):
     W.train(resumed, W.make_store_opt(resumed, store), W.K, W.N)
     _same({n: p.detach() for n, p in resumed.named_parameters()}, got["params"])
 
-
-def _states(model, opt) -> dict:
-    """A torch optimizer's states by ``name/state``, as ``fsdp2_worker.full_states`` gives
-    them (floating states in fp32)."""
-    names = [n for n, _ in model.named_parameters()]
-    return {f"{names[i]}/{k}": (v.float() if k != "step" else v).clone()
-            for i, st in opt.state_dict()["state"].items() for k, v in st.items()}
