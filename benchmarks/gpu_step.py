@@ -8,7 +8,7 @@ parameter; bf16/fp16 params with fp32 masters: read g 2, master, m, v 12, write 
 p 2 = 28 B too; torch runs on the fp32 masters with fp32 gradients: 28 B) over the device's
 copy bandwidth, measured here with a device-to-device copy.
 
-Table 2, CUDA parameters with states in host memory or on NVMe (the offload data path,
+Table 2, CUDA parameters with states in host memory or on NVMe (the staging path,
 docs/gpu.md): ``step()`` with the gradients already on the GPU (the copies of a real backward
 would overlap it; here they are all inside the step), the same step through synchronous
 pageable copies (the path it replaced), and its floors, each measured alone in the same run:
@@ -229,9 +229,9 @@ def offload_table(n_list, ntensors, dtypes, reps, directory, stores):
                         sync_store = ss.PinnedCPUStore()
                     sparams = _params(sizes, dtype)
                     sopt = HybridAdam(sparams, lr=1e-3, weight_decay=0.01, state_store=sync_store)
-                    if sopt._offload is not None:
-                        sopt._offload.close()
-                        sopt._offload = None    # the synchronous pageable copies
+                    if sopt._staging is not None:
+                        sopt._staging.close()
+                        sopt._staging = None    # the synchronous pageable copies
                     contest = {"ours": opt.step, "sync": sopt.step}
                 else:
                     contest = {"ours": opt.step}
@@ -244,7 +244,7 @@ def offload_table(n_list, ntensors, dtypes, reps, directory, stores):
                              f"{_ms(d2h)} / {_ms(h2d)} ({_gbs(d2h_b, d2h)} / {_gbs(h2d_b, h2d)})",
                              _ms(cpu), _ms(disk) if disk is not None else "-", _ms(floor),
                              f"{t['ours'] / floor:.2f}x"))
-                staged = opt._offload.stats() if opt._offload is not None else {}
+                staged = opt._staging.stats() if opt._staging is not None else {}
                 opt.close()
                 store.close()
                 if sync_store is not None:
@@ -281,9 +281,9 @@ def backward_table(layers, width, tokens, reps):
             store = ss.DeviceStore(DEV) if kind == "gpu" else ss.PinnedCPUStore()
         stores.append(store)
         opt = HybridAdam(m.parameters(), lr=1e-4, state_store=store)
-        if kind == "sync" and opt._offload is not None:
-            opt._offload.close()
-            opt._offload = None
+        if kind == "sync" and opt._staging is not None:
+            opt._staging.close()
+            opt._staging = None
         models[kind], opts[kind] = m, opt
     plain = make()
 
@@ -303,8 +303,8 @@ def backward_table(layers, width, tokens, reps):
     n = layers * width * width
     print(f"\n### Overlap with backward: {layers} x Linear({width}, {width}) bf16 "
           f"({n / 1e6:.1f}M params), {tokens} rows; states in PinnedCPUStore unless said\n")
-    print("| forward + backward (ms) | + step, offload path (ms) | + step, synchronous copies "
-          "(ms) | + step, states on the GPU (ms) | step's share, offload path (ms) |")
+    print("| forward + backward (ms) | + step, staging path (ms) | + step, synchronous copies "
+          "(ms) | + step, states on the GPU (ms) | step's share, staging path (ms) |")
     print("|---|---|---|---|---|")
     print(f"| {_ms(t['backward'])} | {_ms(t['offload'])} | {_ms(t['sync'])} | {_ms(t['gpu'])} | "
           f"{_ms(t['offload'] - t['backward'])} |")

@@ -1,4 +1,4 @@
-"""A lane for :mod:`statestore.optim._offload_path` that runs on the CPU and defers every copy.
+"""A lane for :mod:`statestore.optim._staging` that runs on the CPU and defers every copy.
 
 The real lane (``CudaLane``) queues copies on a side CUDA stream: each reads its source and
 writes its destination at some moment between the call and the completion of the event
@@ -25,7 +25,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from statestore.optim._offload_path import OffloadPath
+from statestore.optim._staging import StagingPath
 
 
 class DeferredLane:
@@ -81,12 +81,12 @@ class DeferredLane:
         self.closed = True
 
 
-def install(opt, lane_factory, select: Optional[Callable[[Tensor], bool]] = None) -> OffloadPath:
+def install(opt, lane_factory, select: Optional[Callable[[Tensor], bool]] = None) -> StagingPath:
     """Replace ``opt``'s path by one with ``lane_factory`` (and ``select``;
     default: every contiguous parameter whose store hands out host tensors), hooks included.
     CPU parameters then take the same path as CUDA ones. Reads the optimizer's public
     ``param_groups`` and ``state_store`` (a parameter's default store is on its device)."""
-    old = getattr(opt, "_offload", None)
+    old = getattr(opt, "_staging", None)
     if old is not None:
         old.close()
     store = opt.state_store
@@ -95,7 +95,7 @@ def install(opt, lane_factory, select: Optional[Callable[[Tensor], bool]] = None
         def select(p: Tensor) -> bool:
             where = store.device if store is not None else p.device
             return where.type == "cpu" and p.is_contiguous()
-    path = OffloadPath(select, lane_factory)
-    opt._offload = path     # a test hook: the optimizer's own attribute, set from outside
+    path = StagingPath(select, lane_factory)
+    opt._staging = path     # a test hook: the optimizer's own attribute, set from outside
     path.watch([p for g in opt.param_groups for p in g["params"]], opt)
     return path

@@ -294,7 +294,7 @@ def fsdp2_resume3(rank: int, world: int, out: str) -> None:
 def fsdp2_resume2(rank: int, world: int, out: str) -> None:
     """At 2 ranks again: the checkpoint resumed into an NVMeStore on its filesystem (each
     rank's shard taken by link), the optimizer built before the load (torch's order); the
-    int8 checkpoint resumed; training through the offload data path of CUDA parameters.
+    int8 checkpoint resumed; training through the staging path of CUDA parameters.
     Rank 0 writes the results (bit for bit those of the uninterrupted run)."""
     model = make_model()
     model.load_state_dict(torch.load(os.path.join(out, "weights_k.pt")))

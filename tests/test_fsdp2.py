@@ -113,7 +113,7 @@ def test_fsdp2_train_save_and_resume_at_1_2_3(tmp_path):
     first, each rank's shard linked), in one plain process (regions assembled) and at 3 ranks
     (regions cut anew; float32 rounding of the mean of 3 gradients), as does DCP's
     checkpoint of ``get_optimizer_state_dict``; an unsharded checkpoint resumes into FSDP2;
-    int8 moments resume at 2 ranks bit for bit and are refused at 3; the offload data path
+    int8 moments resume at 2 ranks bit for bit and are refused at 3; the staging path
     of CUDA parameters (staged local shards; run on the CPU) trains bit for bit. torch's
     AdamW beside HybridAdam with ``clip_grad_norm_`` on DTensor gradients agrees, and its DCP
     states load into HybridAdam. Placements other than Shard/Replicate on a 1-D mesh are refused.
@@ -162,7 +162,7 @@ def test_fsdp2_train_save_and_resume_at_1_2_3(tmp_path):
     _same(got["params"], want8["params"])
     _same(got["states"], want8["states"])
     got = torch.load(out / "final2_offload.pt")          # CUDA shards' path, run on the CPU
-    assert got["staged"]["offload_params"] == 6
+    assert got["staged"]["staged_params"] == 6
     _same(got["params"], final2["params"])
     _same(got["states"], final2["states"])
 

@@ -5,8 +5,8 @@ and ``make gpu-test`` runs them with ``STATESTORE_REQUIRE_CUDA=1``, which fails 
   and fp16 parameters and gradients (bf16/fp16 parameters: fp32 masters in the store, checked
   against torch's fused AdamW over fp32 copies), amsgrad, both decay modes, loss scaling against
   torch's ``grad_scale``, the non-finite skip against its ``found_inf``; on a CUDA store (the
-  fused CUDA kernel) and on host and NVMe stores (the offload data path, docs/gpu.md).
-* The offload data path on a real device: page-locked staging, gradients staged during
+  fused CUDA kernel) and on host and NVMe stores (the staging path, docs/gpu.md).
+* The staging path on a real device: page-locked staging, gradients staged during
   backward, bit-identical to the synchronous copies it replaces (same CPU kernel, same data),
   with clipping, accumulation and ``update_in_backward``.
 * NVMe -> page-locked ring -> GPU: the store's pipeline hands out page-locked host tensors that
@@ -96,9 +96,9 @@ def test_hybrid_adam_against_torch_fused(store_name, dtype, hp, tmp_path):
         topt.step()
     torch.cuda.synchronize()
     if store_name != "device-cuda":
-        assert opt._offload is not None
-        st = opt._offload.stats()
-        assert st["offload_params"] == len(params) and st["staging_pageable_bytes"] == 0
+        assert opt._staging is not None
+        st = opt._staging.stats()
+        assert st["staged_params"] == len(params) and st["staging_pageable_bytes"] == 0
     for i, (p, r) in enumerate(zip(params, ref)):
         if dtype == torch.float32:
             torch.testing.assert_close(p, r, rtol=RTOL, atol=ATOL)
@@ -164,7 +164,7 @@ def test_moment_dtypes(moment_dtype, store_name, tmp_path):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-# ============================================================================ the offload path
+# ============================================================================ the staging path
 class _Net(nn.Module):
     """Linear layers only: their backward (cuBLAS products, sums) gives the same bits run to
     run, which the comparisons need (an embedding's backward may use atomics)."""
@@ -191,8 +191,8 @@ def _train(store, dtype, steps=4, sync_path=False, between=None, backwards=1, **
     model = _Net(dtype)
     opt = HybridAdam(model.named_parameters(), lr=1e-2, weight_decay=0.1, state_store=store, **kw)
     if sync_path:
-        opt._offload.close()
-        opt._offload = None             # the synchronous copies the path replaces
+        opt._staging.close()
+        opt._staging = None             # the synchronous copies the path replaces
     for step in range(steps):
         for _ in range(backwards):
             x, y = _batch(step, dtype)
@@ -208,7 +208,7 @@ def _train(store, dtype, steps=4, sync_path=False, between=None, backwards=1, **
 @pytest.mark.parametrize("store_name", ["pinned", "nvme"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", ["plain", "clip", "accumulate", "in_backward"])
-def test_offload_path_bit_identical_to_sync_copies(store_name, dtype, case, tmp_path):
+def test_staging_bit_identical_to_sync_copies(store_name, dtype, case, tmp_path):
     kw = {}
     if case == "clip":
         kw["between"] = lambda m, o: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
@@ -220,7 +220,7 @@ def test_offload_path_bit_identical_to_sync_copies(store_name, dtype, case, tmp_
     got, opt = _train(_host_store(store_name, tmp_path / "b"), dtype, **kw)
     for k in want:
         assert torch.equal(got[k], want[k]), k
-    st = opt._offload.stats()
+    st = opt._staging.stats()
     assert st["staging_pinned_bytes"] > 0 and st["staging_pageable_bytes"] == 0
     opt.state_store.close()
 
@@ -232,7 +232,7 @@ def test_gradients_staged_during_backward(tmp_path):
     opt = HybridAdam(model.parameters(), state_store=store)
     x, _ = _batch(0, torch.float32)
     model(x).sum().backward()
-    path = opt._offload
+    path = opt._staging
     for p in model.parameters():
         st = path._staging[p]
         assert st.grad_event is not None and path._fresh(st, p, p.grad, param=True)

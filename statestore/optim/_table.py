@@ -1,5 +1,5 @@
 """The bookkeeping an optimizer shares with its helper modules (``optimizer.state``, the
-update-in-backward stepper, the torch-format conversion, the offload path): one
+update-in-backward stepper, the torch-format conversion, the staging path): one
 :class:`ParamTable` per optimizer.
 
 Step counts live here, with the one rollback rule every step path uses
@@ -24,7 +24,7 @@ from ..errors import StateStoreError
 from ._dtensor import region_of
 
 __all__ = ["ParamTable", "StepUndo", "failed_message", "index_keys", "assign_stores",
-           "offload_store"]
+           "fraction_store"]
 
 #: what :meth:`ParamTable.rollback_steps` restores: each advanced key's count before (None:
 #: it had none)
@@ -231,7 +231,7 @@ def assign_stores(table: ParamTable, state_store, owns: Callable[[Tensor], bool]
             stores[p].record_regions({table.keys[p]: region})
 
 
-def offload_store(fraction: float, directory: Optional[str]):
+def fraction_store(fraction: float, directory: Optional[str]):
     """ColossalAI's ``nvme_offload_fraction``: a tiered store with ``fraction`` of the state
     bytes on disk under ``directory`` (a temporary directory when None), the rest in RAM.
 

@@ -28,7 +28,7 @@ class UnitTensors:
         entries: the unit's entries (:data:`Entry`).
         grads: each parameter's gradient.
         dev: the store's device (where the states are).
-        off: the optimizer's offload path (CUDA parameters over host stores), or None.
+        off: the optimizer's staging path (CUDA parameters over host stores), or None.
         keys, steps: the optimizer's parameter keys and step counts.
         fmt: the optimizer's moment format; ``moment_dtypes`` its two moments' dtypes.
 

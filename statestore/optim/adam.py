@@ -29,9 +29,9 @@ from ._args import check_arguments, grad_scale_of, validate_hyper
 from ._in_backward import BackwardStepper
 from ._metadata import OPTIMIZER_METADATA_VERSION
 from ._moments import MomentFormat
-from ._offload_path import OffloadPath, attach_offload_path
+from ._staging import StagingPath, attach_staging
 from ._plan import work_of
-from ._table import offload_store
+from ._table import fraction_store
 from ._units import UnitTensors
 from .base import StateStoreOptimizer, may_prefetch
 
@@ -115,7 +115,7 @@ class _StoreAdam(StateStoreOptimizer):
                         adamw_mode=bool(adamw_mode))
         own = state_store is None and nvme_offload_fraction > 0
         if own:
-            state_store = offload_store(float(nvme_offload_fraction), nvme_offload_dir)
+            state_store = fraction_store(float(nvme_offload_fraction), nvme_offload_dir)
         self.skip_nonfinite = bool(skip_nonfinite)
         #: update_in_backward: the step made during backward (_in_backward.py)
         self._update_in_backward = update_in_backward
@@ -133,9 +133,9 @@ class _StoreAdam(StateStoreOptimizer):
                                         self._apply_unit, self._release_grads)
         #: CUDA parameters over host or disk stores: page-locked staging on a side stream
         #: (docs/gpu.md); None while no parameter takes that path
-        self._offload: Optional[OffloadPath] = attach_offload_path(None, self, self._params,
+        self._staging: Optional[StagingPath] = attach_staging(None, self, self._params,
                                                                    self._stores)
-        if self._offload is None:
+        if self._staging is None:
             self._stepper.unplanned = weakref.WeakMethod(self._unplanned_work)
 
     def _planner(self):
@@ -160,13 +160,13 @@ class _StoreAdam(StateStoreOptimizer):
         super()._grad_ready(p)
 
     def __del__(self) -> None:
-        off = getattr(self, "_offload", None)
+        off = getattr(self, "_staging", None)
         if off is not None:
             off.remove_hooks()
         super().__del__()
 
     def _group_added(self, params: Sequence[Tensor]) -> None:
-        self._offload = attach_offload_path(self._offload, self, params, self._stores)
+        self._staging = attach_staging(self._staging, self, params, self._stores)
         super()._group_added(params)
 
     @property
@@ -233,7 +233,7 @@ class _StoreAdam(StateStoreOptimizer):
             return loss
         grad_scale = 1.0 if scale is None else scale
         self._ensure_states(work)
-        off = self._offload
+        off = self._staging
         if off is not None:
             try:
                 off.before_step(grads)
@@ -254,7 +254,7 @@ class _StoreAdam(StateStoreOptimizer):
         """``update_in_backward`` with ``release_grads`` before a plan exists: ``params``
         (gradients final) as a step's work ``{store: [(group, params)]}``, their states
         created."""
-        if self._offload is not None:       # CUDA staging needs the whole step's gradients
+        if self._staging is not None:       # CUDA staging needs the whole step's gradients
             return {}
         chosen = {p for p in params if p in self._stores and self._owns(p)}
         work = work_of(self.param_groups, self._stores, chosen.__contains__)
@@ -264,7 +264,7 @@ class _StoreAdam(StateStoreOptimizer):
     def _update_unit(self, tensors: List[Tensor], group: dict, entries, grads, grad_scale,
                      dev: torch.device) -> None:
         """Run the Adam kernel over one unit: its parameter slices, gradients and states."""
-        u = UnitTensors(tensors, entries, grads, dev, self._offload, self._keys, self._steps,
+        u = UnitTensors(tensors, entries, grads, dev, self._staging, self._keys, self._steps,
                         self._moments, self._moment_dtypes)
         self._touch()
         u.update(group, self._keys, self._moments, grad_scale)
@@ -403,10 +403,10 @@ class _StoreAdam(StateStoreOptimizer):
         """Close the stores this optimizer created itself (never a store passed in) and
         release the page-locked staging of CUDA parameters."""
         super().close()
-        if self._offload is not None:
-            self._offload.after_step()
-            self._offload.close()
-            self._offload = None
+        if self._staging is not None:
+            self._staging.after_step()
+            self._staging.close()
+            self._staging = None
 
 
 class CPUAdam(_StoreAdam):

@@ -1,4 +1,4 @@
-"""The offload data path (``statestore/optim/_offload_path.py``, docs/gpu.md) run on the CPU.
+"""The staging path (``statestore/optim/_staging.py``, docs/gpu.md) run on the CPU.
 
 On a GPU it moves the gradients of CUDA parameters into page-locked buffers on a side stream
 during backward and uploads updated parameters asynchronously. Here the same code runs with
@@ -89,7 +89,7 @@ def test_bit_identical_to_the_ordinary_path(backend, dtype, tmp_path):
     nparams = len(list(TiedNet().parameters()))
     # every update went through the staging buffers: one upload at least per parameter-step
     assert lanes.total("queued") >= 4 * nparams
-    assert path.stats()["offload_params"] == nparams
+    assert path.stats()["staged_params"] == nparams
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
@@ -213,15 +213,15 @@ def test_staging_is_accounted_and_released(tmp_path):
     assert need <= st["staging_pinned_bytes"] <= need + 2 * 64 * len(opt._params)
     assert st["staging_pinned_bytes"] == lanes.total("allocated")
     opt.close()
-    assert opt._offload is None and all(l.closed for l in lanes.made)
+    assert opt._staging is None and all(l.closed for l in lanes.made)
 
 
 def test_cpu_parameters_take_the_ordinary_path():
-    """Without CUDA parameters no offload path is made (and no hook registered)."""
+    """Without CUDA parameters no staging path is made (and no hook registered)."""
     p = torch.nn.Parameter(torch.randn(10))
     for cls in (CPUAdam, HybridAdam):
         opt = cls([p], state_store=ss.DeviceStore("cpu"))
-        assert opt._offload is None
+        assert opt._staging is None
 
 
 def test_make_gpu_test_selects_the_cuda_lines():

@@ -25,7 +25,7 @@ with backward). The same holds for the staged value of an fp32 parameter.
 
 Staging memory is page-locked once per parameter set (one slab per device and call, exact size,
 registered with ``cudaHostRegister`` like ``PinnedCPUStore``'s), reused every step, and reported
-by :meth:`OffloadPath.stats`: the gradients' and parameters' bytes of the offloaded parameters.
+by :meth:`StagingPath.stats`: the gradients' and parameters' bytes of the offloaded parameters.
 
 The device side (stream, events, copies, page-locked memory) is a *lane*; :class:`CudaLane` is the
 real one. Tests run the same code with CPU parameters through a lane that defers every copy until
@@ -44,7 +44,7 @@ from torch import Tensor
 
 from ._dtensor import local, local_grad
 
-__all__ = ["OffloadPath", "CudaLane", "attach_offload_path", "default_select"]
+__all__ = ["StagingPath", "CudaLane", "attach_staging", "default_select"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _ALIGN = 64
@@ -142,7 +142,7 @@ class _Staging:
         self.updated = False                # uploaded since the last after_step()
 
 
-class OffloadPath:
+class StagingPath:
     """Moves gradients and parameters of CUDA parameters through page-locked buffers on a side
     stream (module docstring). One per optimizer; the optimizer calls :meth:`before_step`,
     :meth:`grad_host`, :meth:`param_host`, :meth:`upload` and :meth:`after_step`.
@@ -322,7 +322,7 @@ class OffloadPath:
 
     # ------------------------------------------------------------------ reporting, lifetime
     def stats(self) -> Dict[str, int]:
-        return {"offload_params": len(self._staging), "staging_pinned_bytes": self.pinned_bytes,
+        return {"staged_params": len(self._staging), "staging_pinned_bytes": self.pinned_bytes,
                 "staging_pageable_bytes": self.pageable_bytes}
 
     def close(self) -> None:
@@ -347,8 +347,8 @@ def default_select(stores: Dict[Tensor, object]) -> Callable[[Tensor], bool]:
     return select
 
 
-def attach_offload_path(path: Optional[OffloadPath], owner, params: Iterable[Tensor],
-                        stores: Dict[Tensor, object]) -> Optional[OffloadPath]:
+def attach_staging(path: Optional[StagingPath], owner, params: Iterable[Tensor],
+                        stores: Dict[Tensor, object]) -> Optional[StagingPath]:
     """The optimizer ``owner``'s path (``path``: the one it has, or None) for ``params``,
     created when the first of them takes it, with backward hooks on them; None while no
     parameter takes it."""
@@ -359,6 +359,6 @@ def attach_offload_path(path: Optional[OffloadPath], owner, params: Iterable[Ten
         select = default_select(stores)
         if not any(select(p) for p in params):
             return None
-        path = OffloadPath(select)
+        path = StagingPath(select)
     path.watch(params, owner)
     return path
