@@ -29,8 +29,17 @@ demo: setup
 	$(PY) examples/demo.py
 
 # STATESTORE_REQUIRE_TENSORNVME=1: the TensorNVMe store's tests fail, not skip, without it.
+# Two runs: the `serial` tests (peak memory bounds, timing-sensitive under a second busy
+# process) alone, then every other test on pytest-xdist (a test extra): TEST_JOBS workers
+# (the cores, at most 4), each running whole files (--dist loadfile: a file's module fixtures,
+# e.g. its zygote process, start once), the files holding `slow` tests first
+# (tests/conftest.py). TEST_JOBS=0 runs the second in one process. pytest's exit status goes
+# through: a failure, or no test collected (5), fails the target.
+TEST_JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
+PYTEST := STATESTORE_REQUIRE_TENSORNVME=1 $(PY) -m pytest -q -p no:cacheprovider
 test: setup
-	STATESTORE_REQUIRE_TENSORNVME=1 $(PY) -m pytest -q -p no:cacheprovider
+	$(PYTEST) -m serial
+	$(PYTEST) -m "not serial" -n $(TEST_JOBS) --dist loadfile
 
 cuda-check:
 	bash scripts/check_cuda.sh

@@ -56,7 +56,13 @@ def cuda_usable() -> bool:
 
 def pytest_collection_modifyitems(config, items):
     """Tests over a CUDA line of BACKENDS get the ``cuda`` mark; ``cuda`` tests skip without
-    CUDA (fail with STATESTORE_REQUIRE_CUDA=1, as ``make gpu-test`` sets)."""
+    CUDA (fail with STATESTORE_REQUIRE_CUDA=1, as ``make gpu-test`` sets).
+
+    Files holding a ``slow`` test are collected first (each file's order kept): under
+    ``--dist loadfile`` they start at once on the workers instead of ending the run alone."""
+    slow_files = {item.nodeid.split("::")[0] for item in items
+                  if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow_files)
     cuda_names = set(CUDA_BACKEND_NAMES)
     have = cuda_usable()
     require = os.environ.get("STATESTORE_REQUIRE_CUDA", "") not in ("", "0")

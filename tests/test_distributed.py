@@ -108,6 +108,7 @@ def _assert_same(got, want, exact):
             torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_save_at_2_resume_at_1_and_3(tmp_path):
     """One checkpoint written collectively by 2 ranks (NVMe store per rank) resumes at 1 and
     at 3 ranks. Each rank trains on the whole batch, so the group-averaged gradient of 1 or 2

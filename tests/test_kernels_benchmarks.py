@@ -38,6 +38,7 @@ def test_adam_step_cache_resident_prints_every_slope():
     assert "slope between 256 and 4096 params" in out
 
 
+@pytest.mark.slow
 def test_adam_step_stages_prints_every_stage():
     out = _run("adam_step.py", "--stages", "--stage-elems", "512", "--reps", "1")
     names = re.findall(r"^\| ((?:stage|kernel): [^|]+) \| [0-9.]+ \|", out, re.M)

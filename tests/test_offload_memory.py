@@ -132,6 +132,7 @@ def _bound():
     return layer * (PREFETCH + 2) + activations + 2 * BUDGET + RUNTIME
 
 
+@pytest.mark.serial
 def test_training_with_parameters_offloaded_stays_within_the_bound(tmp_path):
     """Peak RSS of the steady training steps, over the RSS before the model was built, is
     within the bound and does not grow with the model: neither the parameters nor the

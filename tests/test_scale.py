@@ -261,6 +261,7 @@ BUDGET_MIB = 32
 SLACK = 48 << 20        # allocator and interpreter noise, the checkpoint's small buffers
 
 
+@pytest.mark.serial
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's "
                     "/proc/self/clear_refs to reset the peak RSS")
 def test_peak_rss_of_every_phase_is_bounded_whatever_the_states_size(tmp_path):
@@ -299,12 +300,16 @@ def _env():
                 + os.environ.get("PYTHONPATH", ""))
 
 
+# Each mode is a whole run of the benchmark (three processes or four): the states-on-disk run,
+# int8 moments (with offload) and the rerun reference (with offload). int8 moments without
+# offload are the store's path of tests/test_moments_*.py, and the reference mode is the
+# same comparison with or without offload.
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", [
     [],
-    ["--moments", "int8", "--reference", "rerun"],
     ["--offload-params", "--moments", "int8"],
     ["--offload-params", "--reference", "rerun"],
-], ids=["states-on-disk", "int8-rerun", "offload-int8", "offload-rerun"])
+], ids=["states-on-disk", "offload-int8", "offload-rerun"])
 def test_largest_model_benchmark_runs_end_to_end_at_a_tiny_size(mode, tmp_path):
     """Train, checkpoint, kill, resume in a fresh process, compare bit for bit, with the
     states on disk or (``--offload-params``) the parameters too (figures are not checked:

@@ -75,6 +75,7 @@ def test_state_dict_of_a_sharded_optimizer_is_never_partial(tmp_path):
                 assert torch.equal(torch.as_tensor(got[i][name]), torch.as_tensor(st[name])), (i, name)
 
 
+@pytest.mark.slow
 def test_lightning_checkpoint_with_a_sharded_optimizer(tmp_path):
     """Before: rank 0 alone entered the collective save and waited for ever."""
     pytest.importorskip("lightning")

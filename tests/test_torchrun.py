@@ -75,6 +75,7 @@ def _losses(path: Path) -> dict:
     return {int(s): float(v) for s, v in (line.split() for line in path.read_text().splitlines())}
 
 
+@pytest.mark.slow
 def test_fsdp2_example_on_two_nodes_resumes_at_3_and_1(tmp_path):
     """Two agents (one rank each) meet through c10d on 127.0.0.1 and train the example 3
     steps, saving one checkpoint (regions of both ranks); it resumes at 3 ranks and at 1
