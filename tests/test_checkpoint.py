@@ -230,11 +230,11 @@ def test_resave_same_path_interrupted_keeps_old(kind, tmp_path, monkeypatch):
         real = writer.commit
         calls = []
 
-        def dying_commit(fs, f, tmp, final):
+        def dying_commit(fs, f, tmp, final, then=None):
             calls.append(final)
             if len(calls) == 2:
                 raise KeyboardInterrupt("killed midway")
-            real(fs, f, tmp, final)
+            real(fs, f, tmp, final, then)
 
         monkeypatch.setattr(writer, "commit", dying_commit)
         with pytest.raises(KeyboardInterrupt):

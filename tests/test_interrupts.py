@@ -631,3 +631,84 @@ def test_new_optimizer_on_a_store_emptied_after_a_failed_one(tmp_path, monkeypat
     opt = F.make_opt(named, store)
     F.train(opt, named, 0, 3)
     assert F.differences(F.snapshot(named, store), F.reference(3)) == []
+
+
+def test_ctrl_c_at_the_commit_of_a_save_keeps_a_whole_checkpoint(tmp_path):
+    """Ctrl-C at each of the last lines a save runs in its writer (the manifest's rename and
+    what follows): the checkpoint at the path verifies and is the previous save or the new
+    one (before: a Ctrl-C right after the manifest's rename had the failed save remove the
+    shards the new manifest names, leaving neither checkpoint)."""
+    from statestore.checkpoint import verify_checkpoint
+    files = I.sources("checkpoint/writer.py", "checkpoint/filesystem.py")
+
+    def stepped(sub):
+        store = ss.DeviceStore("cpu")
+        named = F.make_params()
+        opt = F.make_opt(named, store)
+        F.train(opt, named, 0, 2)
+        ck = str(tmp_path / sub / "ck")
+        store.save_checkpoint(ck, progress=False)
+        F.train(opt, named, 2, 1)
+        return store, ck
+
+    store, ck = stepped("count")
+    total = I.interrupt(lambda: store.save_checkpoint(ck, progress=False), files, None).lines
+    bad = []
+    for at in range(max(1, total - 50), total + 1):
+        store, ck = stepped(f"at-{at}")
+        r = I.interrupt(lambda: store.save_checkpoint(ck, progress=False), files, at)
+        problems = verify_checkpoint(ck, progress=False)
+        if not problems and F.checkpoint_step(ck) not in (2, 3):
+            problems.append(f"step {F.checkpoint_step(ck)}")
+        store.close()
+        if problems:
+            bad.append(f"{r}: {problems[:2]}")
+    assert not bad, "\n".join(bad)
+
+
+def test_ctrl_c_in_a_step_after_a_backward_that_updates(tmp_path):
+    """update_in_backward: Ctrl-C at sampled lines of step() (the first ones, the last ones:
+    the step's own bookkeeping), then the loop's zero_grad() and the next batches: the
+    optimizer refuses with the recovery message, or trains on exactly (the parameters
+    backward had updated made the step, the others did not). Before: zero_grad() kept the
+    interrupted step open, and the next backward was refused as gradient accumulation."""
+    import gc
+    files = I.sources("optim/adam.py", "optim/_in_backward.py", "optim/_table.py",
+                      "optim/_units.py")
+
+    def stepped(d):
+        store = _store("device", d)
+        model = _Chain()
+        opt = _optimizer(model, store, True)
+        _backward(model, 0)
+        opt.step()
+        opt.zero_grad()
+        _backward(model, 1)
+        gc.collect()                # no optimizer of an earlier round finalized in the trace
+        return store, model, opt
+
+    total = I.interrupt(stepped(tmp_path / "count")[2].step, files, None).lines
+    refs, bad = {}, []
+    for at in [1, 2, 5] + list(range(total - 12, total + 1, 3)):
+        store, model, opt = stepped(tmp_path / f"at-{at}")
+        r = I.interrupt(opt.step, files, at)
+        try:
+            if I.failed(opt):
+                bad += I.refuses_everything(opt, store, str(tmp_path / f"at-{at}"))
+                continue
+            opt.zero_grad()
+            counts = {n: opt._steps.get(n, 0) for n, _ in model.named_parameters()}
+            for i in (2, 3) if set(counts.values()) == {1} else (2,):
+                _backward(model, i)
+                opt.step()
+                opt.zero_grad()
+            key = tuple(sorted(counts.items()))
+            if key not in refs:
+                refs[key] = _as_if_only_early_had_gradients(tmp_path / f"ref-{at}", counts,
+                                                            1, [2])[0] \
+                    if set(counts.values()) != {1} else _run("device", tmp_path / "ref", False,
+                                                             [0, 2, 3])[0]
+            _assert_same(_state(model, store, opt), refs[key])
+        except Exception as e:
+            bad.append(f"{r}: {type(e).__name__}: {str(e)[:200]}")
+    assert not bad, "\n".join(bad)

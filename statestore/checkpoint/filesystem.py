@@ -1,7 +1,8 @@
 """Where a checkpoint lives: local directories and fsspec URLs, atomic commits, clean-up.
 
 Every checkpoint file is written under a temporary name and committed by :func:`commit`
-(flush, ``fsync`` on local filesystems, close, rename); a committed directory entry is made
+(flush, ``fsync`` on local filesystems, close, rename, the rename recorded with signals
+deferred); a committed directory entry is made
 durable with :func:`fsync_dir`, and a local checkpoint directory that :func:`prepare_root`
 creates, in its parent. Local files are written by :class:`statestore.io.DirectWriter`
 (``O_DIRECT``), others through fsspec.
@@ -10,11 +11,12 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import fsspec
 from tqdm.auto import tqdm
 
+from .._signals import deferred_signals
 from ..errors import StateStoreIOError, StateStoreValueError
 from ..io.direct_writer import DirectWriter
 
@@ -60,13 +62,19 @@ def fsync_dir(fs, root: str) -> None:
         _fsync_path(root)
 
 
-def commit(fs, f, tmp: str, final: str) -> None:
-    """Flush, fsync (local files), close and rename ``tmp`` to ``final``."""
+def commit(fs, f, tmp: str, final: str, then: Optional[Callable[[], None]] = None) -> None:
+    """Flush, fsync (local files), close and rename ``tmp`` to ``final``; ``then()`` records
+    the rename (who must remove what on failure). The rename and ``then()`` run with signals
+    deferred: a Ctrl-C lands before both or after both, never between (a manifest renamed
+    into place whose save then removed its shards as if it had failed)."""
     f.flush()
     if is_local(fs):
         os.fsync(f.fileno())
     f.close()
-    fs.mv(tmp, final)
+    with deferred_signals():
+        fs.mv(tmp, final)
+        if then is not None:
+            then()
 
 
 def close_quietly(f) -> None:

@@ -131,11 +131,10 @@ def write_shards(store, fs, root: str, keys: List[StateKey], stem: str, shard_by
             for k in shard_keys:
                 rows.append(ManifestRow.of(k, store.spec(k), name, lay.entries[str(k)].offset,
                                            hashes[k].hexdigest()))
-            commit(fs, f, tmp, final)
+            commit(fs, f, tmp, final, then=lambda: written.__setitem__(-1, final))
         except BaseException:
             close_quietly(f)
             raise
-        written[-1] = final
     if shards:
         # The shards' names durable before the manifest's: after a power loss a manifest is
         # never present without the shards it lists (the linked ones are synced above).
@@ -199,16 +198,16 @@ def write_manifest(fs, root: str, rows: List[ManifestRow], meta_json: str, save_
     f = fs.open(mtmp, "wb")
     try:
         pq.write_table(table, f)
-        commit(fs, f, mtmp, join(root, MANIFEST))
+        # Committed with the rename: the new manifest names the shards, so from here on a
+        # failure must not remove them (that would leave neither the new nor the previous
+        # checkpoint); a Ctrl-C lands before or after both (commit).
+        commit(fs, f, mtmp, join(root, MANIFEST), then=written.clear)
     except BaseException as e:
         close_quietly(f)
         if isinstance(e, OSError) and not isinstance(e, StateStoreError):
             # Name the file: in a linked save the manifest is the only data written.
             raise StateStoreIOError(e.errno, f"writing {mtmp} failed: {e}", mtmp) from e
         raise
-    # Committed: the new manifest names the shards, so from here on a failure must not
-    # remove them (that would leave neither the new nor the previous checkpoint).
-    written.clear()
     if is_local(fs):
         fsync_dir(fs, root)
 

@@ -442,9 +442,11 @@ class BackwardStepper:
         self.table.next_plans.clear()
 
     def before_zero_grad(self, set_to_none: bool) -> None:
-        """``zero_grad()``: end a failed backward's step, or (zeroing in place) finish what
-        the pass updated in part, while the gradients they started from are intact."""
-        if self.backward_failed or self.watch.unfinished():
+        """``zero_grad()``: end a failed backward's step, or a step that ``step()`` never
+        finished (interrupted: the gradients are dropped, so the next backward starts a new
+        step, not an accumulation), or (zeroing in place) finish what the pass updated in
+        part, while the gradients they started from are intact."""
+        if self.backward_failed or self.watch.unfinished() or self.ready:
             self.close_step()
         elif not set_to_none:
             self.give_back()
@@ -491,8 +493,9 @@ class BackwardStepper:
         if reason and not self.early_done and not table.touched:
             self.reset()            # nothing changed: the step can be made again
             raise StateStoreError(refused_message(reason))
-        self._busy = True
+        whole = deferred_signals()  # entered once the last unit is done, left at the end
         try:
+            self._busy = True
             with torch.no_grad():
                 self._open()
                 self._advance(block=True, grads=grads)
@@ -507,6 +510,9 @@ class BackwardStepper:
                 with store.pipeline(units, mode="rw", wait=False) as pipe:
                     for tensors, (group, entries) in zip(pipe, meta):
                         self._apply(tensors, group, entries, store.device, grads)
+            # A Ctrl-C from here on waits until the step is recorded whole (one landing
+            # just before: the step failed after changing things, and the optimizer refuses)
+            whole.__enter__()
         except BaseException as e:
             self.abort(e)
             self.ready = {}
@@ -516,12 +522,15 @@ class BackwardStepper:
             early = [keys[p] for p in self.early_done]
             order = self.ready
             self.reset(keep_passes=True)
-        table.touched = False
-        table.next_plans.clear()
-        for store, items in work.items():
-            table.next_plans[store] = self.plan(store, items, order)
-            if may_prefetch(store):
-                store.prefetch(table.next_plans[store][0], mode="rw")
+        try:
+            table.touched = False
+            table.next_plans.clear()
+            for store, items in work.items():
+                table.next_plans[store] = self.plan(store, items, order)
+                if may_prefetch(store):
+                    store.prefetch(table.next_plans[store][0], mode="rw")
+        finally:
+            whole.__exit__(None, None, None)
         if reason:                  # the step is complete and consistent: now say what happened
             raise StateStoreError(mixed_message(reason, early))
 
