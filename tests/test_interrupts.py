@@ -712,3 +712,25 @@ def test_ctrl_c_in_a_step_after_a_backward_that_updates(tmp_path):
         except Exception as e:
             bad.append(f"{r}: {type(e).__name__}: {str(e)[:200]}")
     assert not bad, "\n".join(bad)
+
+
+def test_ctrl_c_while_a_load_looks_for_the_manifest(tmp_path, monkeypatch):
+    """A Ctrl-C while load_checkpoint looks for the manifest reaches the caller as
+    KeyboardInterrupt, and the store is as it was (before: fsspec's local exists() swallowed
+    it and the load said the checkpoint was missing; seen in the soak with SIGINT)."""
+    store, named, opt, ck = _stepped_store("device", tmp_path, steps=3, ck_at=2)
+    before = F.snapshot(named, store)
+    real = os.stat
+
+    def interrupted_stat(path, *a, **kw):
+        if str(path).endswith("manifest.parquet"):
+            raise KeyboardInterrupt
+        return real(path, *a, **kw)
+
+    monkeypatch.setattr(os, "stat", interrupted_stat)
+    with pytest.raises(KeyboardInterrupt):
+        store.load_checkpoint(ck, progress=False)
+    monkeypatch.undo()
+    assert F.differences(F.snapshot(named, store), before) == []
+    store.load_checkpoint(ck, progress=False)
+    assert set(opt._steps.values()) == {2}

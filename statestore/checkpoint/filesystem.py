@@ -20,7 +20,7 @@ from .._signals import deferred_signals
 from ..errors import StateStoreIOError, StateStoreValueError
 from ..io.direct_writer import DirectWriter
 
-__all__ = ["resolve", "is_local", "join", "fsync_dir", "commit", "close_quietly",
+__all__ = ["resolve", "is_local", "join", "exists", "fsync_dir", "commit", "close_quietly",
            "open_for_write", "prepare_root", "remove", "progress"]
 
 
@@ -54,6 +54,15 @@ def is_local(fs) -> bool:
 def join(root: str, name: str) -> str:
     """The path of file ``name`` in the checkpoint directory ``root`` (any filesystem)."""
     return f"{root}/{name}"
+
+
+def exists(fs, path: str) -> bool:
+    """Whether ``path`` exists. Local paths: ``os.path.exists`` (fsspec's local ``exists``
+    swallows every exception, a Ctrl-C included, and answers False: a checkpoint then
+    looked missing to a load that was only interrupted)."""
+    if is_local(fs):
+        return os.path.exists(path)
+    return fs.exists(path)
 
 
 def fsync_dir(fs, root: str) -> None:
@@ -104,7 +113,7 @@ def prepare_root(path: str):
         StateStoreIOError: the directory cannot be created.
     """
     fs, root = resolve(path)
-    if fs.exists(root) and not fs.isdir(root):
+    if exists(fs, root) and not fs.isdir(root):
         raise StateStoreValueError(f"checkpoint path {path!r} exists and is not a directory")
     try:
         if is_local(fs):

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from .digest import KEY, manifest_digest
-from .filesystem import is_local, join, progress as progress_bar, resolve
+from .filesystem import exists, is_local, join, progress as progress_bar, resolve
 from .foreign import missing_manifest_message
 from .format import (CHECKSUM, COLUMNS, FORMAT_NAME, FORMAT_VERSION, MANIFEST,
                      REGION_COLUMNS, REGION_FORMAT_VERSION, REGION_SCHEMA, SCHEMA,
@@ -138,10 +138,10 @@ def read_manifest(path: str, progress: Optional[bool] = False) -> Manifest:
     fs, root = resolve(path)
     mpath = join(root, MANIFEST)
     try:
-        found = fs.exists(mpath)
-        if not found and fs.exists(root) and not fs.isdir(root):
+        found = exists(fs, mpath)
+        if not found and exists(fs, root) and not fs.isdir(root):
             raise CheckpointNotFoundError(f"{path!r} is a file, not a checkpoint directory")
-        if not found and fs.exists(root):
+        if not found and exists(fs, root):
             raise CheckpointNotFoundError(missing_manifest_message(fs, root, path, MANIFEST))
     except CheckpointError:
         raise
