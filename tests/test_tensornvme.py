@@ -358,11 +358,15 @@ def test_nvme_store_refuses_engines_that_do_not_write_in_place(tmp_path):
 
 @needs
 def test_engine_name_builds_a_tensornvme_store(tmp_path):
-    """Each class is what it says: NVMeStore refuses engine="tensornvme" naming the way,
-    TensorNVMeStore is its own store, and the factory picks the class by engine."""
+    """TensorNVMeStore is its own store; NVMeStore(engine="tensornvme") (the engine DESIGN's
+    table names) is the documented factory call that builds it, as nvme_store does."""
     from statestore.backends import make_store, nvme_store
-    with pytest.raises(ss.StateStoreValueError, match="TensorNVMeStore"):
-        ss.NVMeStore(str(tmp_path / "n"), engine="tensornvme")
+    with ss.NVMeStore(str(tmp_path / "n"), engine="tensornvme", budget_bytes=1 << 20) as s:
+        assert type(s) is ss.TensorNVMeStore and s.stats()["engine"] == "tensornvme"
+        s.create("w/exp_avg", (10,), torch.float32, torch.ones(10))
+        assert torch.equal(s.get("w/exp_avg"), torch.ones(10))
+    with pytest.raises(ss.StateStoreValueError, match="keep_files"):
+        ss.NVMeStore(str(tmp_path / "nk"), engine="tensornvme", keep_files=True)
     with nvme_store(str(tmp_path / "s"), engine="tensornvme", budget_bytes=1 << 20) as s:
         assert isinstance(s, ss.TensorNVMeStore) and not isinstance(s, ss.NVMeStore)
         assert s.block_bytes == 256 << 10 and s.stats()["engine"] == "tensornvme"

@@ -9,8 +9,7 @@ called.
 :func:`nvme_store` is the explicit factory for "states on NVMe through engine X": the
 in-place files of :class:`~statestore.NVMeStore` for statestore's engines, the keyed file
 of :class:`~statestore.TensorNVMeStore` for ``engine="tensornvme"`` (TensorNVMe cannot write
-NVMeStore's files in place, so ``NVMeStore(engine="tensornvme")`` itself is refused with
-this hint). ``TieredStore.from_fraction`` and the optimizers' ``nvme_offload_dir`` build
+NVMeStore's files in place; ``NVMeStore(engine="tensornvme")`` calls this factory). ``TieredStore.from_fraction`` and the optimizers' ``nvme_offload_dir`` build
 their disk tier through it.
 """
 from __future__ import annotations

@@ -84,9 +84,9 @@ class TensorNVMeStore(StreamingStore):
         pinned: page-lock the pipeline's host buffers.
 
     It is no :class:`~statestore.NVMeStore` (it shares none of its file code):
-    ``NVMeStore(dir, engine="tensornvme")`` is refused with the way here, and
-    :func:`statestore.backends.nvme_store` (``engine="tensornvme"``), the factory that
-    takes NVMeStore's arguments, builds this class.
+    ``NVMeStore(dir, engine="tensornvme")`` and :func:`statestore.backends.nvme_store`
+    (``engine="tensornvme"``), the factory that takes NVMeStore's arguments, build this
+    class.
     """
 
     alignment = _ALIGN
