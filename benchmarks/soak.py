@@ -19,8 +19,20 @@ compared bit for bit with an uninterrupted reference run at the same step.
   counts, and the weights that go with it) with the reference; each resumed trainer reports a
   digest of what it loaded, compared likewise. At the end one last trainer runs to a clean
   exit, and the final states are compared too.
-* Timing decides only when kills happen, never what counts as correct. The exit status is 1
-  when anything diverged, a checkpoint was corrupt or a trainer died on its own.
+* ``--interrupts`` adds Ctrl-C and failing backward passes: the parent also sends SIGINT
+  (once, or twice 10 ms apart) to the trainer at random moments, and some backward passes raise
+  half-way (an autograd Function between the first two layers; odd launches train with
+  ``update_in_backward=True``, so parameters are updated during the backward that fails). The
+  trainer catches each as a training loop would and checks the contract of
+  ``docs/reliability.md``: the optimizer is consistent (each parameter and its states equal the
+  uninterrupted run at that parameter's step count, checked by the parent) or refuses every
+  call with the recovery message; then it goes back to the last checkpoint in the same process
+  (into the same store, the same optimizer unless it failed part-way) and trains on, and that
+  reload is compared with the reference like a resume. A Ctrl-C during that handling is caught
+  and the handling starts again.
+* Timing decides only when kills and interrupts happen, never what counts as correct. The
+  exit status is 1 when anything diverged, a checkpoint was corrupt, the contract was broken
+  or a trainer died on its own.
 """
 from __future__ import annotations
 
@@ -33,6 +45,7 @@ import multiprocessing as mp
 import os
 import random
 import shutil
+import signal
 import struct
 import sys
 import tempfile
@@ -50,11 +63,29 @@ from statestore.optim import CPUAdam, HybridAdam  # noqa: E402
 
 warnings.filterwarnings("ignore", category=RuntimeWarning)   # pinned memory without CUDA
 
-PHASES = {0: "launching", 1: "starting", 2: "step", 3: "save", 4: "done"}
+PHASES = {0: "launching", 1: "starting", 2: "step", 3: "save", 4: "done", 5: "recover"}
+RECOVER = "Load the last checkpoint"     # what a refusing optimizer's errors say
 _STATUS = struct.Struct("<iq")          # phase, step: written by the trainer, read by the parent
 
 
 # ---------------------------------------------------------------------------------- training
+class BackwardError(RuntimeError):
+    """What an injected failure raises in the middle of backward."""
+
+
+class _FailingBackward(torch.autograd.Function):
+    """Identity whose backward raises: the layers above it have their gradients (and, with
+    ``update_in_backward``, may be updated already), the layer below never gets one."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise BackwardError("injected failure in the middle of backward")
+
+
 class Net(torch.nn.Module):
     def __init__(self, seed: int):
         super().__init__()
@@ -63,21 +94,25 @@ class Net(torch.nn.Module):
         self.l2 = torch.nn.Linear(256, 256)
         self.l3 = torch.nn.Linear(256, 8)
         self.gate = torch.nn.Parameter(torch.ones(256, dtype=torch.bfloat16))
+        self.fail_backward = False      # the next backward raises between l2 and l1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.relu(self.l1(x))
+        if self.fail_backward:
+            h = _FailingBackward.apply(h)
         h = torch.relu(self.l2(h)) * self.gate.float()
         return self.l3(h)
 
 
-def make_optimizer(cfg: Dict[str, Any], model: Net, store: ss.StateStore):
+def make_optimizer(cfg: Dict[str, Any], model: Net, store: ss.StateStore,
+                   update_in_backward: bool = False):
     named = list(model.named_parameters())
     groups = [{"params": [np for np in named if np[0].startswith(("l1.", "l2."))],
                "weight_decay": 0.01},
               {"params": [np for np in named if not np[0].startswith(("l1.", "l2."))],
                "lr": 3e-4, "amsgrad": True}]
     cls = HybridAdam if cfg["optimizer"] == "hybrid" else CPUAdam
-    return cls(groups, lr=1e-3, state_store=store)
+    return cls(groups, lr=1e-3, state_store=store, update_in_backward=update_in_backward)
 
 
 def batch(seed: int, step: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -103,18 +138,33 @@ def make_store(cfg: Dict[str, Any]) -> ss.StateStore:
     raise ValueError(kind)
 
 
-def digest(model: Net, store: ss.StateStore, steps: Dict[str, int]) -> str:
-    """sha256 of the parameters, every state and the step counts: equal digests mean
-    bit-identical training states."""
-    h = hashlib.sha256()
-    for name, p in sorted(model.named_parameters()):
-        h.update(name.encode())
-        h.update(p.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    for k in sorted(store.keys(), key=str):
-        h.update(str(k).encode())
-        h.update(store.get(k).contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    h.update(json.dumps(sorted(steps.items())).encode())
-    return h.hexdigest()
+class _NoSigint:
+    """SIGINT blocked (delivered as the block ends): around the weights files' safetensors
+    calls, which turn a KeyboardInterrupt into a ValueError."""
+
+    def __enter__(self):
+        self.old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+    def __exit__(self, *exc):
+        signal.pthread_sigmask(signal.SIG_SETMASK, self.old)
+
+
+def _hash(t: torch.Tensor) -> str:
+    return hashlib.sha1(t.detach().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+
+
+def digest(model: Net, store: ss.StateStore, steps: Dict[str, int]) -> Dict[str, Any]:
+    """A sha1 of each parameter (``param:<name>``) and state (``state:<key>``), and the step
+    counts: equal digests mean bit-identical training states, and a difference names what
+    differs."""
+    out: Dict[str, Any] = {f"param:{n}": _hash(p) for n, p in model.named_parameters()}
+    out.update({f"state:{k}": _hash(store.get(k)) for k in store.keys()})
+    out["steps"] = dict(sorted(steps.items()))
+    return out
+
+
+def differences(got: Dict[str, Any], want: Dict[str, Any]) -> List[str]:
+    return sorted(k for k in set(got) | set(want) if got.get(k) != want.get(k))
 
 
 def weights_file(cfg: Dict[str, Any], step: int) -> str:
@@ -140,7 +190,8 @@ def save(cfg: Dict[str, Any], model: Net, store: ss.StateStore, step: int) -> No
     file exists."""
     from safetensors.torch import save_file
     w = weights_file(cfg, step)
-    save_file({n: p.detach().contiguous() for n, p in model.named_parameters()}, w + ".tmp")
+    with _NoSigint():
+        save_file({n: p.detach().contiguous() for n, p in model.named_parameters()}, w + ".tmp")
     fd = os.open(w + ".tmp", os.O_RDONLY)
     os.fsync(fd)
     os.close(fd)
@@ -155,47 +206,185 @@ def noop() -> None:
     """A first child, so that the forkserver is running (and prewarmed) before the clock."""
 
 
-def trainer(cfg: Dict[str, Any], launch: int, max_steps: int) -> None:
-    """One trainer process: resume from the checkpoint if there is one, train to
-    ``max_steps`` (in practice: until killed), checkpointing every ``ckpt_every`` steps."""
+def _phase(status, phase: int, step: int) -> None:
+    _STATUS.pack_into(status, 0, phase, step)
+
+
+def _start(cfg: Dict[str, Any], launch: int, store: ss.StateStore, uib: bool):
+    """Resume from the checkpoint if there is one (into ``store``), else start afresh."""
     from safetensors.torch import load_file
-    torch.set_num_threads(1)
-    with open(cfg["status"], "r+b") as f:
-        status = mmap.mmap(f.fileno(), _STATUS.size)
-    _STATUS.pack_into(status, 0, 1, 0)
     model = Net(cfg["seed"] + 1000 + launch)        # the weights file decides the values
-    store = make_store(cfg)
     step = 0
     if os.path.exists(os.path.join(cfg["ckpt"], "manifest.parquet")):
         step = checkpoint_step(cfg["ckpt"])
-        w = load_file(weights_file(cfg, step))
+        with _NoSigint():
+            w = load_file(weights_file(cfg, step))
         with torch.no_grad():
             for n, p in model.named_parameters():
                 p.copy_(w[n])
         store.load_checkpoint(cfg["ckpt"], progress=False)
     else:
+        store.clear()
         model = Net(cfg["seed"])
-    opt = make_optimizer(cfg, model, store)
+    return model, make_optimizer(cfg, model, store, uib), step
+
+
+def _where(err: BaseException) -> str:
+    """Where an exception came from, by the innermost function of its traceback that says."""
+    names = []
+    tb = err.__traceback__
+    while tb is not None:
+        names.append((tb.tb_frame.f_code.co_name, tb.tb_frame.f_code.co_filename))
+        tb = tb.tb_next
+    for fn, file in reversed(names):
+        if fn == "grad_ready":
+            return "backward (optimizer's hook)"
+        if fn in ("backward", "_engine_run_backward"):
+            return "backward (model)"
+        if fn in ("save_checkpoint", "save"):
+            return "save"
+        if fn in ("load_checkpoint", "_start"):
+            return "load"
+        if fn == "step" and "statestore" in file:
+            return "step()"
+        if fn in ("zero_grad", "train_step"):
+            return "step (loop)"
+    return "elsewhere"
+
+
+def _contract(cfg: Dict[str, Any], model: Net, store: ss.StateStore, opt) -> Dict[str, Any]:
+    """After an exception or Ctrl-C: a refusing optimizer must refuse every call with the
+    recovery message; a consistent one reports each parameter's step count and digests (the
+    parent compares them with the reference at that count)."""
+    table = opt._table
+    if table.failed or table.lost:
+        bad = []
+        for name, call in (("step", opt.step), ("state_dict", opt.state_dict),
+                           ("save_checkpoint", lambda: store.save_checkpoint(
+                               os.path.join(cfg["work"], "refused"), progress=False))):
+            try:
+                call()
+                bad.append(f"{name} did not refuse")
+            except ss.StateStoreError as e:
+                if RECOVER not in str(e):
+                    bad.append(f"{name}: {str(e)[:200]}")
+        return {"refusing": True, "bad": bad}
+    return {"refusing": False, "digest": digest(model, store, opt._steps)}
+
+
+def trainer(cfg: Dict[str, Any], launch: int, max_steps: int) -> None:
+    """One trainer process: resume from the checkpoint if there is one, train to
+    ``max_steps`` (in practice: until killed), checkpointing every ``ckpt_every`` steps. With
+    interrupts, a Ctrl-C or a failing backward is caught, the contract checked and reported,
+    and training goes back to the last checkpoint in this process."""
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")         # ResumeWarning of the in-process way back
+    with open(cfg["status"], "r+b") as f:
+        status = mmap.mmap(f.fileno(), _STATUS.size)
+    _phase(status, 1, 0)
+    rng = random.Random(cfg["seed"] * 7919 + launch)
+    uib = bool(cfg["interrupts"]) and launch % 2 == 1
+    store = make_store(cfg)
+    model, opt, step = _start(cfg, launch, store, uib)
     if step:
         _write_json(os.path.join(cfg["work"], f"resumed-{launch:05d}.json"),
                     {"step": step, "digest": digest(model, store, opt._steps),
                      "statestore": ss.__file__})
+    events = 0
     while step < max_steps:
-        _STATUS.pack_into(status, 0, 2, step)
-        train_step(cfg, model, opt, step)
-        step += 1
-        if step % cfg["ckpt_every"] == 0:
-            _STATUS.pack_into(status, 0, 3, step)
-            save(cfg, model, store, step)
-    _STATUS.pack_into(status, 0, 4, step)
+        try:
+            _phase(status, 2, step)
+            model.fail_backward = rng.random() < cfg["backward_error"]
+            train_step(cfg, model, opt, step)
+            step += 1
+            if step % cfg["ckpt_every"] == 0:
+                _phase(status, 3, step)
+                save(cfg, model, store, step)
+        except (KeyboardInterrupt, BackwardError) as e:
+            events += 1
+            report: Dict[str, Any] = {"retries": 0}
+            try:                        # a second Ctrl-C while this is noted: noted less
+                report.update({"kind": type(e).__name__, "where": _where(e),
+                               "phase": PHASES[_STATUS.unpack_from(status)[0]],
+                               "step": step, "update_in_backward": uib})
+            except KeyboardInterrupt:
+                report.update({"kind": type(e).__name__, "where": "?", "phase": "?",
+                               "step": step, "update_in_backward": uib, "retries": 1})
+            del e                       # its traceback holds frames (and their buffers)
+            if not torch.is_grad_enabled():
+                # a Ctrl-C inside torch.no_grad()'s __enter__ (after it turned grad mode
+                # off, before the block began) leaves it off: a loop turns it back on
+                report["grad_mode_left_off"] = True
+                torch.set_grad_enabled(True)
+            _phase(status, 5, step)
+            done = set()
+            while len(done) < 3:        # a Ctrl-C meanwhile: what was not done is done again
+                try:
+                    if "contract" not in done:
+                        report.update(_contract(cfg, model, store, opt))
+                        done.add("contract")
+                    if "reload" not in done:
+                        report["reload"] = {"went_on": False}
+                        at = _one_count(model, opt)
+                        if at is not None and at in (step, step + 1) and not report["refusing"]:
+                            # every parameter at one step: no need to go back, the loop
+                            # goes on from there (a step that ended, or never began)
+                            opt.zero_grad(set_to_none=True)
+                            if at == step + 1:
+                                step = at
+                                if step % cfg["ckpt_every"] == 0:
+                                    _phase(status, 3, step)
+                                    save(cfg, model, store, step)
+                            report["reload"]["went_on"] = True
+                        elif opt._table.failed:  # parameters of two steps: a new optimizer
+                            model, opt, step = _start(cfg, launch, store, uib)
+                        else:                   # the same optimizer takes the checkpoint
+                            model, opt, step = _rollback(cfg, launch, store, model, opt, uib)
+                        report["reload"].update(
+                            {"step": step, "digest": digest(model, store, opt._steps)})
+                        done.add("reload")
+                    _write_json(os.path.join(cfg["work"], f"event-{launch:05d}-{events:03d}.json"),
+                                report)
+                    done.add("report")
+                except KeyboardInterrupt:
+                    report["retries"] += 1
+    _phase(status, 4, step)
     _write_json(os.path.join(cfg["work"], "final.json"),
                 {"step": step, "digest": digest(model, store, opt._steps)})
     store.close()
 
 
+def _one_count(model: Net, opt) -> Optional[int]:
+    """The step count of every parameter when they are all at one step, else None."""
+    counts = {opt._steps.get(n, 0) for n, _ in model.named_parameters()}
+    return counts.pop() if len(counts) == 1 else None
+
+
+def _rollback(cfg: Dict[str, Any], launch: int, store: ss.StateStore, model: Net, opt,
+              uib: bool):
+    """Back to the last checkpoint in this process: the weights that go with it, the
+    checkpoint loaded into the same store, the same optimizer (it takes the checkpoint's
+    step counts); afresh when there is no checkpoint yet."""
+    from safetensors.torch import load_file
+    if not os.path.exists(os.path.join(cfg["ckpt"], "manifest.parquet")):
+        return _start(cfg, launch, store, uib)
+    step = checkpoint_step(cfg["ckpt"])
+    with _NoSigint():
+        w = load_file(weights_file(cfg, step))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(w[n])
+    opt.zero_grad(set_to_none=True)
+    store.load_checkpoint(cfg["ckpt"], progress=False)
+    if opt._table.failed or opt._table.lost:     # it did not take the checkpoint
+        return _start(cfg, launch, store, uib)
+    return model, opt, step
+
+
 # ---------------------------------------------------------------------------------- parent
 class Reference:
-    """The uninterrupted run, advanced on demand (requests only move forward)."""
+    """The uninterrupted run, advanced on demand; the digest of every step it passed is kept
+    (a trainer rolled back asks for earlier steps)."""
 
     def __init__(self, cfg: Dict[str, Any]):
         self.cfg = cfg
@@ -203,39 +392,40 @@ class Reference:
         self.store = ss.DeviceStore("cpu")
         self.opt = make_optimizer(cfg, self.model, self.store)
         self.step = 0
+        self.hist: Dict[int, Dict[str, Any]] = {0: digest(self.model, self.store, {})}
 
-    def at(self, step: int) -> "Reference":
-        if step < self.step:
-            raise RuntimeError(f"reference asked for step {step}, already at {self.step}")
+    def digest_at(self, step: int) -> Dict[str, Any]:
         while self.step < step:
             train_step(self.cfg, self.model, self.opt, self.step)
             self.step += 1
-        return self
-
-    def digest(self) -> str:
-        return digest(self.model, self.store, self.opt._steps)
+            self.hist[self.step] = digest(self.model, self.store, self.opt._steps)
+        return self.hist[step]
 
     def compare_checkpoint(self, ck: str, weights: str) -> List[str]:
         """Differences between the checkpoint (states, step counts, the weights file that goes
         with it) and the reference at the same step."""
         from safetensors.torch import load_file
-        out = []
         with ss.DeviceStore("cpu") as s:
             s.load_checkpoint(ck, progress=False)
-            mine = {str(k) for k in self.store.keys()}
-            theirs = {str(k) for k in s.keys()}
-            if mine != theirs:
-                out.append(f"state keys differ: {sorted(mine ^ theirs)}")
-            for k in sorted(mine & theirs):
-                if not torch.equal(s.get(k), self.store.get(k)):
-                    out.append(f"state {k} differs")
+            got = {f"state:{k}": _hash(s.get(k)) for k in s.keys()}
             steps = s.loaded_metadata.get("steps", {})
-            if steps != self.opt._steps:
-                out.append(f"step counts differ: {steps} vs {self.opt._steps}")
-        w = load_file(weights)
-        for n, p in self.model.named_parameters():
-            if n not in w or w[n].dtype != p.dtype or not torch.equal(w[n], p.detach()):
-                out.append(f"weight {n} differs")
+        got.update({f"param:{n}": _hash(t) for n, t in load_file(weights).items()})
+        got["steps"] = dict(sorted(steps.items()))
+        return differences(got, self.digest_at(max(steps.values()) if steps else 0))
+
+    def parameter_differences(self, got: Dict[str, Any]) -> List[str]:
+        """A consistent optimizer's digest: each parameter and its states against the
+        reference at that parameter's own step count."""
+        out = []
+        for n, _ in self.model.named_parameters():
+            c = got["steps"].get(n, 0)
+            want = self.digest_at(c)
+            for k in set(want) | set(got):
+                # a parameter that never stepped may have its states created already (zero
+                # moments, the master its value): as good as none
+                if k == f"param:{n}" or k.startswith(f"state:{n}/") and c > 0:
+                    if got.get(k) != want.get(k):
+                        out.append(f"{k} (count {c})")
         return out
 
 
@@ -262,6 +452,8 @@ def run(args: argparse.Namespace) -> int:
     for f in glob.glob(os.path.join(work, "*.json")):
         os.unlink(f)
     cfg = {"seed": args.seed, "store": args.store, "engine": args.engine,
+           "interrupts": args.sigint_rate > 0 or args.backward_error > 0,
+           "backward_error": args.backward_error,
            "budget": args.budget, "optimizer": args.optimizer, "ckpt_every": args.ckpt_every,
            "work": work, "ckpt": os.path.join(work, "ckpt"),
            "weights_dir": os.path.join(work, "weights"),
@@ -291,7 +483,9 @@ def run(args: argparse.Namespace) -> int:
     fig = {"launches": 0, "kills": 0, "killed_in": {}, "resumes_verified": 0,
            "checkpoints_verified": 0, "steps_trained": 0, "furthest_step": 0,
            "divergences": 0, "corrupt": 0, "crashes": 0, "temporaries_seen": 0,
-           "stale_files_max": 0, "stale_bytes_max": 0}
+           "stale_files_max": 0, "stale_bytes_max": 0, "sigints": 0, "events": {},
+           "consistent": 0, "refusing": 0, "contract_broken": 0, "reloads_verified": 0, "went_on_verified": 0, "grad_mode_left_off": 0,
+           "handling_interrupted": 0}
     problems: List[str] = []
     seen_resumes: set = set()
     last_ck_step = 0
@@ -305,12 +499,50 @@ def run(args: argparse.Namespace) -> int:
                 r = json.load(f)
             if r["statestore"] != ss.__file__:
                 problems.append(f"the trainer ran {r['statestore']}, not {ss.__file__}")
-            if ref.at(r["step"]).digest() == r["digest"]:
+            if not differences(r["digest"], ref.digest_at(r["step"])):
                 fig["resumes_verified"] += 1
             else:
                 fig["divergences"] += 1
                 problems.append(f"{os.path.basename(path)}: resumed state at step {r['step']} "
                                 "differs from the reference")
+
+    def check_events() -> None:
+        for path in sorted(glob.glob(os.path.join(work, "event-*.json"))):
+            if path in seen_resumes:
+                continue
+            seen_resumes.add(path)
+            with open(path) as f:
+                r = json.load(f)
+            name = os.path.basename(path)
+            key = f"{r['kind']} in {r['where']}" + (" (update_in_backward)"
+                                                      if r["update_in_backward"] else "")
+            fig["events"][key] = fig["events"].get(key, 0) + 1
+            fig["handling_interrupted"] += r["retries"]
+            fig["grad_mode_left_off"] += bool(r.get("grad_mode_left_off"))
+            if r["refusing"]:
+                fig["refusing"] += 1
+                bad = r["bad"]
+            else:
+                fig["consistent"] += 1
+                bad = ref.parameter_differences(r["digest"])
+            if bad:
+                fig["contract_broken"] += 1
+                problems.append(f"{name}: after {key} at step {r['step']}: {bad[:4]}")
+            back = r["reload"]
+            if back.get("went_on"):     # states created by a step that never began: as none
+                diff = ref.parameter_differences(back["digest"]) + [
+                    f"count {n}: {c}" for n, c in back["digest"]["steps"].items()
+                    if c != back["step"]]
+            else:
+                diff = differences(back["digest"], ref.digest_at(back["step"]))
+            if diff:
+                fig["divergences"] += 1
+                problems.append(f"{name}: the way back to step {r['reload']['step']} "
+                                f"differs: {diff[:4]}")
+            elif r["reload"].get("went_on"):
+                fig["went_on_verified"] += 1
+            else:
+                fig["reloads_verified"] += 1
 
     def check_checkpoint(after: str) -> int:
         ck = cfg["ckpt"]
@@ -322,7 +554,7 @@ def run(args: argparse.Namespace) -> int:
             problems.append(f"after {after}: checkpoint does not verify: {bad[:3]}")
             return -1
         step = checkpoint_step(ck)
-        diff = ref.at(step).compare_checkpoint(ck, weights_file(cfg, step))
+        diff = ref.compare_checkpoint(ck, weights_file(cfg, step))
         if diff:
             fig["divergences"] += 1
             problems.append(f"after {after}: checkpoint at step {step} diverges: {diff[:5]}")
@@ -339,8 +571,21 @@ def run(args: argparse.Namespace) -> int:
         p = ctx.Process(target=this.trainer, args=(cfg, launch, 1 << 40), daemon=True)
         p.start()
         fig["launches"] += 1
-        delay = rng.uniform(args.kill_min, args.kill_max)
-        p.join(timeout=max(0.0, min(delay, deadline - time.monotonic())))
+        kill_at = min(time.monotonic() + rng.uniform(args.kill_min, args.kill_max), deadline)
+        while True:                 # SIGINTs at random moments until the kill
+            now = time.monotonic()
+            nxt = now + rng.expovariate(args.sigint_rate) if args.sigint_rate > 0 else kill_at
+            p.join(timeout=max(0.0, min(nxt, kill_at) - now))
+            if p.exitcode is not None or nxt >= kill_at:
+                break
+            if _read_status(cfg["status"])[0] in ("step", "save", "recover"):
+                for _ in range(2 if rng.random() < 0.5 else 1):    # pressed once or twice
+                    try:
+                        os.kill(p.pid, signal.SIGINT)
+                    except ProcessLookupError:      # it died meanwhile: counted below
+                        break
+                    fig["sigints"] += 1
+                    time.sleep(0.01)
         phase, step = _read_status(cfg["status"])
         if p.exitcode is not None:              # it should never end by itself
             fig["crashes"] += 1
@@ -351,6 +596,7 @@ def run(args: argparse.Namespace) -> int:
             fig["kills"] += 1
             fig["killed_in"][phase] = fig["killed_in"].get(phase, 0) + 1
         check_resumes()
+        check_events()
         start = last_ck_step
         ck_step = check_checkpoint(f"kill {launch} (in {phase} at step {step})")
         if ck_step >= 0:
@@ -376,6 +622,7 @@ def run(args: argparse.Namespace) -> int:
             p.kill()
             p.join()
     check_resumes()
+    check_events()
     ck_step = check_checkpoint("the final trainer")
     fig["steps_trained"] += max(0, final_step - last_ck_step)
     fig["furthest_step"] = max(fig["furthest_step"], final_step)
@@ -383,7 +630,7 @@ def run(args: argparse.Namespace) -> int:
     if os.path.exists(final_path):
         with open(final_path) as f:
             r = json.load(f)
-        if ref.at(r["step"]).digest() != r["digest"]:
+        if differences(r["digest"], ref.digest_at(r["step"])):
             fig["divergences"] += 1
             problems.append(f"final state at step {r['step']} differs from the reference")
     else:
@@ -411,6 +658,26 @@ def run(args: argparse.Namespace) -> int:
         ("checkpoints verified (verify_checkpoint + equal to reference)", fig["checkpoints_verified"]),
         ("final state after a clean exit", "equal to reference" if not any(
             "final" in x for x in problems) else "DIFFERS"),
+    ]
+    if cfg["interrupts"]:
+        events = ", ".join(f"{k}: {v}" for k, v in sorted(fig["events"].items()))
+        rows += [
+            ("SIGINTs sent (one, or two 10 ms apart)", fig["sigints"]),
+            ("backward passes set to fail (probability per step)", args.backward_error),
+            ("exceptions and Ctrl-C caught by the trainers", f"{sum(fig['events'].values())} "
+                                                             f"({events})"),
+            ("after which consistent (each parameter = reference at its count)",
+             fig["consistent"]),
+            ("after which refusing every call with the recovery message", fig["refusing"]),
+            ("contract broken", fig["contract_broken"]),
+            ("then all at one step: went on from there, verified", fig["went_on_verified"]),
+            ("else back to the last checkpoint in the same process, verified",
+             fig["reloads_verified"]),
+            ("Ctrl-C during that handling (caught, handled again)", fig["handling_interrupted"]),
+            ("grad mode left off by torch.no_grad() interrupted (turned back on)",
+             fig["grad_mode_left_off"]),
+        ]
+    rows += [
         ("divergences", fig["divergences"]),
         ("corrupt checkpoints", fig["corrupt"]),
         ("trainers that died by themselves", fig["crashes"]),
@@ -471,9 +738,18 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="NVMeStore RAM budget in bytes (small: a step is many pipeline units)")
     ap.add_argument("--kill-min", type=float, default=0.2, help="seconds, shortest life of a trainer")
     ap.add_argument("--kill-max", type=float, default=2.5, help="seconds, longest life of a trainer")
+    ap.add_argument("--sigint-rate", type=float, default=0.0,
+                    help="SIGINTs per second sent to a running trainer (default 0: none)")
+    ap.add_argument("--backward-error", type=float, default=0.0,
+                    help="probability that a step's backward raises half-way (default 0)")
+    ap.add_argument("--interrupts", action="store_true",
+                    help="shorthand for --sigint-rate 2 --backward-error 0.02")
     ap.add_argument("--dir", default=None, help="work directory (default: a temporary one, "
                     "removed when everything passed)")
     args = ap.parse_args(argv)
+    if args.interrupts:
+        args.sigint_rate = args.sigint_rate or 2.0
+        args.backward_error = args.backward_error or 0.02
     if args.ckpt_every <= 0 or args.minutes < 0 or not 0 <= args.kill_min <= args.kill_max:
         ap.error("--ckpt-every must be positive, --minutes non-negative, "
                  "0 <= --kill-min <= --kill-max")
