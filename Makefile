@@ -34,12 +34,13 @@ demo: setup
 # (the cores, at most 4), each running whole files (--dist loadfile: a file's module fixtures,
 # e.g. its zygote process, start once), the files holding `slow` tests first
 # (tests/conftest.py). TEST_JOBS=0 runs the second in one process. pytest's exit status goes
-# through: a failure, or no test collected (5), fails the target.
+# through: a failure, or no test collected (5), fails the target. --durations=15 prints the
+# slowest tests, where the suite's time budget (6 minutes on 2 cores) goes first.
 TEST_JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 PYTEST := STATESTORE_REQUIRE_TENSORNVME=1 $(PY) -m pytest -q -p no:cacheprovider
 test: setup
 	$(PYTEST) -m serial
-	$(PYTEST) -m "not serial" -n $(TEST_JOBS) --dist loadfile
+	$(PYTEST) -m "not serial" -n $(TEST_JOBS) --dist loadfile --durations=15
 
 cuda-check:
 	bash scripts/check_cuda.sh
