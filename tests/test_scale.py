@@ -286,8 +286,8 @@ def test_peak_rss_of_every_phase_is_bounded_whatever_the_states_size(tmp_path):
         if got[phase] > budget + SLACK:
             over[phase] = got[phase]
     # update_in_backward's pass holds, besides the ring, the step's bookkeeping of a backward
-    # that may fail part-way (applied gradients, the lent read-ahead): measured 97 and 105 MiB in failing runs
-    # here (flaky against the former bound of 96 MiB), so one more budget of slack. The
+    # that may fail part-way (applied gradients, the lent read-ahead): failing runs measured
+    # 97 and 105 MiB against the former bound of 96 MiB, so one more budget of slack. The
     # phase's peak is still bounded by the budget, not by the states (1152 MiB).
     if got["backward + step, release_grads"] > (2 * budget + 2 * got["layer_bytes"] + SLACK):
         over["backward + step, release_grads"] = got["backward + step, release_grads"]
