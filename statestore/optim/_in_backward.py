@@ -395,14 +395,7 @@ class BackwardStepper:
         a failure makes the optimizer refuse to go on (it says why)."""
         if self._busy:
             return False
-        self._busy = True
-        try:
-            with deferred_signals():
-                self.settle()
-        except Exception:
-            pass                # recorded by abort(): every later call says so
-        finally:
-            self._busy = False
+        self._guarded(self.settle)
         return True
 
     def close_step(self) -> None:
@@ -413,12 +406,17 @@ class BackwardStepper:
         (:meth:`before_step`). Errors make the optimizer refuse to go on (it says why)."""
         if self._busy or self.table.failed:
             return
+        self._guarded(self._close_step)
+
+    def _guarded(self, work) -> None:
+        """``work()`` marked busy, with signals deferred; its errors were recorded by abort()
+        (every later call says so), so they are not raised here."""
         self._busy = True
         try:
             with deferred_signals():
-                self._close_step()
+                work()
         except Exception:
-            pass                # recorded by abort(): every later call says so
+            pass
         finally:
             self._busy = False
 
