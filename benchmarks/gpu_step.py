@@ -6,7 +6,10 @@ Table 1, states on the GPU (``DeviceStore("cuda")``, the fused CUDA kernel): Hyb
 the HBM floor: the bytes a step must move (fp32 params: read p, g, m, v, write p, m, v = 28 B a
 parameter; bf16/fp16 params with fp32 masters: read g 2, master, m, v 12, write master, m, v 12,
 p 2 = 28 B too; torch runs on the fp32 masters with fp32 gradients: 28 B) over the device's
-copy bandwidth, measured here with a device-to-device copy.
+copy bandwidth, measured here with a device-to-device copy. ``--moments bf16,int8`` adds rows
+of fp32 parameters with compressed moments (``moment_dtype``), whose floor counts the moments at
+their width (bf16: 20 B, int8: 16 B an element); torch's row is still fp32 moments, the step
+they replace.
 
 Table 2, CUDA parameters with states in host memory or on NVMe (the staging path,
 docs/gpu.md): ``step()`` with the gradients already on the GPU (the copies of a real backward
@@ -31,6 +34,7 @@ says so and exits 0.
     python benchmarks/gpu_step.py                      # 64M and 256M parameters
     python benchmarks/gpu_step.py --quick              # 32M, 3 reps (make gpu-test)
     python benchmarks/gpu_step.py --dir /nvme/bench    # NVMeStore's directory
+    python benchmarks/gpu_step.py --tables 2 --offload-sizes 1G --dtypes bf16   # ~1B offloaded
 """
 from __future__ import annotations
 
@@ -109,7 +113,16 @@ def _gbs(nbytes: int, s: float) -> str:
 
 
 # ------------------------------------------------------------------ table 1: on the GPU
-def device_table(n_list, ntensors, dtypes, reps):
+def _step_bytes(param_dtype: str, moments: str) -> int:
+    """Bytes one element's step must move through HBM: p (or master) read + write, g read, m and v
+    read + write at the moments' width (int8 adds its block scales, under 1%)."""
+    width = {"fp32": 4, "bf16": 2, "int8": 1}[moments]
+    if param_dtype == "fp32":
+        return 4 + 4 + 4 + 4 * width
+    return 2 + 4 + 4 + 2 + 4 * width         # g, master r/w, p written
+
+
+def device_table(n_list, ntensors, dtypes, reps, moments=("fp32",)):
     import statestore as ss
     from statestore.optim import HybridAdam
 
@@ -121,18 +134,20 @@ def device_table(n_list, ntensors, dtypes, reps):
     rows = []
     for n in n_list:
         sizes = _split(n, ntensors)
-        for name in dtypes:
+        for name, mom in [(d, "fp32") for d in dtypes] + [("fp32", m) for m in moments
+                                                         if m != "fp32"]:
             dtype = _DTYPES[name]
             params = _params(sizes, dtype)
             store = ss.DeviceStore(DEV)
-            ours = HybridAdam(params, lr=1e-3, weight_decay=0.01, state_store=store)
+            ours = HybridAdam(params, lr=1e-3, weight_decay=0.01, state_store=store,
+                              moment_dtype=mom)
             ref = [nn.Parameter(p.detach().float().clone()) for p in params]
             for r, p in zip(ref, params):
                 r.grad = p.grad.float()
             theirs = torch.optim.AdamW(ref, lr=1e-3, weight_decay=0.01, fused=True)
             t = _interleaved({"ours": ours.step, "torch": theirs.step}, reps)
-            floor = 28 * n / hbm
-            rows.append((f"{n / (1 << 20):.0f}M", name, _ms(t["ours"]), _ms(t["torch"]),
+            floor = _step_bytes(name, mom) * n / hbm
+            rows.append((f"{n / (1 << 20):.0f}M", name, mom, _ms(t["ours"]), _ms(t["torch"]),
                          f"{t['torch'] / t['ours']:.2f}x", _ms(floor),
                          f"{floor / t['ours'] * 100:.0f}%"))
             store.close()
@@ -140,9 +155,9 @@ def device_table(n_list, ntensors, dtypes, reps):
             torch.cuda.empty_cache()
     print(f"\n### HybridAdam on CUDA vs torch.optim.AdamW(fused=True), {ntensors} tensors "
           f"(device copy bandwidth {hbm / 1e9:.0f} GB/s)\n")
-    print("| params | param dtype | HybridAdam step (ms) | torch fused AdamW (ms) | "
-          "speed-up (torch / ours) | HBM floor (ms) | floor / ours |")
-    print("|---|---|---|---|---|---|---|")
+    print("| params | param dtype | moments | HybridAdam step (ms) | torch fused AdamW, fp32 "
+          "moments (ms) | speed-up (torch / ours) | HBM floor (ms) | floor / ours |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print("| " + " | ".join(r) + " |")
 
@@ -319,6 +334,11 @@ def main(argv=None):
     ap.add_argument("--sizes", default="64M,256M", help="parameters per step (M = 2^20)")
     ap.add_argument("--tensors", type=int, default=50, help="tensors the parameters are cut in")
     ap.add_argument("--dtypes", default="fp32,bf16", help="parameter dtypes")
+    ap.add_argument("--moments", default="fp32,bf16,int8",
+                    help="table 1: moment dtypes (bf16/int8 rows use fp32 parameters)")
+    ap.add_argument("--offload-sizes", default=None,
+                    help="table 2's sizes when not --sizes (e.g. 1G: the ~1B-parameter step)")
+    ap.add_argument("--tables", default="1,2,3", help="which tables to measure")
     ap.add_argument("--stores", default="pinned,nvme", help="offloaded stores: pinned,nvme")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--dir", default=None, help="NVMeStore directory (default: a temp dir)")
@@ -345,14 +365,23 @@ def main(argv=None):
     for d in dtypes:
         if d not in _DTYPES:
             ap.error(f"--dtypes: unknown dtype {d!r} (fp32, bf16, fp16)")
+    moments = [m for m in args.moments.split(",") if m]
+    for m in moments:
+        if m not in ("fp32", "bf16", "int8"):
+            ap.error(f"--moments: unknown moment dtype {m!r} (fp32, bf16, int8)")
+    off_list = ([_parse_size(s) for s in args.offload_sizes.split(",") if s]
+                if args.offload_sizes else n_list)
+    tables = {t.strip() for t in args.tables.split(",") if t.strip()}
     stores = [s for s in args.stores.split(",") if s]
     for s in stores:
         if s not in ("pinned", "nvme"):
             ap.error(f"--stores: unknown store {s!r} (pinned, nvme)")
     torch.manual_seed(0)
-    device_table(n_list, args.tensors, dtypes, args.reps)
-    offload_table(n_list, args.tensors, dtypes, args.reps, args.dir, stores)
-    if not args.no_backward:
+    if "1" in tables:
+        device_table(n_list, args.tensors, dtypes, args.reps, moments)
+    if "2" in tables:
+        offload_table(off_list, args.tensors, dtypes, args.reps, args.dir, stores)
+    if "3" in tables and not args.no_backward:
         backward_table(args.layers, args.width, args.tokens, args.reps)
     return 0
 
