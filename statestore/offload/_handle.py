@@ -38,6 +38,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 import torch
 from torch import Tensor, nn
 
+from .._hook_handles import HookHandles
 from .._types import Slice, StateKey
 from ..errors import StateKeyError, StateStoreError, StateStoreValueError
 from ..store import StateStore
@@ -188,7 +189,7 @@ class OffloadHandle(ModuleHooks, ReadAhead):
         self._outer_task: Optional[int] = None
         self._tasks: Set[int] = set()
         self._root_ctx: List[Any] = []
-        self._hooks: list = []
+        self._hooks = HookHandles()
         self._foreign: Dict[int, List[Tensor]] = {}
         self._stats = {"reads": 0, "read_bytes": 0, "writes": 0, "sync_reads": 0}
         _fix_malloc_threshold()
@@ -455,12 +456,7 @@ class OffloadHandle(ModuleHooks, ReadAhead):
                     self._busy -= 1
         except BaseException as e:
             err = e
-        for h in self._hooks:
-            try:
-                h.remove()
-            except Exception:
-                pass
-        self._hooks = []
+        self._hooks.remove_all()
         for p in self._params:
             detach(p, self)
         self._data.clear()

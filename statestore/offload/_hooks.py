@@ -108,19 +108,19 @@ class ModuleHooks:
 
     def _install_hooks(self) -> None:
         for idx, m in enumerate(self._modules):
-            self._hooks.append(m.register_forward_pre_hook(self._make_pre(idx)))
-            self._hooks.append(m.register_forward_hook(self._make_post(idx), always_call=True))
+            self._hooks.add(m.register_forward_pre_hook(self._make_pre(idx)))
+            self._hooks.add(m.register_forward_hook(self._make_post(idx), always_call=True))
         for p in self._params:
             if p.requires_grad:
-                self._hooks.append(p.register_hook(self._make_pre_acc(p)))
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._post_acc))
-        self._hooks.append(self.model._register_state_dict_hook(self._state_dict_hook))
-        self._hooks.append(self.model.register_load_state_dict_pre_hook(self._load_pre_hook))
-        self._hooks.append(self.model.register_load_state_dict_post_hook(self._load_post_hook))
+                self._hooks.add(p.register_hook(self._make_pre_acc(p)))
+                self._hooks.add(p.register_post_accumulate_grad_hook(self._post_acc))
+        self._hooks.add(self.model._register_state_dict_hook(self._state_dict_hook))
+        self._hooks.add(self.model.register_load_state_dict_pre_hook(self._load_pre_hook))
+        self._hooks.add(self.model.register_load_state_dict_post_hook(self._load_post_hook))
         from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                            register_optimizer_step_pre_hook)
-        self._hooks.append(register_optimizer_step_pre_hook(self._before_step))
-        self._hooks.append(register_optimizer_step_post_hook(self._after_step))
+        self._hooks.add(register_optimizer_step_pre_hook(self._before_step))
+        self._hooks.add(register_optimizer_step_post_hook(self._after_step))
 
     def _note_task(self) -> int:
         task = graph_task()

@@ -42,6 +42,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from .._hook_handles import HookHandles
 from ._dtensor import local, local_grad
 
 __all__ = ["StagingPath", "CudaLane", "attach_staging", "default_select"]
@@ -160,7 +161,7 @@ class StagingPath:
         self._lanes: Dict[torch.device, object] = {}
         self._staging: Dict[Tensor, _Staging] = {}     # keyed by identity (a plain dict)
         self._used: Dict[torch.device, object] = {}
-        self._hooks: list = []
+        self._hooks = HookHandles()
         self._watched: List[Tensor] = []     # parameters with a hook, in order
         # backward runs the hooks of each device on that device's autograd thread
         self._lock = threading.RLock()
@@ -190,16 +191,11 @@ class StagingPath:
 
         for p in params:
             if p.requires_grad and self._select(p):
-                self._hooks.append(p.register_post_accumulate_grad_hook(hook))
+                self._hooks.add(p.register_post_accumulate_grad_hook(hook))
                 self._watched.append(p)
 
     def remove_hooks(self) -> None:
-        for h in self._hooks:
-            try:
-                h.remove()
-            except Exception:
-                pass
-        self._hooks = []
+        self._hooks.remove_all()
 
     def _lane(self, device: torch.device):
         lane = self._lanes.get(device)
@@ -322,6 +318,7 @@ class StagingPath:
 
     # ------------------------------------------------------------------ reporting, lifetime
     def stats(self) -> Dict[str, int]:
+        """What the optimizer's ``staging_stats()`` reports (``docs/gpu.md``)."""
         return {"staged_params": len(self._staging), "staging_pinned_bytes": self.pinned_bytes,
                 "staging_pageable_bytes": self.pageable_bytes}
 

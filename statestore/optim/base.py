@@ -24,6 +24,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from .._hook_handles import HookHandles
 from ..errors import StateStoreError
 from ..offload._seam import update_begin, update_end
 from ..store import StateStore
@@ -136,7 +137,7 @@ class StateStoreOptimizer(torch.optim.Optimizer):
         #: during a step: each stepped key's count before it (None: its first step)
         self._step_undo: StepUndo = {}
         self._hooked: set = set()
-        self._pump_hooks: list = []
+        self._pump_hooks = HookHandles()
         #: torch's ``optimizer.state``: a view of the store (statestore/optim/_state.py)
         self.state = OptimizerState(self, table, layout)
         self._setup_parts()
@@ -238,7 +239,7 @@ class StateStoreOptimizer(torch.optim.Optimizer):
         for p in params:
             if p.requires_grad and p in self._stores and p not in self._hooked \
                     and self._wants_hook(p):
-                self._pump_hooks.append(p.register_post_accumulate_grad_hook(hook))
+                self._pump_hooks.add(p.register_post_accumulate_grad_hook(hook))
                 self._hooked.add(p)
 
     def _grad_ready(self, p: Tensor) -> None:
@@ -253,11 +254,9 @@ class StateStoreOptimizer(torch.optim.Optimizer):
                 prefetching.discard(store)
 
     def __del__(self) -> None:
-        for h in getattr(self, "_pump_hooks", ()):
-            try:
-                h.remove()
-            except Exception:
-                pass
+        hooks = getattr(self, "_pump_hooks", None)
+        if hooks is not None:
+            hooks.remove_all()
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """Add a param group, as ``torch.optim.Optimizer.add_param_group``.
