@@ -244,3 +244,18 @@ def test_make_gpu_test_selects_the_cuda_lines():
                              text=True, timeout=300, env={**env, "STATESTORE_REQUIRE_CUDA": "1"},
                              cwd=os.path.dirname(here))
         assert res.returncode != 0 and "STATESTORE_REQUIRE_CUDA=1" in res.stdout + res.stderr
+
+
+def test_staging_stats_is_the_optimizers_public_report(tmp_path):
+    """``opt.staging_stats()`` (docs/gpu.md) reports the staging path's figures, and zeros
+    while no parameter takes the path; the path's hooks are removed by ``close()``."""
+    lanes = _Lanes()
+    _, _, opt, path = _train(ss.DeviceStore("cpu"), lanes, dtype=torch.bfloat16, steps=1)
+    st = opt.staging_stats()
+    assert st == path.stats() and st["staged_params"] == len(opt.param_groups[0]["params"])
+    assert st["staging_pinned_bytes"] > 0
+    assert len(path._hooks) == st["staged_params"]
+    opt.close()
+    assert len(path._hooks) == 0
+    assert opt.staging_stats() == {"staged_params": 0, "staging_pinned_bytes": 0,
+                                   "staging_pageable_bytes": 0}

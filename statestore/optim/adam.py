@@ -398,6 +398,15 @@ class _StoreAdam(StateStoreOptimizer):
         self._stepper.before_zero_grad(set_to_none)
         super().zero_grad(set_to_none)
 
+    def staging_stats(self) -> Dict[str, int]:
+        """The page-locked staging of CUDA parameters over host or disk stores
+        (``docs/gpu.md``): ``staged_params`` (parameters staged so far),
+        ``staging_pinned_bytes`` (registered with CUDA) and ``staging_pageable_bytes``
+        (where registration failed); all zero while no parameter takes that path."""
+        if self._staging is None:
+            return {"staged_params": 0, "staging_pinned_bytes": 0, "staging_pageable_bytes": 0}
+        return self._staging.stats()
+
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
         """Close the stores this optimizer created itself (never a store passed in) and
