@@ -55,8 +55,10 @@ def test_gpu_step_prints_both_tables(tmp_path):
     res = _gpu_step("--sizes", "4M", "--reps", "1", "--tensors", "3", "--dir", str(tmp_path),
                     "--layers", "2", "--width", "512", "--tokens", "256")
     assert res.returncode == 0, res.stderr[-2000:]
-    ours = re.findall(r"^\| 4M \| (fp32|bf16) \| ([0-9.]+) \| ([0-9.]+) \| ([0-9.]+)x \|", res.stdout, re.M)
-    assert len(ours) == 2, res.stdout
+    ours = re.findall(r"^\| 4M \| (fp32|bf16) \| (fp32|bf16|int8) \| ([0-9.]+) \| ([0-9.]+) \| "
+                      r"([0-9.]+)x \|", res.stdout, re.M)
+    assert sorted(r[:2] for r in ours) == [("bf16", "fp32"), ("fp32", "bf16"), ("fp32", "fp32"),
+                                           ("fp32", "int8")], res.stdout
     off = re.findall(r"^\| 4M \| (fp32|bf16) \| (pinned|nvme) \| ([0-9.]+) \|", res.stdout, re.M)
     assert len(off) == 4, res.stdout
     assert re.search(r"^\| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \| -?[0-9.]+ \|$", res.stdout,

@@ -254,6 +254,22 @@ def test_pinned_store_is_page_locked():
     store.close()
 
 
+def test_small_pinned_slabs_of_many_stores_all_register():
+    """Slabs smaller than a page from the C heap shared pages, and cudaHostRegister of the
+    second failed (error 712), leaving the runtime's last error set for torch's next kernel."""
+    stores = [ss.PinnedCPUStore() for _ in range(3)]
+    for i in range(12):
+        for j, st in enumerate(stores):
+            st.create_many([(f"{i}/{j}/m", (3 + i,), torch.float32, None),
+                            (f"{i}/{j}/s", (), torch.float32, torch.tensor(1.0))])
+    for st in stores:
+        for k in st.keys():
+            assert st.get(k).is_pinned(), k
+    assert torch.zeros(4, device="cuda").sum().item() == 0     # no error left behind
+    for st in stores:
+        st.close()
+
+
 def test_nvme_to_pinned_to_gpu_pipeline(tmp_path):
     """NVMe -> the store's page-locked ring -> GPU (non_blocking) -> back, unit by unit."""
     n = 3 << 18

@@ -593,3 +593,23 @@ def test_large_states_of_a_slab_are_not_a_power_of_two_apart(backend, tmp_path):
         assert store.stats()["nbytes"] == 8 * n + 64
     finally:
         store.close()
+
+
+def test_pinned_slabs_own_their_pages():
+    """PinnedCPUStore's slabs start on a page and share none (cudaHostRegister locks whole
+    pages; a page shared by two slabs failed the second's registration on the GPU)."""
+    import mmap
+
+    from statestore.backends.pinned import page_aligned_zeros
+    bufs = [page_aligned_zeros(n) for n in (1, 216, 4096, 4097, 70000)]
+    spans = []
+    for b, n in zip(bufs, (1, 216, 4096, 4097, 70000)):
+        assert b.numel() == n and b.data_ptr() % mmap.PAGESIZE == 0
+        assert not b.any()
+        spans.append((b.data_ptr(), b.data_ptr() + -(-n // mmap.PAGESIZE) * mmap.PAGESIZE))
+    spans.sort()
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))      # no page shared
+    view = bufs[3][4000:4097]
+    view.fill_(7)
+    del bufs
+    assert int(view.sum()) == 7 * 97            # a view keeps its mapping alive
