@@ -1,19 +1,18 @@
-"""How callers visit a store's states, as part of :class:`~statestore.StateStore`: the
-read / compute / write :meth:`~PipelineAccess.pipeline`, :meth:`~PipelineAccess.stream` of
-whole states, :meth:`~PipelineAccess.prefetch` between steps, and the chunk and unit sizes
-callers cut states by. The pipelines' in-flight state is ``store.in_flight``
-(:class:`~statestore._inflight.InFlightWrites`)."""
+"""``PipelineAccess``: the object each :class:`~statestore.StateStore` holds for the way
+callers visit its states: a pipeline (handing out a prefetched one when it matches), whole
+states streamed chunk by chunk, the one prefetch kept between calls, and the chunk sizes
+``stream`` cuts states by. It talks to its store through the store's public names
+(``spec``, ``resident``, ``budget_bytes``, ``alignment``, ``cut_alignment``, ``closed``,
+``in_flight``, ``pipeline``) and owns the prefetch; the store's ``pipeline``, ``stream``,
+``prefetch``, ``pump`` and ``cancel_prefetch`` check the store and call it."""
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
-import torch
-
-from ._inflight import InFlightWrites
 from ._signals import deferred_signals
 from ._stream import StateStream, chunk_ranges, group_units, plan_slices
 from ._types import Slice, StateSpec
-from .pipeline import Pipeline, Prefetch, StatePipeline, UnitPlan, check_mode, unit_lists
+from .pipeline import Pipeline, Prefetch, StatePipeline, check_mode, unit_lists
 
 __all__ = ["CHUNK_BYTES", "PipelineAccess"]
 
@@ -22,49 +21,30 @@ CHUNK_BYTES = 16 << 20
 
 
 class PipelineAccess:
-    """Part of :class:`~statestore.StateStore` (which provides ``spec``, ``resident``,
-    ``budget_bytes``, ``alignment``, ``transfer_alignment``, the open/file checks, the
-    prefetch slot and ``in_flight``)."""
+    """How callers visit ``store``'s states (module docstring).
 
-    # Hooks of a streaming backend that moves several slices of a unit by one request
-    # (NVMeStore's packed small states; statestore/backends/_nvme_packed.py).
-    def _unit_plan(self, slices: Sequence[Slice]) -> Optional[UnitPlan]:
-        """How a pipeline lays a unit out in the ring: None, each slice on its own; or a
-        :class:`~statestore.pipeline.UnitPlan` whose extents one request moves each
-        (``_start_extent``, ``_write_extent``: NVMeStore's packed small states)."""
-        return None
+    Args:
+        store: the store it serves (its public names only).
+        sized_by: the store whose budget sets the default chunk size of :meth:`stream`
+            (called when needed; default ``store``): a ``TieredStore`` cuts by its smallest
+            disk tier, so every tier's pipeline takes the chunks.
+    """
 
-    def _ring_bytes(self, spec: StateSpec) -> int:
-        """Ring bytes a state takes (the ring is never larger than all states' sum)."""
-        return -(-spec.nbytes // self.alignment) * self.alignment
+    def __init__(self, store, sized_by: Optional[Callable[[], object]] = None):
+        self.store = store
+        self._sized_by = sized_by or (lambda: store)
+        self._prefetched: Optional[Prefetch] = None     # started by prefetch()
 
-    def _start_extent(self, extent, buf: torch.Tensor, slices: List[Slice], read: bool):
-        raise NotImplementedError
+    @property
+    def pending(self) -> Optional[Prefetch]:
+        """The :meth:`prefetch` not yet handed out (``Prefetch(mode, units, pipeline)``)."""
+        return self._prefetched
 
-    def _write_extent(self, extent, buf: torch.Tensor, slices: List[Slice],
-                      tensors: List[torch.Tensor], optimizer_pass: bool):
-        raise NotImplementedError       # -> (the write's future, keys of the states rewritten)
-
-    def _chunks(self, spec: StateSpec, limit: Optional[int] = None) -> List[Tuple[int, int]]:
-        """Element ranges of at most ``limit`` bytes, cut at :meth:`cut_alignment`, that
-        :meth:`stream` moves ``spec``'s state in. Default: half the budget, and at most
-        ``CHUNK_BYTES`` on streaming stores, so that copying one chunk overlaps the transfer
-        of the previous (puts into an NVMeStore were faster with 16 MiB chunks than with whole
-        64 MiB states: benchmarks/RESULTS.md)."""
-        limit = self._chunk_limit(limit)
-        return chunk_ranges(spec, limit, self.cut_alignment(limit))
-
-    def _chunk_limit(self, limit: Optional[int] = None) -> int:
-        """The most bytes of a :meth:`stream` chunk, and of a unit of consecutive small
-        chunks: ``limit``, else :meth:`_chunks`' default."""
-        if limit is not None:
-            return limit
-        return self.budget_bytes // 2 if self.resident else min(self.budget_bytes // 2,
-                                                                 CHUNK_BYTES)
-
-    def pipeline(self, units: Sequence[Sequence[Slice]], mode: str = "rw",
-                 wait: bool = True) -> StatePipeline:
-        """The read / compute / write pipeline over ``units`` (see :mod:`statestore.pipeline`).
+    def pipeline(self, units: Sequence[Sequence[Slice]], mode: str, wait: bool) -> StatePipeline:
+        """``store.pipeline(units, mode, wait)``, after the store checked itself: a
+        :class:`~statestore.pipeline.Pipeline` over ``units`` (see :mod:`statestore.pipeline`),
+        or the pipeline of a :meth:`prefetch` of the same units and mode, handed out with its
+        reads already started (any other prefetch is cancelled).
 
         Args:
             units: a sequence of units, each a list of :class:`Slice` visited together.
@@ -72,12 +52,11 @@ class PipelineAccess:
                 uninitialized buffers (streaming stores) or the live views (resident stores)
                 and write back.
             wait: False leaves the last writes pending in the background (a later read of
-                the same state, :meth:`sync`, checkpoints and :meth:`close` wait for them).
+                the same state, ``sync()``, checkpoints and ``close()`` wait for them).
 
         Returns:
             A :class:`~statestore.pipeline.StatePipeline`: iterate it (inside ``with``) for
-            each unit's list of flat tensors. A :meth:`prefetch` of the same units and mode
-            is handed out with its reads already started.
+            each unit's list of flat tensors.
 
         Raises:
             StateStoreValueError: a bad mode or unit (a slice out of range, misaligned).
@@ -86,8 +65,6 @@ class PipelineAccess:
             StateStoreIOError: a state file was damaged, or a background write failed.
             StateStoreClosedError: the store is closed.
         """
-        self._check_open()
-        self._check_files()
         pre = self._prefetched
         if pre is not None:
             if pre.matches(mode, unit_lists(units)):
@@ -95,14 +72,14 @@ class PipelineAccess:
                 pre.pipeline.wait = wait    # the reads started early: hand that pipeline out
                 return pre.pipeline
             self.cancel_prefetch()
-        return Pipeline(self, units, mode=mode, wait=wait)
+        return Pipeline(self.store, units, mode=mode, wait=wait)
 
-    def stream(self, keys, mode: str = "r", *, chunk_bytes: Optional[int] = None,
-               wait: bool = True) -> StateStream:
-        """Whole states, chunk by chunk, through one pipeline: the way to move states in or
-        out without holding them in RAM (``get``/``put``, checkpoints, ``state_dict()``).
-        Each state is cut into ranges of at most ``chunk_bytes`` at :meth:`cut_alignment`; a
-        streaming store reads ahead across states within its budget and writes behind::
+    def stream(self, keys, mode: str, chunk_bytes: Optional[int], wait: bool) -> StateStream:
+        """``store.stream(keys, mode, chunk_bytes=..., wait=...)``: whole states, chunk by
+        chunk, through one ``store.pipeline`` (a backend's own included; units of consecutive
+        chunks of at most :meth:`chunk_limit` bytes): the way to move states in or out
+        without holding them in RAM (``get``/``put``, checkpoints, ``state_dict()``); a
+        streaming store reads ahead across states within its budget::
 
             with store.stream(keys, "r") as chunks:
                 for sl, t in chunks:            # Chunk(slice, tensor)
@@ -110,35 +87,34 @@ class PipelineAccess:
 
         Args:
             keys: a :class:`StateKey` or ``"param/state"`` string, or an iterable of keys
-                (as :meth:`delete`); each state is streamed whole, in order.
+                (as ``store.delete``); each state is streamed whole, in order.
             mode: ``"r"`` (read: the tensors hold the stored values; do not modify them),
                 ``"w"`` (write: fill each tensor, written back when the iteration moves on)
                 or ``"rw"`` (read, modify in place, write back).
-            chunk_bytes: the largest chunk in bytes; default half the budget, and at most
-                ``CHUNK_BYTES`` (16 MiB) on streaming stores. A state of zero elements comes
-                as one empty chunk.
+            chunk_bytes: the largest chunk in bytes (cut at the store's ``cut_alignment``);
+                default half the budget, and at most ``CHUNK_BYTES`` (16 MiB) on streaming
+                stores. A state of zero elements comes as one empty chunk.
             wait: as for :meth:`pipeline`: False leaves the last writes in flight.
 
         Returns:
             A :class:`~statestore._stream.StateStream` of :class:`~statestore._stream.Chunk`
-            ``(slice, tensor)`` pairs, ``tensor`` flat on :attr:`device`; a context manager
-            (an exception inside drops the chunk in hand, not written back).
+            ``(slice, tensor)`` pairs, ``tensor`` flat on the store's ``device``; a context
+            manager (an exception inside drops the chunk in hand, not written back).
 
         Raises:
             StateKeyError: a key names no state.
             StateStoreValueError: a bad key, mode or ``chunk_bytes``.
             StateStoreIOError, BudgetError, StateStoreClosedError: as :meth:`pipeline`.
         """
-        self._check_open()
         check_mode(mode)
-        slices = plan_slices(keys, chunk_bytes, lambda k, lim: self._chunks(self.spec(k), lim))
-        limit = self._chunk_limit(chunk_bytes)
-        align = max(self.alignment, 1)
-        units = group_units(slices, lambda s: -(-s.numel * self.spec(s.key).itemsize // align)
-                            * align, limit)
+        store = self.store
+        slices = plan_slices(keys, chunk_bytes, lambda k, lim: self.chunks(store.spec(k), lim))
+        align = max(store.alignment, 1)
+        units = group_units(slices, lambda s: -(-s.numel * store.spec(s.key).itemsize // align)
+                            * align, self.chunk_limit(chunk_bytes))
         pipe = None
         try:
-            pipe = self.pipeline(units, mode=mode, wait=wait)
+            pipe = store.pipeline(units, mode=mode, wait=wait)
             with deferred_signals():        # until the caller holds it, nobody else would
                 return StateStream(pipe, slices)        # ... cancel it: here
         except BaseException:
@@ -146,59 +122,44 @@ class PipelineAccess:
                 pipe.cancel()
             raise
 
-    def prefetch(self, units: Sequence[Sequence[Slice]], mode: str = "rw") -> None:
-        """Start reading ``units`` now, for a :meth:`pipeline` that will ask for exactly these
-        units (and mode) later, typically an optimizer's next step: the reads then overlap
-        whatever runs in between (forward and backward). Reads start as far as the RAM budget
-        allows without waiting; :meth:`pump` starts more as write-behind frees buffers. Any
-        other use of the store (another pipeline, put, create, delete, load, close) cancels
-        the prefetch first, so it never hands out stale values. A no-op on resident stores.
-
-        Raises:
-            as :meth:`pipeline`.
-        """
-        self._check_open()
+    def prefetch(self, units: Sequence[Sequence[Slice]], mode: str) -> None:
+        """Start the reads of a later :meth:`pipeline` over ``units`` now (streaming stores;
+        the previous prefetch is cancelled)."""
         self.cancel_prefetch()
-        if self.resident:
+        if self.store.resident:
             return
         units = unit_lists(units)
-        self._prefetched = Prefetch(mode, units, Pipeline(self, units, mode=mode, wait=False,
-                                                          prefetch=True))
+        self._prefetched = Prefetch(mode, units, Pipeline(self.store, units, mode=mode,
+                                                          wait=False, prefetch=True))
 
     def pump(self) -> None:
-        """Never blocks: retire finished background writes and start more prefetch reads in
-        the RAM they free. Optimizers call it from gradient hooks during backward."""
-        if self._prefetched is None or self._closed:
-            return
-        self._prefetched.pipeline.pump()
+        """Advance the prefetch without blocking (nothing once the store is closed)."""
+        if self._prefetched is not None and not self.store.closed:
+            self._prefetched.pipeline.pump()
 
     def cancel_prefetch(self) -> None:
-        """Drop a :meth:`prefetch` not yet used (reads in flight are drained), and end the
-        pipelines lent across calls (:meth:`~statestore.pipeline.StatePipeline.lend`): what
-        every call that changes the store's states, or needs its ring, does first."""
+        """Drop the prefetch (its reads in flight are drained) and end the pipelines lent
+        across calls (the store's ``in_flight``)."""
         p, self._prefetched = self._prefetched, None
         if p is not None:
             p.pipeline.cancel()
-        self._in_flight.reclaim_lent()
+        self.store.in_flight.reclaim_lent()
 
-    def cut_alignment(self, max_bytes: Optional[int]) -> int:
-        """Bytes at whose multiples to cut a state into slices of at most ``max_bytes``:
-        :attr:`transfer_alignment`, halved while larger than ``max_bytes`` (small budgets),
-        never below :attr:`alignment`."""
-        a = max(self.transfer_alignment, self.alignment)
-        while max_bytes is not None and a > self.alignment and a > max_bytes and a % 2 == 0:
-            a //= 2
-        return a
+    def chunk_limit(self, limit: Optional[int] = None) -> int:
+        """The most bytes of a :meth:`stream` chunk, and of a unit of consecutive small
+        chunks: ``limit``, else half the budget of the store it is sized by, and at most
+        ``CHUNK_BYTES`` on streaming stores, so that copying one chunk overlaps the transfer
+        of the previous (puts into an NVMeStore were faster with 16 MiB chunks than with
+        whole 64 MiB states: benchmarks/RESULTS.md)."""
+        if limit is not None:
+            return limit
+        by = self._sized_by()
+        return by.budget_bytes // 2 if by.resident else min(by.budget_bytes // 2, CHUNK_BYTES)
 
-    @property
-    def unit_bytes(self) -> Optional[int]:
-        """Suggested upper size of a pipeline unit: None (no limit) for resident stores, a
-        quarter of the budget for others, so read-ahead, compute and write-behind overlap."""
-        return None if self.resident else max(self.alignment, self.budget_bytes // 4)
-
-    @property
-    def in_flight(self) -> InFlightWrites:
-        """The store's write-behind (:class:`~statestore._inflight.InFlightWrites`): the ring
-        its pipelines carve buffers from, their writes in flight, and the states whose last
-        write failed. Pipelines and backends use it; callers use :meth:`sync`."""
-        return self._in_flight
+    def chunks(self, spec: StateSpec, limit: Optional[int] = None) -> List[Tuple[int, int]]:
+        """Element ranges of at most :meth:`chunk_limit` bytes that :meth:`stream` moves a
+        state of ``spec`` in, cut at ``cut_alignment`` (of the store it is sized by when no
+        ``limit`` is given)."""
+        by = self.store if limit is not None else self._sized_by()
+        limit = self.chunk_limit(limit)
+        return chunk_ranges(spec, limit, by.cut_alignment(limit))

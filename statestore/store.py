@@ -7,9 +7,7 @@ thread-safe: one thread drives a store (its own background I/O aside).
 """
 from __future__ import annotations
 
-import weakref
 from abc import ABC, abstractmethod
-from contextlib import suppress
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -18,13 +16,15 @@ from ._access import CHUNK_BYTES, PipelineAccess
 from ._entries import check_entries, check_value
 from ._inflight import InFlightWrites
 from ._links import NO_LINKS, FileLinks
+from ._record import CheckpointRecord
 from ._regions import Region
 from ._ring import aligned_buffer
 from ._signals import deferred_signals
-from ._types import LinkableFile, StateKey, StateSpec, as_key
+from ._types import LinkableFile, Slice, StateKey, StateSpec, as_key
 from .errors import StateKeyError, StateStoreClosedError, StateStoreError, StateStoreValueError
 from .kernels import stream_copy_
-from .pipeline import Prefetch
+from ._stream import StateStream
+from .pipeline import StatePipeline, UnitPlan
 
 __all__ = ["StateStore", "DEFAULT_BUDGET_BYTES", "CHUNK_BYTES", "LinkableFile"]
 
@@ -33,7 +33,7 @@ __all__ = ["StateStore", "DEFAULT_BUDGET_BYTES", "CHUNK_BYTES", "LinkableFile"]
 DEFAULT_BUDGET_BYTES = 256 * 1024 * 1024
 
 
-class StateStore(PipelineAccess, ABC):
+class StateStore(ABC):
     """The base every store is an instance of; backends subclass
     :class:`~statestore.ResidentStore` or :class:`~statestore.StreamingStore` (module
     docstring).
@@ -71,15 +71,10 @@ class StateStore(PipelineAccess, ABC):
             spec=self.spec, alignment=align, budget_bytes=budget_bytes,
             alloc_buffer=self._alloc_host_buffer, state_bytes=lambda: self._aligned_bytes)
         self._aligned_bytes = 0     # sum of _ring_bytes of the states, kept as they change
-        self._metadata_provider: Optional[Callable[[], Optional[dict]]] = None
-        self._on_load: Optional[Callable[[], Optional[Callable]]] = None
-        self._loaded_metadata: Optional[dict] = None
-        self._load_error: Optional[str] = None    # why the last load left the store empty
-        self._clears = 0            # clear() calls: whether a failed load emptied the store
-        self._prefetched: Optional[Prefetch] = None     # started by prefetch()
-        self._process_group = None      # the group this store's states are sharded over
-        self._deferred = None           # checkpoint states a sharded load left on disk
-        self._regions: Dict[str, Region] = {}   # parameters whose states are regions
+        #: the attached optimizer and the last load (_record.py)
+        self._record = CheckpointRecord()
+        #: pipelines, streams and the prefetch kept between calls (``_access.py``)
+        self._access = PipelineAccess(self)
 
     # ------------------------------------------------------------------ backend primitives
     @abstractmethod
@@ -106,6 +101,15 @@ class StateStore(PipelineAccess, ABC):
 
     def _close(self) -> None:
         """Release memory, file descriptors and temporary files."""
+
+    def _ring_bytes(self, spec: StateSpec) -> int:
+        """Ring bytes a state takes (the ring is never larger than all states' sum)."""
+        return -(-spec.nbytes // self.alignment) * self.alignment
+
+    # How a pipeline lays a unit out: None (each slice on its own), or a pipeline.UnitPlan
+    # whose extents _start_extent/_write_extent move (NVMeStore's packed small states).
+    def _unit_plan(self, slices: Sequence[Slice]) -> Optional[UnitPlan]:
+        return None
 
     def _backend_stats(self) -> Dict[str, Any]:
         return {}
@@ -159,7 +163,7 @@ class StateStore(PipelineAccess, ABC):
         self._check_open()
         self.cancel_prefetch()
         new, inits = check_entries(entries, self._specs)
-        self._load_error = None         # states made anew: no longer the remains of a load
+        self._record.load_error = None      # states made anew: no longer a load's remains
         if not new:
             return
         with deferred_signals():        # the backend's storage and the catalogue agree
@@ -200,12 +204,78 @@ class StateStore(PipelineAccess, ABC):
     def clear(self) -> None:
         """Remove every state and the loaded checkpoint metadata."""
         self._check_open()
-        self._clears, self._load_error = self._clears + 1, None
+        self._record.clears += 1
+        self._record.load_error = None
         if self._specs:
             self.delete(list(self._specs))
-        self._loaded_metadata = None
-        self._deferred = None
-        self._regions = {}
+        self._record.cleared()
+
+    # ------------------------------------------------------------------ pipelines
+    def pipeline(self, units: Sequence[Sequence[Slice]], mode: str = "rw",
+                 wait: bool = True) -> StatePipeline:
+        """The read / compute / write pipeline over ``units`` (lists of :class:`Slice`
+        visited together; modes ``"rw"``, ``"r"``, ``"w"``; ``wait=False`` leaves the last
+        writes in flight). Arguments, return and errors: :meth:`PipelineAccess.pipeline
+        <statestore._access.PipelineAccess.pipeline>`, which this store's holds."""
+        self._check_open()
+        self._check_files()
+        return self._access.pipeline(units, mode, wait)
+
+    def stream(self, keys, mode: str = "r", *, chunk_bytes: Optional[int] = None,
+               wait: bool = True) -> StateStream:
+        """Whole states, chunk by chunk (``Chunk(slice, tensor)`` pairs), through one
+        :meth:`pipeline`: the way to move states in or out without holding them in RAM.
+        Arguments, return and errors: :meth:`PipelineAccess.stream
+        <statestore._access.PipelineAccess.stream>`, which this store's holds."""
+        self._check_open()
+        return self._access.stream(keys, mode, chunk_bytes, wait)
+
+    def prefetch(self, units: Sequence[Sequence[Slice]], mode: str = "rw") -> None:
+        """Start reading ``units`` now, for a :meth:`pipeline` that will ask for exactly these
+        units (and mode) later, typically an optimizer's next step: the reads then overlap
+        whatever runs in between (forward and backward). Reads start as far as the RAM budget
+        allows without waiting; :meth:`pump` starts more as write-behind frees buffers. Any
+        other use of the store (another pipeline, put, create, delete, load, close) cancels
+        the prefetch first, so it never hands out stale values. A no-op on resident stores.
+
+        Raises:
+            as :meth:`pipeline`.
+        """
+        self._check_open()
+        self._access.prefetch(units, mode)
+
+    def pump(self) -> None:
+        """Never blocks: retire finished background writes and start more prefetch reads in
+        the RAM they free. Optimizers call it from gradient hooks during backward."""
+        self._access.pump()
+
+    def cancel_prefetch(self) -> None:
+        """Drop a :meth:`prefetch` not yet used (reads in flight are drained), and end the
+        pipelines lent across calls (:meth:`~statestore.pipeline.StatePipeline.lend`): what
+        every call that changes the store's states, or needs its ring, does first."""
+        self._access.cancel_prefetch()
+
+    def cut_alignment(self, max_bytes: Optional[int]) -> int:
+        """Bytes at whose multiples to cut a state into slices of at most ``max_bytes``:
+        :attr:`transfer_alignment`, halved while larger than ``max_bytes`` (small budgets),
+        never below :attr:`alignment`."""
+        a = max(self.transfer_alignment, self.alignment)
+        while max_bytes is not None and a > self.alignment and a > max_bytes and a % 2 == 0:
+            a //= 2
+        return a
+
+    @property
+    def unit_bytes(self) -> Optional[int]:
+        """Suggested upper size of a pipeline unit: None (no limit) for resident stores, a
+        quarter of the budget for others, so read-ahead, compute and write-behind overlap."""
+        return None if self.resident else max(self.alignment, self.budget_bytes // 4)
+
+    @property
+    def in_flight(self) -> InFlightWrites:
+        """The store's write-behind (:class:`~statestore._inflight.InFlightWrites`): the ring
+        its pipelines carve buffers from, their writes in flight, and the states whose last
+        write failed. Pipelines and backends use it; callers use :meth:`sync`."""
+        return self._in_flight
 
     # ------------------------------------------------------------------ whole-tensor access
     def get(self, key) -> torch.Tensor:
@@ -303,139 +373,79 @@ class StateStore(PipelineAccess, ABC):
         return True
 
     # ------------------------------------------------------------------ metadata
+    # The store's side of the checkpoints' and optimizers' seam: self._record (_record.py).
     def attach_metadata(self, provider: Callable[[], Optional[dict]], *,
                         process_group: Any = "keep",
                         on_load: Optional[Callable[["StateStore"], None]] = None) -> None:
-        """Attach the optimizer metadata saved with checkpoints: ``provider()`` returns a
-        JSON-serializable dict (bound methods are held weakly). ``process_group``: the
-        ``torch.distributed`` group the optimizer shards this store's states over (None:
-        not sharded); :meth:`save_checkpoint` is then a collective over it. ``on_load``:
-        called as ``on_load(store)`` after :meth:`load_checkpoint` has replaced the states
-        (held weakly when a bound method), so that an optimizer that already exists takes the
-        checkpoint's step counts and hyperparameters (torch's order: build the optimizer,
-        then load); it attaches its metadata again when it accepts the checkpoint."""
-        if not callable(provider):
-            raise StateStoreValueError(f"attach_metadata: provider must be callable, got "
-                                       f"{type(provider).__name__}")
-        if on_load is not None and not callable(on_load):
-            raise StateStoreValueError(f"attach_metadata: on_load must be callable or None, "
-                                       f"got {type(on_load).__name__}")
-        if hasattr(provider, "__self__") and hasattr(provider, "__func__"):
-            ref = weakref.WeakMethod(provider)
-            self._metadata_provider = lambda: (ref() or (lambda: None))()
-        else:
-            self._metadata_provider = provider
-        if on_load is None:
-            self._on_load = None
-        elif hasattr(on_load, "__self__") and hasattr(on_load, "__func__"):
-            self._on_load = weakref.WeakMethod(on_load)
-        else:
-            self._on_load = (lambda f: lambda: f)(on_load)
-        if not (isinstance(process_group, str) and process_group == "keep"):
-            self._process_group = process_group
+        """Attach the optimizer metadata saved with checkpoints (``provider()``), the group
+        the optimizer shards the states over (``"keep"``: unchanged) and its ``on_load(store)``
+        callback: :meth:`CheckpointRecord.attach <statestore._record.CheckpointRecord.attach>`.
+        """
+        self._record.attach(provider, process_group, on_load)
 
-    # ------------------------------------------------------------------ checkpoint state
-    # What statestore.checkpoint reads and records on a store (its way to the optimizer's).
     @property
     def process_group(self) -> Any:
         """The ``torch.distributed`` group this store's states are sharded over (the
         attached optimizer's ``process_group``, or the group a sharded
         :meth:`load_checkpoint` used), else None. ``save_checkpoint`` is a collective over
         it."""
-        return self._process_group
+        return self._record.process_group
 
     @property
     def deferred(self) -> Any:
-        """The :class:`statestore.checkpoint.Deferred` states a sharded
-        :meth:`load_checkpoint` left on disk (other ranks' shards), else None."""
-        return self._deferred
+        """The states a sharded :meth:`load_checkpoint` left on disk for other ranks, or None."""
+        return self._record.deferred
 
     @property
     def regions(self) -> Dict[str, Region]:
-        """The parameters whose states in this store are a region of the parameter's states
-        (one rank's shard of an FSDP2 parameter): ``{parameter name: Region}`` (a copy;
-        parameters held whole are absent). A checkpoint of the store records them
-        (``docs/checkpoint-format.md``, "Regions")."""
-        return dict(self._regions)
+        """``{parameter name: Region}`` (a copy) of the parameters whose states here are a
+        region of theirs (one rank's FSDP2 shard); checkpoints record them."""
+        return self._record.regions
 
     def record_regions(self, regions: Dict[str, Region]) -> None:
-        """Record which region of its parameter's states each of ``regions``' parameters
-        holds here (the optimizer over DTensor parameters, or a load, calls it); a whole
-        region removes the parameter's entry.
+        """Record the region each of ``regions``' parameters holds here (a whole region
+        removes the entry; the optimizer over DTensor parameters, or a load, calls it).
 
         Raises:
-            StateStoreValueError: a value that is not a :class:`statestore._regions.Region`
-                that fits its global shape.
+            StateStoreValueError: a value that is not a Region fitting its global shape.
         """
-        for name, r in regions.items():
-            if not isinstance(r, Region) or r.problem():
-                raise StateStoreValueError(f"record_regions: parameter {name!r}: not a region "
-                                           f"({r!r})")
-        for name, r in regions.items():
-            if r.is_whole:
-                self._regions.pop(name, None)
-            else:
-                self._regions[name] = r
+        self._record.record_regions(regions)
 
     def detach_metadata(self) -> None:
-        """Forget the attached optimizer's metadata provider (its ``on_load`` stays):
-        :meth:`load_checkpoint` replaces the states that metadata described."""
-        self._metadata_provider = None
+        """Forget the attached metadata provider (``on_load`` stays): a load replaces it."""
+        self._record.detach()
 
     def record_load(self, metadata: Optional[dict], deferred: Any = None,
                     process_group: Any = None) -> None:
-        """Record a completed :meth:`load_checkpoint`, then tell the attached optimizer.
-
-        Args:
-            metadata: the checkpoint's optimizer metadata (:attr:`loaded_metadata`).
-            deferred: the states left on disk for other ranks (:attr:`deferred`), or None.
-            process_group: the group the load sharded over (None when nothing was
-                deferred).
+        """Record a completed :meth:`load_checkpoint` (its ``metadata``, states ``deferred``
+        to other ranks, its ``process_group``), then tell the attached optimizer.
 
         Raises:
             CheckpointMismatchError: the attached optimizer does not fit the checkpoint.
         """
-        self._loaded_metadata = metadata
-        self._deferred = deferred
-        self._process_group = process_group
-        self._load_error = None
+        self._record.record_load(metadata, deferred, process_group)
         with deferred_signals():        # the optimizer takes the checkpoint whole
-            self._loaded()
+            self._record.tell_loaded(self)
 
     def record_deferred_loaded(self) -> None:
-        """Every state a sharded load deferred is now here: the store holds the whole
-        checkpoint and is sharded over no group."""
-        self._deferred = None
-        self._process_group = None
-
-    def _loaded(self) -> None:
-        """:meth:`load_checkpoint` replaced the states: tell the attached optimizer, if it is
-        still alive (its ``on_load``), which may raise when the checkpoint does not fit it."""
-        cb = self._on_load() if self._on_load is not None else None
-        if cb is None:
-            self._on_load = None
-            return
-        cb(self)
+        """Every state a sharded load deferred is here: the store is sharded over no group."""
+        self._record.record_deferred_loaded()
 
     def metadata(self) -> Optional[dict]:
         """The attached optimizer's metadata now, else the metadata of the last loaded
         checkpoint, else None."""
-        if self._metadata_provider is not None:
-            meta = self._metadata_provider()
-            if meta is not None:
-                return meta
-        return self._loaded_metadata
+        return self._record.metadata()
 
     @property
     def load_error(self) -> Optional[str]:
         """Why the last :meth:`load_checkpoint` failed after emptying the store (its
         optimizer refuses to go on, saves are refused until a load succeeds), else None."""
-        return self._load_error
+        return self._record.load_error
 
     @property
     def loaded_metadata(self) -> Optional[dict]:
         """Metadata of the checkpoint last loaded into this store (None if none)."""
-        return self._loaded_metadata
+        return self._record.loaded_metadata
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, path: str, **kwargs) -> None:
@@ -456,8 +466,8 @@ class StateStore(PipelineAccess, ABC):
             StateStoreError: a failed :meth:`load_checkpoint` left the store empty.
         """
         from .checkpoint import save_checkpoint
-        if self._load_error is not None:
-            raise StateStoreError(f"this store's last load_checkpoint failed ({self._load_error}) "
+        if self.load_error is not None:
+            raise StateStoreError(f"this store's last load_checkpoint failed ({self.load_error}) "
                                   f"and left it empty: a save would write an empty checkpoint. "
                                   f"Load the last checkpoint into the store first")
         save_checkpoint(self, path, **kwargs)
@@ -481,30 +491,21 @@ class StateStore(PipelineAccess, ABC):
                 :func:`statestore.checkpoint.load_checkpoint`.
         """
         from .checkpoint import load_checkpoint
-        clears = self._clears
+        clears = self._record.clears
         try:
             load_checkpoint(self, path, **kwargs)
         except BaseException as e:
-            with deferred_signals():
-                if not self._closed and not self._specs and self._clears != clears:
-                    # it had emptied the store: the optimizer learns its states are gone
-                    self._load_error = f"{type(e).__name__}: {e}"[:500]
-                    with suppress(Exception):
-                        self._loaded()
+            if not self._closed and not self._specs:
+                self._record.load_failed(self, e, clears)
             raise
 
     def load_deferred(self, params: Iterable[str],
                       regions: Optional[Dict[str, Region]] = None) -> None:
         """Load the states of parameters ``params`` (names) that a sharded
-        :meth:`load_checkpoint` left on disk because another rank owned them, or that it
-        loaded as another region than the one needed; a no-op for those already here.
-        Optimizers call it when their partition differs from the load's (or they are not
-        sharded).
-
-        Args:
-            params: parameter names.
-            regions: the region each parameter's states must hold (FSDP2 parameters: the
-                rank's shard); parameters absent from it are needed whole.
+        :meth:`load_checkpoint` left on disk for another rank, or loaded as another region
+        than ``regions`` names (the region each must hold: FSDP2 parameters' shards; absent:
+        whole); a no-op for those already here. Optimizers call it when their partition
+        differs from the load's (or they are not sharded).
 
         Raises:
             StateStoreClosedError: the store is closed.

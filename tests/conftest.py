@@ -86,8 +86,8 @@ def wait_for_prefetch(store: ss.StateStore, timeout: float = 30.0) -> None:
     that need the prefetch in RAM before backward call ``sync()``, ``pump()`` and this."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        pending = [getattr(t, "_prefetched", None) for t in getattr(store, "tiers", [store])]
-        if all(p is None or p[2].ready() for p in pending):
+        pending = [t._access.pending for t in getattr(store, "tiers", [store])]
+        if all(p is None or p.pipeline.ready() for p in pending):
             return
         time.sleep(0.01)
 

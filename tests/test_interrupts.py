@@ -526,7 +526,7 @@ def test_failed_load_into_a_live_optimizers_store(kind, how, tmp_path):
 
 # ------------------------------------------------------------ item 3: Ctrl-C in a save or a load
 CHECKPOINT_CODE = I.sources("pipeline.py", "_ring.py", "_inflight.py", "_access.py", "_stream.py",
-                            "store.py", "checkpoint/save.py", "checkpoint/writer.py",
+                            "_record.py", "store.py", "checkpoint/save.py", "checkpoint/writer.py",
                             "checkpoint/load.py", "checkpoint/stream.py",
                             "checkpoint/linked_load.py", "backends/nvme.py")
 

@@ -87,7 +87,7 @@ def test_next_step_uses_the_prefetch_and_backward_pumps_it(backend, tmp_path, re
 
 def _prefetched_pipes(store):
     stores = store.tiers if isinstance(store, ss.TieredStore) else [store]
-    return [s._prefetched[2] for s in stores if s._prefetched is not None]
+    return [s._access.pending.pipeline for s in stores if s._access.pending is not None]
 
 
 def _put_same(step, store, opt):

@@ -24,6 +24,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .._access import PipelineAccess
 from .._links import FileLinks
 from .._types import LinkableFile, Slice, StateKey, StateSpec, as_key
 from ..errors import StateStoreClosedError, StateStoreError, StateStoreValueError
@@ -109,6 +110,9 @@ class TieredStore(StateStore):
         self.transfer_alignment = max(s.transfer_alignment for s in self.tiers)
         self._tier_of_param: Dict[str, int] = {}
         self._tier_bytes = [0] * len(self.tiers)
+        # stream() cuts states in chunks every tier's pipeline takes: by default those of the
+        # disk tier of the smallest budget
+        self._access = PipelineAccess(self, sized_by=self._smallest_disk_tier)
 
     @classmethod
     def from_fraction(cls, fraction: float, directory: Optional[str] = None, *,
@@ -254,22 +258,10 @@ class TieredStore(StateStore):
         for s in getattr(self, "tiers", ()):
             s.cancel_prefetch()
 
-    def _chunks(self, spec: StateSpec, limit: Optional[int] = None) -> List[Tuple[int, int]]:
-        # By default, chunks every tier's pipeline can take: cut by the smallest disk tier's
-        # budget.
-        tier = min((s for s in self.tiers if not s.resident), key=lambda s: s.budget_bytes,
-                   default=None)
-        if limit is not None or tier is None:
-            return super()._chunks(spec, limit)
-        return tier._chunks(spec)
-
-    def _chunk_limit(self, limit: Optional[int] = None) -> int:
-        # as _chunks: what the smallest disk tier's pipeline takes
-        tier = min((s for s in self.tiers if not s.resident), key=lambda s: s.budget_bytes,
-                   default=None)
-        if limit is not None or tier is None:
-            return super()._chunk_limit(limit)
-        return tier._chunk_limit()
+    def _smallest_disk_tier(self) -> StateStore:
+        """The disk tier of the smallest budget (this store when all tiers are resident)."""
+        return min((s for s in self.tiers if not s.resident), key=lambda s: s.budget_bytes,
+                   default=self)
 
     @property
     def unit_bytes(self) -> Optional[int]:
