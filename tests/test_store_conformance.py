@@ -595,21 +595,36 @@ def test_large_states_of_a_slab_are_not_a_power_of_two_apart(backend, tmp_path):
         store.close()
 
 
-def test_pinned_slabs_own_their_pages():
-    """PinnedCPUStore's slabs start on a page and share none (cudaHostRegister locks whole
-    pages; a page shared by two slabs failed the second's registration on the GPU)."""
-    import mmap
 
-    from statestore.backends.pinned import page_aligned_zeros
-    bufs = [page_aligned_zeros(n) for n in (1, 216, 4096, 4097, 70000)]
-    spans = []
-    for b, n in zip(bufs, (1, 216, 4096, 4097, 70000)):
-        assert b.numel() == n and b.data_ptr() % mmap.PAGESIZE == 0
-        assert not b.any()
-        spans.append((b.data_ptr(), b.data_ptr() + -(-n // mmap.PAGESIZE) * mmap.PAGESIZE))
-    spans.sort()
-    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))      # no page shared
-    view = bufs[3][4000:4097]
-    view.fill_(7)
-    del bufs
-    assert int(view.sum()) == 7 * 97            # a view keeps its mapping alive
+def test_pinned_slabs_are_unregistered_before_their_memory_is_freed(monkeypatch):
+    """The CUDA driver keeps a host registration by address until cudaHostUnregister: memory
+    freed while registered (a store dropped without close) made the next registration at the
+    reused address fail (error 712 on an H200). A driver double checks the order here."""
+    import gc
+    registered = {}
+
+    class Driver:
+        def cudaHostRegister(self, ptr, n, flags):
+            if any(a < ptr + n and ptr < a + b for a, b in registered.items()):
+                return 712
+            registered[ptr] = n
+            return 0
+
+        def cudaHostUnregister(self, ptr):
+            return 0 if registered.pop(ptr, None) is not None else 713
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Driver())
+    for i in range(16):
+        st = ss.PinnedCPUStore()
+        st.create_many([(f"{j}/m", (50 + 300 * j,), torch.float32, None) for j in range(3)])
+        st.create("x/s", (), torch.float32, torch.tensor(2.0))
+        view = st.get("1/m")
+        assert st.stats()["pinned_bytes"] >= 4 * (50 + 350 + 650) and len(registered) >= 2
+        if i % 2:
+            st.close()
+        del st
+        gc.collect()
+        view.fill_(1.0)                     # a view outliving its store keeps its pages mapped
+        del view
+    assert registered == {}

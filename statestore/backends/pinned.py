@@ -1,38 +1,15 @@
 """``PinnedCPUStore``: states in page-locked host memory, allocated and accounted here."""
 from __future__ import annotations
 
-import ctypes
-import mmap
 import warnings
 from typing import Any, Dict
 
 import torch
 
+from ..io.buffers import alloc_buffer
 from ._slab import SlabStore
 
-__all__ = ["PinnedCPUStore", "page_aligned_zeros"]
-
-
-def page_aligned_zeros(nbytes: int) -> torch.Tensor:
-    """``nbytes`` zeroed bytes that start on a page and own every page they touch.
-
-    ``cudaHostRegister`` locks whole pages: two buffers from the C heap that share a page cannot
-    both be registered (the second fails with cudaErrorHostMemoryAlreadyRegistered, which small
-    slabs hit at once). An anonymous mapping rounded up to whole pages shares none; the tensor
-    keeps the mapping alive, and the kernel gives it back when the last view is freed.
-    """
-    size = max(1, -(-nbytes // mmap.PAGESIZE)) * mmap.PAGESIZE
-    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(region, dtype=torch.uint8)[:nbytes]
-
-
-def _clear_cuda_error() -> None:
-    """Read (and so reset) the CUDA runtime's last error after a failed call made outside
-    torch: left set, it would be reported by torch's next kernel launch, in unrelated code."""
-    try:
-        ctypes.CDLL(None).cudaGetLastError()
-    except (AttributeError, OSError):
-        pass
+__all__ = ["PinnedCPUStore"]
 
 
 def _cuda_usable() -> bool:
@@ -46,9 +23,12 @@ class PinnedCPUStore(SlabStore):
     """States in page-locked host memory, so GPU copies are asynchronous and fast.
 
     Memory is allocated by the store itself as slabs (one per batch of states created
-    together) of whole pages, registered with ``cudaHostRegister``: no power-of-two rounding as
-    with torch's caching host allocator, and no page shared with other memory (see
-    :func:`page_aligned_zeros`). ``stats()["pinned_bytes"]`` reports the total.
+    together) of whole pages from anonymous mappings, registered with ``cudaHostRegister``: no
+    power-of-two rounding as with torch's caching host allocator. A slab is unregistered before
+    its pages can be unmapped, also when the store is dropped without :meth:`close` (the CUDA
+    driver keeps a registration by address: memory freed while registered failed the next
+    registration that reused the address with error 712). ``stats()["pinned_bytes"]`` reports
+    the total.
     Where CUDA is absent, memory is pageable and one warning says so.
     """
 
@@ -62,29 +42,25 @@ class PinnedCPUStore(SlabStore):
             warnings.warn("PinnedCPUStore: CUDA is not available, states use pageable memory",
                           RuntimeWarning, stacklevel=2)
         self._pinned_bytes = 0
+        # data_ptr -> the AlignedBuffer owning that slab: dropping it unregisters the pages
+        # (its finalizer), while any view still keeps them mapped
+        self._owners: Dict[int, Any] = {}
 
     def _alloc_bytes(self, nbytes: int) -> torch.Tensor:
         if not self._pinned:
             return torch.zeros(nbytes, dtype=torch.uint8)
-        buf = page_aligned_zeros(nbytes)
-        cudart = torch.cuda.cudart()
-        rc = int(cudart.cudaHostRegister(buf.data_ptr(), buf.numel(), 0))
-        if rc != 0:
-            _clear_cuda_error()
-            try:
-                what = cudart.cudaGetErrorString(rc)
-            except Exception:
-                what = "unknown"
-            raise MemoryError(f"PinnedCPUStore: cudaHostRegister of {nbytes} bytes failed "
-                              f"(CUDA error {rc}: {what}); page-locked memory is limited by "
-                              f"the machine's RAM and `ulimit -l`: use NVMeStore or "
-                              f"DeviceStore('cpu') for states that do not fit")
+        owner = alloc_buffer(nbytes, pinned=True)
+        if owner.kind != "cuda-registered":
+            raise MemoryError(f"PinnedCPUStore: page-locking {nbytes} bytes failed "
+                              f"({owner.note}); page-locked memory is bounded by the machine's "
+                              f"RAM: keep states that do not fit in NVMeStore or "
+                              f"DeviceStore('cpu')")
+        self._owners[owner.data_ptr()] = owner
         self._pinned_bytes += nbytes
-        return buf
+        return owner.tensor
 
     def _release_slab(self, buffer: torch.Tensor, handle: Any) -> None:
-        if self._pinned:
-            torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+        if self._owners.pop(buffer.data_ptr(), None) is not None:
             self._pinned_bytes -= buffer.numel()
 
     def _backend_stats(self) -> Dict[str, Any]:

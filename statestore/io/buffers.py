@@ -17,6 +17,7 @@ request of several MiB needs a few scatter-gather segments instead of one per 4 
 """
 from __future__ import annotations
 
+import ctypes
 import mmap
 import weakref
 from typing import Any, Tuple
@@ -27,7 +28,8 @@ from statestore.errors import StateStoreValueError
 
 from ._native import native
 
-__all__ = ["ALIGNMENT", "AlignedBuffer", "alloc_buffer", "buffer_address", "byte_view"]
+__all__ = ["ALIGNMENT", "AlignedBuffer", "alloc_buffer", "buffer_address", "byte_view",
+           "clear_cuda_error"]
 
 ALIGNMENT = 4096
 
@@ -97,10 +99,30 @@ def _cuda_register(t: torch.Tensor) -> tuple[bool, str]:
         rc = cudart.cudaHostRegister(t.data_ptr(), t.numel(), 0)
         code = rc if isinstance(rc, int) else getattr(rc, "value", rc)
         if code != 0:
+            clear_cuda_error()
             return False, f"cudaHostRegister returned {rc}"
         return True, ""
     except Exception as e:  # noqa: BLE001 - any failure means plain memory, reported
         return False, f"cudaHostRegister failed: {e}"
+
+
+def clear_cuda_error() -> None:
+    """Reads (so resets) the CUDA runtime's last error after a failed call made outside torch:
+    left set, torch's next kernel launch reports it, in unrelated code. The runtime is the
+    libcudart the process has loaded (torch's), found by name in its global symbols or in
+    /proc/self/maps."""
+    candidates = [None]
+    try:
+        with open("/proc/self/maps") as f:
+            candidates += sorted({line.split()[-1] for line in f if "libcudart" in line})
+    except OSError:
+        pass
+    for lib in candidates:
+        try:
+            getattr(ctypes.CDLL(lib), "cudaGetLastError")()
+            return
+        except (AttributeError, OSError):
+            continue
 
 
 def _cuda_unregister(ptr: int) -> None:

@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 
 from .._hook_handles import HookHandles
+from ..io.buffers import clear_cuda_error
 from ._dtensor import local, local_grad
 
 __all__ = ["StagingPath", "CudaLane", "attach_staging", "default_select"]
@@ -70,6 +71,7 @@ class CudaLane:
         buf = torch.empty(max(int(nbytes), 1), dtype=torch.uint8)
         rc = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0))
         if rc != 0:
+            clear_cuda_error()          # else torch's next kernel launch reports it
             if not CudaLane._warned:
                 CudaLane._warned = True
                 warnings.warn(f"HybridAdam: cudaHostRegister of {buf.numel()} staging bytes "
