@@ -1,8 +1,8 @@
 """Long-run fuzzing of statestore's checkpoint reader (hypothesis-based).
 
-Runs the targets of ``tests/fuzz_targets.py`` (manifest bytes, schema and optimizer metadata,
+Runs the targets of ``tests/helpers/fuzz_targets.py`` (manifest bytes, schema and optimizer metadata,
 manifest rows, shard headers, shard data) with fresh random seeds, round-robin, until the
-time budget is spent, and checks every example with the same oracle as ``tests/test_fuzz.py``
+time budget is spent, and checks every example with the same oracle as ``tests/reliability/test_fuzz.py``
 (only success-with-the-right-data or a ``CheckpointError``; verify and load agree; the loader
 never asks for more state bytes than the files hold; pyarrow's allocations stay within a
 bound of the manifest's size; no read outside a file).
@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 from hypothesis import HealthCheck, given, seed, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-import fuzz_targets as F  # noqa: E402
+from helpers import fuzz_targets as F  # noqa: E402
 
 
 def run_chunk(target: str, examples: int, chunk_seed: int, counts: dict,

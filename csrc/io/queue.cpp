@@ -50,7 +50,7 @@ Queue::Queue(const std::string& engine, int depth, int64_t block_size, int nthre
   for (int i = depth - 1; i >= 0; --i) free_slots_.push_back(i);
   reaper_ = std::thread([this] { reaper_loop(); });
   // Named (before the constructor returns), so that statestore's threads are recognisable
-  // (top -H, gdb, /proc/<pid>/task/*/comm; tests/test_faults.py checks none outlives close()).
+  // (top -H, gdb, /proc/<pid>/task/*/comm; tests/reliability/test_faults.py checks none outlives close()).
   ::pthread_setname_np(reaper_.native_handle(), "ss-io-reaper");
 }
 

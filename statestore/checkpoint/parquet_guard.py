@@ -22,7 +22,7 @@ refuses a file where
 
 String columns are then read dictionary-encoded (see ``checkpoint.read_manifest``), so one
 long string repeated on every row is held once, not once per row. Decoding therefore costs a
-bounded multiple of the file's size; ``tests/test_fuzz.py`` measures it.
+bounded multiple of the file's size; ``tests/reliability/test_fuzz.py`` measures it.
 """
 from __future__ import annotations
 

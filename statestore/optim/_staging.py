@@ -29,7 +29,7 @@ by :meth:`StagingPath.stats`: the gradients' and parameters' bytes of the offloa
 
 The device side (stream, events, copies, page-locked memory) is a *lane*; :class:`CudaLane` is the
 real one. Tests run the same code with CPU parameters through a lane that defers every copy until
-its event is waited on (``tests/_deferred_lane.py``), so a missing wait shows up as wrong values.
+its event is waited on (``tests/helpers/deferred_lane.py``), so a missing wait shows up as wrong values.
 See ``docs/gpu.md``.
 """
 from __future__ import annotations

@@ -1,0 +1,72 @@
+"""The kernel benchmarks' extra modes run end to end on tiny sizes (their figures are not
+checked: timing never decides a test; that each table comes out, with a number in every
+cell, is)."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from statestore.kernels import kernels_info
+
+from helpers import paths
+
+ROOT = paths.ROOT
+
+pytestmark = pytest.mark.skipif(kernels_info().get("simd") is None,
+                                reason="statestore._C_adam is not built")
+
+
+def _run(script, *args):
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", script), *args]
+    env = paths.env()
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return res.stdout
+
+
+def test_adam_step_cache_resident_prints_every_slope():
+    out = _run("adam_step.py", "--cache-resident", "--cr-sizes", "256,4096", "--cr-calls", "20",
+               "--reps", "2", "--no-peers")
+    num = r"(-?[0-9.]+|\?)"
+    rows = re.findall(rf"^\| (statestore[a-z0-9, ]*|torch fused AdamW) \| ([0-9.]+) \| ([0-9.]+) \| "
+                      rf"(-?[0-9.]+) \| {num} \| {num} \| {num}x? \| {num}x? \|$", out, re.M)
+    assert [r[0] for r in rows] == [
+        "torch fused AdamW", "statestore", "statestore bf16 moments, nearest",
+        "statestore bf16 moments, stochastic", "statestore int8 moments, nearest",
+        "statestore int8 moments, stochastic"], out
+    assert all(float(r[1]) > 0 and float(r[2]) > 0 for r in rows)
+    assert "slope between 256 and 4096 params" in out
+
+
+@pytest.mark.slow
+def test_adam_step_stages_prints_every_stage():
+    out = _run("adam_step.py", "--stages", "--stage-elems", "512", "--reps", "1")
+    names = re.findall(r"^\| ((?:stage|kernel): [^|]+) \| [0-9.]+ \|", out, re.M)
+    assert any(n.startswith("stage: int8 block max") for n in names), out
+    assert any(n.startswith("stage: random bits") for n in names), out
+    assert sum(n.startswith("kernel:") for n in names) == 10, out
+
+
+def test_adam_step_cache_resident_rejects_bad_sizes():
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "adam_step.py"), "--cache-resident",
+           "--cr-sizes", "4096,256", "--no-peers"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0
+    assert "--cr-sizes" in res.stderr
+
+
+def test_optimizer_probe_layouts_prints_every_contestant_every_round():
+    out = _run("optimizer_probe.py", "--size-m", "0.25", "--rounds", "2", "--steps", "2",
+               "--threads", "1", "--layouts")
+    names = ["CPUAdam.step", "torch fused", "kernel, m v separate", "kernel, m v back to back",
+             "kernel, m v 4 KiB apart"]
+    assert "| round | " + " | ".join(names) + " |" in out, out
+    cell = r"[0-9.]+ \([0-9.]+x\)"
+    rows = re.findall(r"^\| \d+ \| " + r" \| ".join([cell] * len(names)) + r" \|$", out, re.M)
+    assert len(rows) == 2, out
+    for k in names:
+        if k != "torch fused":
+            assert re.search(re.escape(k) + r": median [0-9.]+x of torch fused, range "
+                             r"[0-9.]+-[0-9.]+x over 2 rounds", out), out

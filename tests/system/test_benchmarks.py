@@ -1,0 +1,93 @@
+"""The I/O benchmark runs end to end on a tiny size (its figures are not checked: timing never
+decides a test; that the table comes out, with a number in every store and probe cell, is)."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from statestore.io import probe_engine
+
+from helpers import paths
+
+ROOT = paths.ROOT
+
+
+@pytest.mark.parametrize("files", ["fresh", "reuse"])
+def test_nvme_io_prints_store_and_probe_rows(tmp_path, files):
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "nvme_io.py"), "--sizes", "8M",
+           "--reps", "2", "--no-peers", "--files", files, "--dir", str(tmp_path),
+           "--only", "NVMeStore|probe|ss:threads", "--json", str(tmp_path / "reps.json")]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = {}
+    for line in res.stdout.splitlines():
+        m = re.match(r"\| (NVMeStore pipeline|NVMeStore put / get|TensorNVMe store pipeline|probe|"
+                     r"ss:threads)[^|]* \| "
+                     r"([0-9.]+) \| ([0-9.]+) \|$", line)
+        if m:
+            rows[m.group(1)] = (float(m.group(2)), float(m.group(3)))
+    want = {"NVMeStore pipeline", "NVMeStore put / get", "probe", "ss:threads"}
+    if probe_engine("tensornvme") is None:      # the TensorNVMe store is a store row too
+        want.add("TensorNVMe store pipeline")
+    assert set(rows) == want, res.stdout
+    assert all(w > 0 and r > 0 for w, r in rows.values())
+    failed = re.findall(r"^note: .* at 8 MiB: \w*(?:Error|Exception)\b.*$", res.stdout, re.M)
+    assert not failed, failed      # a contestant that raises is only noted by the benchmark
+    assert os.listdir(tmp_path) == ["reps.json"]     # the bench directory is removed
+
+
+def _gpu_step(*args, timeout=600):
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "gpu_step.py"), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def test_gpu_step_without_cuda_says_so():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here: test_gpu_step_prints_both_tables runs instead")
+    res = _gpu_step("--quick")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "CUDA is not available" in res.stdout and "|" not in res.stdout
+
+
+@pytest.mark.cuda
+def test_gpu_step_prints_both_tables(tmp_path):
+    res = _gpu_step("--sizes", "4M", "--reps", "1", "--tensors", "3", "--dir", str(tmp_path),
+                    "--layers", "2", "--width", "512", "--tokens", "256")
+    assert res.returncode == 0, res.stderr[-2000:]
+    ours = re.findall(r"^\| 4M \| (fp32|bf16) \| (fp32|bf16|int8) \| ([0-9.]+) \| ([0-9.]+) \| "
+                      r"([0-9.]+)x \|", res.stdout, re.M)
+    assert sorted(r[:2] for r in ours) == [("bf16", "fp32"), ("fp32", "bf16"), ("fp32", "fp32"),
+                                           ("fp32", "int8")], res.stdout
+    off = re.findall(r"^\| 4M \| (fp32|bf16) \| (pinned|nvme) \| ([0-9.]+) \|", res.stdout, re.M)
+    assert len(off) == 4, res.stdout
+    assert re.search(r"^\| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \| -?[0-9.]+ \|$", res.stdout,
+                     re.M), res.stdout          # table 3: overlap with backward
+    assert os.listdir(tmp_path) == []       # the NVMe directories are removed
+
+
+def test_optimizer_probe_prints_a_ratio_per_round():
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "optimizer_probe.py"), "--size-m",
+           "0.25", "--rounds", "2", "--steps", "2", "--threads", "1"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = re.findall(r"^\| \d+ \| ([0-9.]+) \| ([0-9.]+) \| [0-9.]+ \| [0-9.]+ \| ([0-9.]+)x \|$",
+                      res.stdout, re.M)
+    assert len(rows) == 2, res.stdout
+    assert all(float(a) > 0 and float(b) > 0 and float(r) > 0 for a, b, r in rows)
+    assert re.search(r"median [0-9.]+x, range [0-9.]+-[0-9.]+x over 2 rounds", res.stdout)
+
+
+def test_small_states_prints_one_json_line(tmp_path):
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "small_states.py"), "--params", "50",
+           "--sizes", "16,2000", "--dir", str(tmp_path / "b")]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    import json
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    for k in ("step_s", "save_s", "load_s", "peak_rss_mib", "checkpoint_bytes"):
+        assert out[k] > 0, out
+    assert out["state_bytes"] == 25 * (16 + 2000) * 4 * 2      # Adam: two fp32 states
+    assert not (tmp_path / "b").exists()
