@@ -6,38 +6,48 @@ written, and a frozen file no other name links any more is *thawed* (docs/nvme.m
 from __future__ import annotations
 
 import os
-from typing import List
+from typing import Dict, List
 
-from .._types import Slice, StateKey
+from .._types import Slice, StateKey, StateSpec
 from ..errors import StateStoreIOError
 from ..io import IOFile
-from ._nvme_files import ALIGN, COPY_CHUNK, StateFile, add_range, round_up, still_named
+from ._nvme_files import ALIGN, COPY_CHUNK, StateFile, add_range, check_present, round_up, \
+    still_named
+from ._nvme_packed import PackedStates, small
+from ._nvme_table import FileTable
 from ._space import check_space
 
 __all__ = ["CopyOnWrite"]
 
 
 class CopyOnWrite:
-    """NVMeStore's part that keeps frozen files unchanged (see the module docstring). Uses
-    the store's ``_files``, ``_where``, ``_cow``, ``_specs``, ``_engine``, ``_new_file``,
-    ``_drop_file``, ``_leave`` and ``_read_sync``."""
+    """Keeps an NVMeStore's frozen files unchanged (module docstring); an object the store
+    holds.
 
-    def pipeline(self, units, mode: str = "rw", wait: bool = True):
-        # A pipeline that writes reserves what copy-on-write needs before it hands out the
-        # first unit: a step then completes or changes nothing, even on a full disk.
-        self._check_open()
-        if mode != "r":
-            self._reserve_successors()
-        return super().pipeline(units, mode=mode, wait=wait)
+    Args:
+        table: the store's :class:`~statestore.backends._nvme_table.FileTable` (its files,
+            ``where``, ``cow`` ranges and successors).
+        packed: the store's :class:`~statestore.backends._nvme_packed.PackedStates` (a
+            small state moves with its whole block).
+        specs: the store's states' specs by key (read).
+        in_flight: the store's ``InFlightWrites`` (a copy waits for the state's writes).
+        frozen_reads: the store's ``FrozenReads`` (bytes copied out of a frozen file are
+            checked first).
+    """
 
-    def _reserve_successors(self) -> None:
+    def __init__(self, table: FileTable, packed: PackedStates, specs: Dict[StateKey, StateSpec],
+                 in_flight, frozen_reads):
+        self.table, self.packed, self.specs = table, packed, specs
+        self.in_flight, self.frozen_reads = in_flight, frozen_reads
+
+    def reserve_successors(self) -> None:
         """Give every frozen file that still holds states its successor now (reserved in
         full), so that no write of a step or a put creates a file half-way through. A frozen
         file no checkpoint links any more (its save failed, or the checkpoint was removed:
         only the store's own name is left) is thawed instead: written in place, as before the
         save."""
         need = []
-        for sf in list(self._files.values()):
+        for sf in list(self.table.files.values()):
             if not sf.frozen or sf.successor is not None or not sf.keys:
                 continue
             try:
@@ -53,18 +63,17 @@ class CopyOnWrite:
             return
         check_space(f"NVMeStore: copy-on-write of {need[0].path}"
                     f"{f' and {len(need) - 1} more file(s)' if len(need) > 1 else ''}, linked "
-                    f"by a checkpoint (new files for the states' next writes)", self.dir,
+                    f"by a checkpoint (new files for the states' next writes)", self.table.dir,
                     sum(sf.size for sf in need))
         made: List[StateFile] = []
         try:
             for sf in need:
-                sf.successor = self._new_file(sf.header, sf.size)
-                sf.successor.blocks = sf.blocks
+                self.table.successor(sf)
                 made.append(sf)
         except BaseException:
             for sf in made:
                 succ, sf.successor = sf.successor, None
-                self._drop_file(succ, unlink=True)
+                self.table.drop(succ, unlink=True)
             raise
 
     def _writable(self, sf: StateFile) -> bool:
@@ -73,79 +82,62 @@ class CopyOnWrite:
         if not sf.readonly:
             return True
         try:
-            f = IOFile(sf.path, direct=self._direct)
+            f = IOFile(sf.path, direct=self.table.direct)
         except StateStoreIOError:
             return False
         sf.old_file, sf.file, sf.readonly = sf.file, f, False
         return True
 
-    def _successor(self, sf: StateFile) -> StateFile:
-        if sf.successor is None:
-            sf.successor = self._new_file(sf.header, sf.size)
-            sf.successor.blocks = sf.blocks
-        return sf.successor
-
-    def _move(self, k: StateKey) -> None:
-        """Every element of ``k`` is now in its frozen file's successor."""
-        self._move_to(k, self._where[k][0].successor)
-
-    def _move_to(self, k: StateKey, new: StateFile) -> None:
-        """The current value of ``k`` is now in ``new`` (its file's successor)."""
-        old, base = self._where[k]
-        if old is new:
-            return
-        self._cow.pop(k, None)
-        self._where[k] = (new, base)
-        new.keys.add(k)
-        self._leave(old, k)
-
-    def _write_into_successor(self, s: Slice) -> StateFile:
+    def write_into_successor(self, s: Slice) -> StateFile:
         """The file a write of ``s`` goes to while its state's file is frozen."""
-        old, _ = self._where[s.key]
-        new = self._successor(old)
-        ranges = self._cow.setdefault(s.key, [])
+        table = self.table
+        old, _ = table.where[s.key]
+        new = table.successor(old)
+        ranges = table.cow.setdefault(s.key, [])
         add_range(ranges, s.start, s.stop)
-        if ranges == [[0, self._specs[s.key].numel]]:
-            self._move(s.key)
+        if ranges == [[0, self.specs[s.key].numel]]:
+            table.move_to(s.key, new)       # every element of it is in the successor now
         return new
 
-    def _materialize(self, k: StateKey) -> None:
+    def materialize(self, k: StateKey) -> None:
         """Copy the elements of ``k`` still only in its frozen file into the successor and
         move ``k`` there (synchronous, through a small bounce buffer)."""
-        old, base = self._where[k]
+        table = self.table
+        old, base = table.where[k]
         if not old.frozen:
             return
-        if self._small(self._specs[k].nbytes):
-            self._materialize_block(old, base // ALIGN)        # with its whole block
+        spec = self.specs[k]
+        if small(spec.nbytes):
+            self.packed.materialize_block(old, base // ALIGN)        # with its whole block
             return
-        new = self._successor(old)
-        spec = self._specs[k]
+        new = table.successor(old)
         self.in_flight.wait_for(k)
-        ranges = self._cow.get(k, [])
+        ranges = table.cow.get(k, [])
         gaps, pos = [], 0
         for a, b in ranges + [[spec.numel, spec.numel]]:
             if a > pos:
                 gaps.append((pos, a))
             pos = max(pos, b)
         if gaps:
-            self._frozen_reads.verify(old, k)       # its bytes there are the checkpoint's
-            self._check_present(new)
+            self.frozen_reads.verify(old, k)       # its bytes there are the checkpoint's
+            check_present(new)
             new.dirty = True
         for a, b in gaps:
             lo = base + a * spec.itemsize            # aligned: gaps start at unit starts
             hi = round_up(base + b * spec.itemsize)  # in this state's blocks (layout aligns)
             while lo < hi:
                 n = min(COPY_CHUNK, hi - lo)
-                self._engine.write(new.file, self._read_sync(old, lo, n), lo, n).result()
+                table.engine.write(new.file, table.read_sync(old, lo, n), lo, n).result()
                 lo += n
-        self._move(k)
+        table.move_to(k, new)
 
-    def _materialize_file(self, sf: StateFile) -> None:
-        for k in sorted(sf.keys, key=lambda k: self._where[k][1]):
-            if self._where[k][0] is not sf:
+    def materialize_file(self, sf: StateFile) -> None:
+        """Every state still (in part) in the frozen ``sf`` moved to its successor."""
+        where = self.table.where
+        for k in sorted(sf.keys, key=lambda k: where[k][1]):
+            if where[k][0] is not sf:
                 continue        # moved with its block
-            if self._small(self._specs[k].nbytes):
-                self._materialize_block(sf, self._where[k][1] // ALIGN)
+            if small(self.specs[k].nbytes):
+                self.packed.materialize_block(sf, where[k][1] // ALIGN)
             else:
-                self._materialize(k)
-
+                self.materialize(k)

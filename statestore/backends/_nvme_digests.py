@@ -147,7 +147,7 @@ class FrozenReads:
     frozen file, from its first element to its last in order (as pipelines read), is hashed
     as the pipeline takes it; a mismatch raises :class:`CheckpointCorruptError` before the
     last slice is handed out. A read that does not continue the state's run (out of order)
-    and copies out of a frozen file (``NVMeStore._materialize``) verify the whole state first
+    and copies out of a frozen file (``CopyOnWrite.materialize``) verify the whole state first
     (``whole(sf, key)``). Reads of files that are not frozen cost nothing.
 
     Args:

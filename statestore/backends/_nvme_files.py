@@ -98,8 +98,9 @@ class StateFile:
         self.dirty = False              # written since the last fsync
         # Frozen: a checkpoint links this file, so the store never writes it again; writes of
         # its states go to ``successor`` (same layout), and a state moves there once every
-        # element of it was written (``NVMeStore._cow``). ``hashes``: checksums of its states'
-        # data, valid for as long as they stay here (frozen bytes never change).
+        # element of it was written (``FileTable.cow``, _nvme_table.py). ``hashes``:
+        # checksums of its states' data, valid for as long as they stay here (frozen bytes
+        # never change).
         self.frozen = False
         self.successor: Optional["StateFile"] = None
         self.hashes: Dict[StateKey, str] = {}
@@ -114,7 +115,7 @@ class StateFile:
         # block index -> the small states packed into that 4 KiB block (_nvme_packed.py);
         # the same dict for a frozen file and its successor (same layout)
         self.blocks: Dict[int, List[StateKey]] = {}
-        # reads in flight (NVMeStore._reading); a file dropped meanwhile is ``retired`` and
+        # reads in flight (FileTable.reading); a file dropped meanwhile is ``retired`` and
         # closed by the last of them
         self.reads = 0
         self.retired = False

@@ -28,13 +28,13 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import xxhash
 
-from .._types import Slice, StateKey
+from .._types import Slice, StateKey, StateSpec
 from ..io import alloc_buffer
 from ..pipeline import Extent, UnitPlan
 from ._futures import completed, when_all
 from ._nvme_files import ALIGN, StateFile, check_present, round_up
 
-__all__ = ["PackedStates", "SMALL_ALIGN", "MAX_EXTENT"]
+__all__ = ["PackedStates", "SMALL_ALIGN", "MAX_EXTENT", "small", "ring_bytes", "index_blocks"]
 
 #: where a small state starts in its block (the SIMD kernels' alignment)
 SMALL_ALIGN = 64
@@ -56,53 +56,68 @@ def _combined(futs: List) -> object:
     return when_all(futs, finish)
 
 
-class PackedStates:
-    """NVMeStore's part that lays out, reads and writes its small states by extents (see the
-    module docstring). Uses the store's ``_where``, ``_specs``, ``_engine``, ``_digests``,
-    ``_frozen_reads``, ``_successor`` and ``_move_to``."""
+def small(nbytes: int) -> bool:
+    """A state of ``nbytes`` is packed into a shared block."""
+    return 0 < nbytes < ALIGN
 
-    def _init_packed(self) -> None:
+
+def ring_bytes(spec: StateSpec) -> int:
+    """Ring bytes a state takes: a small state its 64-byte slots of a shared block."""
+    if small(spec.nbytes):
+        return round_up(spec.nbytes, SMALL_ALIGN)
+    return round_up(spec.nbytes)
+
+
+def index_blocks(sf: StateFile, entries, where) -> None:
+    """Record the blocks of ``sf`` that hold the small states among ``entries`` (``(key,
+    spec)`` pairs, their places in ``where``), in file order."""
+    for k, spec in sorted(entries, key=lambda e: where[e[0]][1]):
+        if small(spec.nbytes):
+            sf.blocks.setdefault(where[k][1] // ALIGN, []).append(k)
+
+
+class PackedStates:
+    """Lays out, reads and writes an NVMeStore's small states by extents (module docstring);
+    an object the store holds, whose :meth:`unit_plan`, :meth:`start_extent` and
+    :meth:`write_extent` are the store's ``_unit_plan``, ``_start_extent`` and
+    ``_write_extent``.
+
+    Args:
+        table: the store's :class:`~statestore.backends._nvme_table.FileTable` (``where``,
+            successors, moves, reads kept open, its engine).
+        specs: the store's states' specs by key (read).
+        digests: the store's ``WriteDigests`` (checksums of states written whole).
+        frozen_reads: the store's ``FrozenReads`` (reads of frozen files checked).
+    """
+
+    def __init__(self, table, specs: Dict[StateKey, StateSpec], digests, frozen_reads):
+        self.table, self.specs = table, specs
+        self.digests, self.frozen_reads = digests, frozen_reads
         # (file path, block) -> the future of its last write, until it completes
         self._block_writes: Dict[Tuple[str, int], object] = {}
         self._rmw_buf = None
 
-    @staticmethod
-    def _small(nbytes: int) -> bool:
-        return 0 < nbytes < ALIGN
-
-    def _ring_bytes(self, spec) -> int:
-        # packed: a small state takes its 64-byte slots of a shared block in the ring too
-        if self._small(spec.nbytes):
-            return round_up(spec.nbytes, SMALL_ALIGN)
-        return round_up(spec.nbytes)
-
-    def _index_blocks(self, sf: StateFile, entries) -> None:
-        """Record the blocks of ``sf`` that hold the small states among ``entries``
-        (``(key, spec)`` pairs, their places in ``_where``), in file order."""
-        for k, spec in sorted(entries, key=lambda e: self._where[e[0]][1]):
-            if self._small(spec.nbytes):
-                sf.blocks.setdefault(self._where[k][1] // ALIGN, []).append(k)
-
     # ------------------------------------------------------------------ the plan
-    def _unit_plan(self, slices: Sequence[Slice]) -> Optional[UnitPlan]:
-        specs, where = self._specs, self._where
-        small: Dict[Tuple[int, int], List[int]] = {}
+    def unit_plan(self, slices: Sequence[Slice]) -> Optional[UnitPlan]:
+        """How a pipeline lays a unit of ``slices`` out: None when it holds no small state."""
+        specs, where = self.specs, self.table.where
+        packed: Dict[Tuple[int, int], List[int]] = {}
         fams: Dict[int, StateFile] = {}
         loose: List[int] = []
         for i, s in enumerate(slices):
-            if not self._small(specs[s.key].nbytes):
+            if not small(specs[s.key].nbytes):
                 loose.append(i)
                 continue
             sf, off = where[s.key]
             fams[id(sf.blocks)] = sf
-            small.setdefault((id(sf.blocks), off // ALIGN), []).append(i)
-        if not small:
+            packed.setdefault((id(sf.blocks), off // ALIGN), []).append(i)
+        if not packed:
             return None
         offsets = [0] * len(slices)
         extents: List[Extent] = []
         pos = 0
         run: Optional[List] = None          # [family, first block, last block, members]
-        for fam, b in sorted(small):
+        for fam, b in sorted(packed):
             if run is not None and run[0] == fam and run[2] == b - 1 \
                     and (b - run[1] + 1) * ALIGN <= MAX_EXTENT:
                 run[2] = b
@@ -110,7 +125,7 @@ class PackedStates:
                 if run is not None:
                     pos = self._add_extent(extents, fams, run, pos)
                 run = [fam, b, b, []]
-            for i in small[fam, b]:
+            for i in packed[fam, b]:
                 offsets[i] = pos + (b - run[1]) * ALIGN + where[slices[i].key][1] % ALIGN
                 run[3].append(i)
         pos = self._add_extent(extents, fams, run, pos)
@@ -130,7 +145,7 @@ class PackedStates:
         """``[b0, b1)`` cut where its blocks' current file changes: ``(file, first, end)``."""
         out: List[Tuple[StateFile, int, int]] = []
         for b in range(b0, b1):
-            sf = self._where[fam.blocks[b][0]][0]
+            sf = self.table.where[fam.blocks[b][0]][0]
             if out and out[-1][0] is sf:
                 out[-1] = (sf, out[-1][1], b + 1)
             else:
@@ -146,8 +161,10 @@ class PackedStates:
                 pass
 
     # ------------------------------------------------------------------ reads
-    def _start_extent(self, e: Extent, buf: torch.Tensor, slices: List[Slice], read: bool):
+    def start_extent(self, e: Extent, buf: torch.Tensor, slices: List[Slice], read: bool):
+        """Start reading extent ``e`` into ``buf`` (``read``; else zero it: written whole)."""
         fam, b0, b1 = e.where
+        table = self.table
         if not read:
             buf.zero_()         # written whole: pads and gaps stay zero
             return completed(0)
@@ -157,31 +174,34 @@ class PackedStates:
             for b in range(r0, r1):
                 self._wait_block(sf, b)
             lo = (r0 - b0) * ALIGN
-            futs.append(self._reading(sf, self._engine.read(
+            futs.append(table.reading(sf, table.engine.read(
                 sf.file, buf[lo:lo + (r1 - r0) * ALIGN], r0 * ALIGN, (r1 - r0) * ALIGN)))
             if sf.frozen and sf.hashes:
-                checks += [(sf, s, b0) for s in slices if r0 <= self._where[s.key][1] // ALIGN < r1]
+                checks += [(sf, s, b0) for s in slices if r0 <= table.where[s.key][1] // ALIGN < r1]
         fut = _combined(futs)
         if checks:
-            fut = self._frozen_reads.extent(fut, checks, buf, self._check_whole)
+            fut = self.frozen_reads.extent(fut, checks, buf, self._check_whole)
         return fut
 
     def _check_whole(self, sf: StateFile, s: Slice, b0: int, buf: torch.Tensor) -> None:
         """Verify the state of ``s`` read from the frozen ``sf`` into ``buf`` (extent from
         block ``b0``) against its recorded checksum."""
         k = s.key
-        nbytes = self._specs[k].nbytes
-        if s.start or s.stop != self._specs[k].numel:
-            self._frozen_reads.verify(sf, k)        # a part of it: the whole state, read now
+        nbytes = self.specs[k].nbytes
+        if s.start or s.stop != self.specs[k].numel:
+            self.frozen_reads.verify(sf, k)         # a part of it: the whole state, read now
             return
-        off = self._where[k][1] - b0 * ALIGN
-        self._frozen_reads.check(sf, k, buf[off:off + nbytes].numpy())
+        off = self.table.where[k][1] - b0 * ALIGN
+        self.frozen_reads.check(sf, k, buf[off:off + nbytes].numpy())
 
     # ------------------------------------------------------------------ writes
-    def _write_extent(self, e: Extent, buf: torch.Tensor, slices: List[Slice],
-                      tensors: List[torch.Tensor], optimizer_pass: bool):
+    def write_extent(self, e: Extent, buf: torch.Tensor, slices: List[Slice],
+                     tensors: List[torch.Tensor], optimizer_pass: bool):
+        """Start writing extent ``e`` from ``buf``; returns (the write's future, keys of the
+        states rewritten)."""
         fam, b0, b1 = e.where
-        specs, where = self._specs, self._where
+        table = self.table
+        specs, where = self.specs, table.where
         mine: Dict[int, List[Slice]] = {}
         for s in slices:
             mine.setdefault(where[s.key][1] // ALIGN, []).append(s)
@@ -198,24 +218,24 @@ class PackedStates:
                     # with our slices patched in
                     self._merge_block(sf, b, buf[(b - b0) * ALIGN:(b - b0 + 1) * ALIGN], ours)
                     covered += [k for k in fam.blocks[b] if k not in keys]
-            target = self._successor(sf) if sf.frozen else sf
+            target = table.successor(sf) if sf.frozen else sf
             check_present(target)
             target.dirty = True
             lo = (r0 - b0) * ALIGN
-            fut = self._engine.write(target.file, buf[lo:lo + (r1 - r0) * ALIGN], r0 * ALIGN,
+            fut = table.engine.write(target.file, buf[lo:lo + (r1 - r0) * ALIGN], r0 * ALIGN,
                                      (r1 - r0) * ALIGN)
             futs.append(fut)
             for b in range(r0, r1):
                 self._block_writes[target.path, b] = fut
                 if target is not sf:
                     for k in fam.blocks[b]:
-                        self._move_to(k, target)
+                        table.move_to(k, target)
         for s in slices:
             if optimizer_pass or s.start or s.stop != specs[s.key].numel:
-                self._digests.forget(s.key)
+                self.digests.forget(s.key)
             else:
                 off = where[s.key][1] % ALIGN + (where[s.key][1] // ALIGN - b0) * ALIGN
-                self._digests.record(s.key, xxhash.xxh3_64(
+                self.digests.record(s.key, xxhash.xxh3_64(
                     buf[off:off + specs[s.key].nbytes].numpy()).hexdigest())
         return _combined(futs), covered
 
@@ -226,31 +246,33 @@ class PackedStates:
         if self._rmw_buf is None:
             self._rmw_buf = alloc_buffer(ALIGN, pinned=False)
         fresh = self._rmw_buf.tensor
-        self._engine.read(sf.file, fresh, b * ALIGN, ALIGN).result()
+        where = self.table.where
+        self.table.engine.read(sf.file, fresh, b * ALIGN, ALIGN).result()
         if sf.frozen and sf.hashes:         # the others' bytes go on to the successor
             keys = {s.key for s in mine}
             for k in sf.blocks.get(b, ()):
                 if k not in keys:
-                    off = self._where[k][1] % ALIGN
-                    self._frozen_reads.check(sf, k, fresh[off:off + self._specs[k].nbytes]
-                                             .numpy())
+                    off = where[k][1] % ALIGN
+                    self.frozen_reads.check(sf, k, fresh[off:off + self.specs[k].nbytes]
+                                            .numpy())
         for s in mine:
-            item = self._specs[s.key].itemsize
-            off = self._where[s.key][1] % ALIGN + s.start * item
+            item = self.specs[s.key].itemsize
+            off = where[s.key][1] % ALIGN + s.start * item
             n = (s.stop - s.start) * item
             fresh[off:off + n].copy_(block[off:off + n])
         block.copy_(fresh)
 
-    def _materialize_block(self, sf: StateFile, b: int) -> None:
+    def materialize_block(self, sf: StateFile, b: int) -> None:
         """Copy block ``b`` of the frozen ``sf`` to its successor and move its states there."""
-        new = self._successor(sf)
+        table = self.table
+        new = table.successor(sf)
         self._wait_block(sf, b)
         self._wait_block(new, b)
         for k in sf.blocks.get(b, ()):
-            self._frozen_reads.verify(sf, k)
+            self.frozen_reads.verify(sf, k)
         check_present(new)
         new.dirty = True
-        self._engine.write(new.file, self._read_sync(sf, b * ALIGN, ALIGN), b * ALIGN,
+        table.engine.write(new.file, table.read_sync(sf, b * ALIGN, ALIGN), b * ALIGN,
                            ALIGN).result()
         for k in list(sf.blocks.get(b, ())):
-            self._move_to(k, new)
+            table.move_to(k, new)

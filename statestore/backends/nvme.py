@@ -22,9 +22,6 @@ written back and dropped from the page cache.
 from __future__ import annotations
 
 import atexit
-import errno
-import os
-import threading
 import uuid
 import weakref
 from concurrent.futures import Future
@@ -34,24 +31,25 @@ import torch
 
 from .._safetensors_layout import PAD_PREFIX, layout
 from .._types import Slice, StateKey, StateSpec, as_key
-from ..errors import StateStoreIOError, StateStoreValueError
-from ..io import IOEngine, IOFile, alloc_buffer, make_engine
-from ._dirs import StoreLock, create_laid_out, prepare_dir
+from ..errors import StateStoreValueError
+from ..io import IOEngine, alloc_buffer, make_engine
+from ._dirs import StoreLock, prepare_dir
 from ._futures import completed
-from ._nvme_digests import FrozenReads, WriteDigests
-from ._nvme_files import (ALIGN, COPY_CHUNK, MAX_DATA_ALIGN, MAX_FILE_DATA, StateFile,
-                          after_both, check_present, check_size, covered, data_alignment,
-                          round_up, unlink_all)
 from ._nvme_cow import CopyOnWrite
+from ._nvme_digests import FrozenReads, WriteDigests
+from ._nvme_files import (ALIGN, MAX_DATA_ALIGN, MAX_FILE_DATA, StateFile, after_both,
+                          check_present, check_size, covered, data_alignment, round_up,
+                          unlink_all)
 from ._nvme_links import NVMeLinks
-from ._nvme_packed import SMALL_ALIGN, PackedStates
-from ._space import check_space, no_space
+from ._nvme_packed import SMALL_ALIGN, PackedStates, index_blocks, ring_bytes, small
+from ._nvme_table import FileTable
+from ._space import check_space
 from .base import StreamingStore
 
 __all__ = ["NVMeStore"]
 
 
-class NVMeStore(CopyOnWrite, PackedStates, StreamingStore):
+class NVMeStore(StreamingStore):
     """States in files under ``dir``, read and written with asynchronous direct I/O.
 
     Args:
@@ -134,25 +132,9 @@ class NVMeStore(CopyOnWrite, PackedStates, StreamingStore):
         if self._tmp is None and not self.keep_files:
             self._finalizer = weakref.finalize(self, unlink_all, self._paths)
             atexit.register(self._finalizer)
-        self._direct = direct
         self._pinned = bool(pinned)
-        self._id = uuid.uuid4().hex[:8]
-        self._nfiles = 0
-        self._files: Dict[str, StateFile] = {}
-        self._where: Dict[StateKey, Tuple[StateFile, int]] = {}   # key -> (file, data offset)
-        # xxh3-64 of states put or loaded in order since their last other write
-        self._digests = WriteDigests()
-        # states read from a frozen file (a checkpoint's too) are checked against its checksums
-        self._frozen_reads = FrozenReads(lambda k: (self._where[k][1], self._specs[k].nbytes),
-                                         self._read_sync)
-        # States of a frozen file written in part since: key -> element ranges whose current
-        # value is in the file's successor (the rest is still in the frozen file).
-        self._cow: Dict[StateKey, List[List[int]]] = {}
         self._buffer = None          # the pipeline ring's AlignedBuffer
         self._bounce = None          # 4 KiB buffer for read-modify-write of partial blocks
-        self._reads_lock = threading.Lock()     # StateFile.reads: counted across threads
-        self._init_packed()
-        self._copy_buf = None        # bounce buffer of copy-on-write copies
         if isinstance(engine, IOEngine):
             self._engine, self._own_engine = engine, False
         elif isinstance(engine, str):
@@ -162,17 +144,52 @@ class NVMeStore(CopyOnWrite, PackedStates, StreamingStore):
         else:
             raise StateStoreValueError(f"NVMeStore: engine must be a name or an IOEngine, "
                                        f"got {engine!r}")
+        store_id = uuid.uuid4().hex[:8]
+        # The objects the store holds, each given what it uses: its files and where each
+        # state is (_nvme_table.py), the checksums of states written whole and the checks
+        # of reads from frozen files (_nvme_digests.py), the small states packed into shared
+        # blocks (_nvme_packed.py), copy-on-write of frozen files (_nvme_cow.py) and how
+        # checkpoints link these files and adopt theirs (store.links, _nvme_links.py).
+        table = self._table = FileTable(dir, store_id, self._engine, direct,
+                                        None if self.keep_files else self._paths)
+        self._digests = WriteDigests()
+        self._frozen_reads = FrozenReads(lambda k: (table.where[k][1], self._specs[k].nbytes),
+                                         table.read_sync)
+        self._packed = PackedStates(table, self._specs, self._digests, self._frozen_reads)
+        self._copy_on_write = CopyOnWrite(table, self._packed, self._specs, self.in_flight,
+                                          self._frozen_reads)
         # Held while open: a store started later in this directory knows these files are in
         # use; if this process dies without close(), that store reclaims them (_dirs.py).
-        self._lock = None if self.keep_files else StoreLock(dir, self._id)
+        self._lock = None if self.keep_files else StoreLock(dir, store_id)
         if self._lock is not None:
             self._paths.add(self._lock.path)
-        # how checkpoints link these files and adopt theirs (store.links): an object of its
-        # own, given the tables it reads and two operations of the store
-        self.links = NVMeLinks(dir, self._files, self._where, self._digests, self.in_flight,
+        self.links = NVMeLinks(dir, table.files, table.where, self._digests, self.in_flight,
                                self.spec, self._settle_files, self._take_file)
 
     # ------------------------------------------------------------------ layout
+    def pipeline(self, units, mode: str = "rw", wait: bool = True):
+        """As :meth:`StateStore.pipeline`; one that writes first reserves what copy-on-write
+        needs (the successors of frozen files), so a step completes or changes nothing, even
+        on a full disk."""
+        self._check_open()
+        if mode != "r":
+            self._copy_on_write.reserve_successors()
+        return super().pipeline(units, mode=mode, wait=wait)
+
+    def _ring_bytes(self, spec: StateSpec) -> int:
+        return ring_bytes(spec)         # a small state: its 64-byte slots of a shared block
+
+    # Units holding small states move by extents of whole blocks (_nvme_packed.py).
+    def _unit_plan(self, slices):
+        return self._packed.unit_plan(slices)
+
+    def _start_extent(self, extent, buf: torch.Tensor, slices: List[Slice], read: bool):
+        return self._packed.start_extent(extent, buf, slices, read)
+
+    def _write_extent(self, extent, buf: torch.Tensor, slices: List[Slice], tensors,
+                      optimizer_pass: bool):
+        return self._packed.write_extent(extent, buf, slices, tensors, optimizer_pass)
+
     def _allocate(self, entries: Sequence[Tuple[StateKey, StateSpec]]) -> None:
         # Files of at most MAX_FILE_DATA bytes of states (a larger state gets a file of its
         # own): the bound of a checkpoint shard, so a checkpoint can link them (docs/nvme.md).
@@ -187,151 +204,66 @@ class NVMeStore(CopyOnWrite, PackedStates, StreamingStore):
         lays = [self._layout_file(b) for b in batches]
         # Every file's size is known before the first is created: a filesystem that cannot
         # hold them all refuses now, naming bytes needed and free, with nothing written.
-        first = os.path.join(self.dir, f"states-{self._id}-{self._nfiles:05d}.safetensors")
+        table = self._table
+        first = table.next_path()
         more = f" and {len(lays) - 1} more state file(s)" if len(lays) > 1 else ""
         check_space(f"NVMeStore: creating {first}{more} for {len(entries)} state(s)", self.dir,
                     sum(round_up(lay.file_size) for lay in lays))
         created: List[StateFile] = []
         try:
             for lay in lays:
-                created.append(self._new_file(lay.header, round_up(lay.file_size)))
+                created.append(table.new_file(lay.header, round_up(lay.file_size)))
         except BaseException:
             for sf in created:          # all or nothing: no file of this batch stays
-                self._drop_file(sf, unlink=True)
+                table.drop(sf, unlink=True)
             raise
         for batch, lay, sf in zip(batches, lays, created):
             for k, _ in batch:
-                self._where[k] = (sf, lay.entries[str(k)].offset)
+                table.where[k] = (sf, lay.entries[str(k)].offset)
                 sf.keys.add(k)
-            self._index_blocks(sf, batch)
+            index_blocks(sf, batch, table.where)
 
     @classmethod
     def _layout_file(cls, entries: Sequence[Tuple[StateKey, StateSpec]]):
         # the large states first, then the small ones packed into shared blocks
         # (_nvme_packed.py): a 16-element state takes 64 bytes of the file, not 4 KiB
         names = [(str(k), spec.dtype, spec.shape) for k, spec in entries
-                 if not cls._small(spec.nbytes)]
+                 if not small(spec.nbytes)]
         names += [(str(k), spec.dtype, spec.shape) for k, spec in entries
-                  if cls._small(spec.nbytes)]
+                  if small(spec.nbytes)]
         names.append((f"{PAD_PREFIX}end", torch.uint8, (0,)))
         return layout(names, align=ALIGN, pad_tensors=True, align_for=data_alignment,
                       metadata={"format": "statestore-nvmestore"}, pack=(ALIGN, SMALL_ALIGN))
 
-    def _new_file(self, header: bytes, size: int) -> StateFile:
-        """Create, reserve and open a state file holding ``header``."""
-        path = os.path.join(self.dir, f"states-{self._id}-{self._nfiles:05d}.safetensors")
-        self._nfiles += 1
-        try:
-            fd = create_laid_out(path, size, header)
-        except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise no_space(f"NVMeStore: cannot create {path}", path, size,
-                               code=e.errno) from e
-            raise StateStoreIOError(e.errno, f"NVMeStore: cannot create {path} ({size} bytes): "
-                                    f"{e.strerror}", path) from e
-        try:
-            os.fdatasync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        except OSError as e:
-            os.close(fd)
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
-            raise StateStoreIOError(e.errno, f"NVMeStore: cannot lay out {path} ({size} bytes): "
-                                    f"{e.strerror}", path) from e
-        os.close(fd)
-        try:
-            f = IOFile(path, direct=self._direct)
-        except StateStoreIOError:
-            os.unlink(path)
-            raise
-        sf = StateFile(path, f, size, header)
-        self._files[path] = sf
-        if not self.keep_files:
-            self._paths.add(path)
-        return sf
-
     def _free(self, keys: Sequence[StateKey]) -> None:
+        table = self._table
         for k in keys:
-            sf, off = self._where.pop(k)
+            sf, off = table.where.pop(k)
             block = sf.blocks.get(off // ALIGN)
             if block is not None and k in block:
                 block.remove(k)
                 if not block:
                     del sf.blocks[off // ALIGN]
-            self._cow.pop(k, None)
+            table.cow.pop(k, None)
             self._digests.forget(k)
             self._frozen_reads.forget(k)
-            self._leave(sf, k)
-
-    def _leave(self, sf: StateFile, k: StateKey) -> None:
-        """``k``'s current value is no longer in ``sf``: remove the file once none is (and
-        its successor, when that never received a whole state)."""
-        sf.keys.discard(k)
-        sf.hashes.pop(k, None)
-        if sf.keys or any(f.successor is sf and f.keys for f in self._files.values()):
-            return
-        # Closed once no read of it is in flight: a block of small states moves when another
-        # unit rewrites it, and a unit reading ahead may still be reading it here.
-        self._drop_file(sf, unlink=True, later=True)
-        succ = sf.successor
-        if succ is not None and not succ.keys and succ.path in self._files:
-            self._drop_file(succ, unlink=True, later=True)
-
-    @staticmethod
-    def _close_file(sf: StateFile) -> None:
-        try:
-            sf.file.close()
-        finally:
-            if sf.old_file is not None:
-                sf.old_file.close()
-
-    def _reading(self, sf: StateFile, fut):
-        """``fut`` reads ``sf``: ``sf`` stays open until it completes."""
-        with self._reads_lock:
-            sf.reads += 1
-        fut.add_done_callback(lambda _, sf=sf: self._read_done(sf))
-        return fut
-
-    def _read_done(self, sf: StateFile) -> None:
-        with self._reads_lock:
-            sf.reads -= 1
-            close = sf.reads == 0 and sf.retired
-            sf.retired = sf.retired and not close
-        if close:
-            self._close_file(sf)
-
-    def _drop_file(self, sf: StateFile, unlink: bool, later: bool = False) -> None:
-        self._files.pop(sf.path, None)
-        try:
-            with self._reads_lock:
-                later = later and sf.reads > 0
-                sf.retired = later          # closed by the last read's completion
-            if not later:
-                self._close_file(sf)
-        finally:
-            if unlink:
-                self._paths.discard(sf.path)
-                try:
-                    os.unlink(sf.path)
-                except FileNotFoundError:
-                    pass
+            table.leave(sf, k)
 
     # ------------------------------------------------------------------ I/O primitives
     def _locate(self, s: Slice) -> Tuple[StateFile, int, int, int]:
         """(file, byte offset of the slice, exact bytes, item size) of the slice's current
         value (its offsets are the same in a frozen file and its successor)."""
-        sf, base = self._where[s.key]
+        where = self._table.where
+        sf, base = where[s.key]
         item = self._specs[s.key].itemsize
-        ranges = self._cow.get(s.key)
+        ranges = self._table.cow.get(s.key)
         if ranges is not None and s.stop > s.start:
             done = covered(ranges, s.start, s.stop)
             if done == s.stop - s.start:
                 sf = sf.successor
             elif done:
-                self._materialize(s.key)
-                sf, base = self._where[s.key]
+                self._copy_on_write.materialize(s.key)
+                sf, base = where[s.key]
         return sf, base + s.start * item, s.numel * item, item
 
     @staticmethod
@@ -351,16 +283,8 @@ class NVMeStore(CopyOnWrite, PackedStates, StreamingStore):
             return completed(0)
         n = round_up(nbytes)
         view = self._bytes_view(out, n)
-        fut = self._reading(sf, self._engine.read(sf.file, view, off, n))
+        fut = self._table.reading(sf, self._engine.read(sf.file, view, off, n))
         return self._frozen_reads.read(sf, s, self._specs[s.key].numel, view[:nbytes].numpy(), fut)
-
-    def _read_sync(self, sf: StateFile, off: int, n: int) -> torch.Tensor:
-        """``n`` (<= COPY_CHUNK, aligned) bytes of ``sf`` from ``off``, read now."""
-        if self._copy_buf is None:
-            self._copy_buf = alloc_buffer(COPY_CHUNK, pinned=False)
-        buf = self._copy_buf.tensor[:n]
-        self._engine.read(sf.file, buf, off, n).result()
-        return buf
 
     def _submit_write(self, s: Slice, src: torch.Tensor, *, optimizer_pass: bool = False):
         spec = self._specs[s.key]
@@ -388,7 +312,7 @@ class NVMeStore(CopyOnWrite, PackedStates, StreamingStore):
             raise
 
     def _write_slice(self, s: Slice, spec: StateSpec, src: torch.Tensor, nbytes: int) -> Future:
-        sf, base = self._where[s.key]
+        sf, base = self._table.where[s.key]
         off = base + s.start * spec.itemsize
         end = off + nbytes
         tail = s.stop < spec.numel and end % ALIGN
@@ -396,10 +320,10 @@ class NVMeStore(CopyOnWrite, PackedStates, StreamingStore):
             if tail:
                 # The merge below reads the block's other elements: take the whole state
                 # over first, so they come from its current place.
-                self._materialize(s.key)
-                sf, _ = self._where[s.key]
+                self._copy_on_write.materialize(s.key)
+                sf, _ = self._table.where[s.key]
             else:
-                sf = self._write_into_successor(s)
+                sf = self._copy_on_write.write_into_successor(s)
         self._check_present(sf)
         sf.dirty = True
         n = round_up(nbytes)
@@ -437,12 +361,12 @@ class NVMeStore(CopyOnWrite, PackedStates, StreamingStore):
         # Before any pipeline: a removed file is reported once (its states live on in the open
         # file until close()); a truncated one every time (the states past its end are gone,
         # and a later write would silently refill the gap with zeros).
-        for sf in list(self._files.values()):
+        for sf in list(self._table.files.values()):
             check_present(sf)
             check_size(sf)
 
     def _flush(self) -> None:
-        for sf in list(self._files.values()):
+        for sf in list(self._table.files.values()):
             self._check_present(sf)
             if sf.dirty:
                 sf.dirty = False
@@ -453,44 +377,33 @@ class NVMeStore(CopyOnWrite, PackedStates, StreamingStore):
         """Before files are linked: each must hold the current value of every state it has."""
         # A file truncated (or removed, reported once) under the store raises here.
         self._check_files()
+        table = self._table
         # A successor reserved but never written (no state of its frozen file was written
         # since): let it go, the frozen file is still current and can be linked again.
-        for sf in [f for f in self._files.values() if f.frozen and f.successor is not None]:
+        for sf in [f for f in table.files.values() if f.frozen and f.successor is not None]:
             succ = sf.successor
-            if not succ.keys and not any(k in self._cow for k in sf.keys) \
-                    and succ.path in self._files:
+            if not succ.keys and not any(k in table.cow for k in sf.keys) \
+                    and succ.path in table.files:
                 sf.successor = None
-                self._drop_file(succ, unlink=True)
+                table.drop(succ, unlink=True)
         # A frozen file whose states were partly rewritten: move the rest to its successor.
-        for sf in [f for f in self._files.values() if f.frozen and f.successor is not None]:
-            self._materialize_file(sf)
+        for sf in [f for f in table.files.values() if f.frozen and f.successor is not None]:
+            self._copy_on_write.materialize_file(sf)
         self._flush()
 
     def _take_file(self, path: str, size: int, header: bytes, rows) -> bool:
         """Register the checkpoint shard ``path`` (checked by :class:`NVMeLinks`) as a state
         file by hard link: frozen from the start, opened read-only; ``rows``: ``(key, spec,
         data offset, checksum)``."""
-        dst = os.path.join(self.dir, f"states-{self._id}-{self._nfiles:05d}.safetensors")
-        self._nfiles += 1
-        try:
-            os.link(path, dst)
-        except OSError:
+        table = self._table
+        sf = table.link_file(path, size, header)
+        if sf is None:
             return False
-        try:
-            f = IOFile(dst, readonly=True, direct=self._direct)
-        except StateStoreIOError:
-            os.unlink(dst)
-            return False
-        sf = StateFile(dst, f, size, header)
-        sf.frozen = sf.readonly = True
-        self._files[dst] = sf
-        if not self.keep_files:
-            self._paths.add(dst)
         for k, _, off, checksum in rows:
-            self._where[k] = (sf, off)
+            table.where[k] = (sf, off)
             sf.keys.add(k)
             sf.hashes[k] = checksum     # verified by the caller, else the load clears us
-        self._index_blocks(sf, [(k, spec) for k, spec, _, _ in rows])
+        index_blocks(sf, [(k, spec) for k, spec, _, _ in rows], table.where)
         return True
 
     def _close(self) -> None:
@@ -498,8 +411,8 @@ class NVMeStore(CopyOnWrite, PackedStates, StreamingStore):
             if self.keep_files:
                 # The files left behind hold every state's current value: finish moving
                 # states out of frozen files.
-                for sf in [f for f in self._files.values() if f.frozen and f.keys]:
-                    self._materialize_file(sf)
+                for sf in [f for f in self._table.files.values() if f.frozen and f.keys]:
+                    self._copy_on_write.materialize_file(sf)
         finally:
             self._close_engine_and_files()
 
@@ -508,14 +421,10 @@ class NVMeStore(CopyOnWrite, PackedStates, StreamingStore):
             if self._own_engine:
                 self._engine.close()
         finally:
-            for sf in list(self._files.values()):
-                self._drop_file(sf, unlink=not self.keep_files)
-            self._where.clear()
-            self._cow.clear()
+            self._table.close(unlink=not self.keep_files)
             self._digests.close()
             self._buffer = None
             self._bounce = None
-            self._copy_buf = None
             if self._lock is not None:
                 self._lock.release()
                 self._paths.discard(self._lock.path)
@@ -525,16 +434,16 @@ class NVMeStore(CopyOnWrite, PackedStates, StreamingStore):
     # ------------------------------------------------------------------ introspection
     def files(self) -> List[str]:
         """Paths of the store's safetensors files."""
-        return list(self._files)
+        return list(self._table.files)
 
     def location(self, key) -> Tuple[str, int, int]:
         """``(path, byte offset, nbytes)`` of a state's data in its file (valid after
         :meth:`sync`)."""
         k = as_key(key)
         spec = self.spec(k)
-        if k in self._cow:
-            self._materialize(k)
-        sf, off = self._where[k]
+        if k in self._table.cow:
+            self._copy_on_write.materialize(k)
+        sf, off = self._table.where[k]
         return sf.path, off, spec.nbytes
 
     @property
@@ -544,10 +453,11 @@ class NVMeStore(CopyOnWrite, PackedStates, StreamingStore):
     def _backend_stats(self) -> Dict[str, Any]:
         out: Dict[str, Any] = {
             "dir": self.dir,
-            "files": len(self._files),
-            "disk_bytes": sum(sf.size for sf in self._files.values()),
+            "files": len(self._table.files),
+            "disk_bytes": sum(sf.size for sf in self._table.files.values()),
             "engine": self._engine.name,
-            "direct": all(sf.file.direct for sf in self._files.values()) if self._files else None,
+            "direct": (all(sf.file.direct for sf in self._table.files.values())
+                       if self._table.files else None),
             "buffer_kind": self._buffer.kind if self._buffer is not None else None,
             "pinned_bytes": (self._buffer.nbytes if self._buffer is not None
                              and self._buffer.locked else 0),
