@@ -32,13 +32,13 @@ does not own it (``x @ self.emb.weight.t()`` in a parent's forward) is fetched o
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 from torch import Tensor, nn
 
 from .._hook_handles import HookHandles
+from .._malloc import fix_mmap_threshold
 from .._types import Slice, StateKey
 from ..errors import StateKeyError, StateStoreError, StateStoreValueError
 from ..store import StateStore
@@ -50,27 +50,6 @@ from ._seam import (PARAM_STATE, attach, detach, handle_of, is_offloaded, param_
 
 __all__ = ["PARAM_STATE", "OffloadHandle", "offload_parameters", "update_begin",
            "update_end", "param_value", "is_offloaded"]
-
-_MALLOC_FIXED = False
-
-
-def _fix_malloc_threshold() -> None:
-    """glibc raises its mmap threshold to the size of every large block freed (up to 32
-    MiB), after which parameter buffers of that size come from the heap, where freed ones
-    stay resident: measured on a 24-layer model of 4 MiB layers, RSS grew by ~60 MiB over
-    the working set. A fixed threshold (1 MiB) gives each large buffer back to the system
-    when freed. Process-wide, once; ``STATESTORE_MALLOPT=0`` leaves malloc alone."""
-    global _MALLOC_FIXED
-    if _MALLOC_FIXED or os.environ.get("STATESTORE_MALLOPT", "1") == "0":
-        return
-    _MALLOC_FIXED = True
-    try:
-        import ctypes
-        libc = ctypes.CDLL(None)
-        libc.mallopt(-3, 1 << 20)       # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):   # not glibc
-        pass
-
 
 # ---------------------------------------------------------------------------------- handle
 class OffloadHandle(ModuleHooks, ReadAhead):
@@ -192,7 +171,7 @@ class OffloadHandle(ModuleHooks, ReadAhead):
         self._hooks = HookHandles()
         self._foreign: Dict[int, List[Tensor]] = {}
         self._stats = {"reads": 0, "read_bytes": 0, "writes": 0, "sync_reads": 0}
-        _fix_malloc_threshold()
+        fix_mmap_threshold()         # RSS follows the working set (statestore/_malloc.py)
         self._offload_all(init)
         self._install_hooks()
 

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from .._hook_handles import HookHandles
+from .._malloc import fix_mmap_threshold
 from ..errors import StateStoreError
 from ..offload._seam import update_begin, update_end
 from ..store import StateStore
@@ -133,6 +134,8 @@ class StateStoreOptimizer(torch.optim.Optimizer):
             attached.append(state_store)     # a rank owning no parameter still saves with the group
         for store in attached:
             self._resume(store, loaded=False)
+        if any(not s.resident for s in attached):
+            fix_mmap_threshold()        # RSS follows the working set (statestore/_malloc.py)
         self._prefetching: "weakref.WeakSet[StateStore]" = weakref.WeakSet()
         #: during a step: each stepped key's count before it (None: its first step)
         self._step_undo: StepUndo = {}
