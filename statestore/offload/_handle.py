@@ -32,19 +32,18 @@ does not own it (``x @ self.emb.weight.t()`` in a parent's forward) is fetched o
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set
 
 import torch
 from torch import Tensor, nn
 
-from .._hook_handles import HookHandles
 from .._malloc import fix_mmap_threshold
 from .._types import Slice, StateKey
 from ..errors import StateKeyError, StateStoreError, StateStoreValueError
 from ..store import StateStore
 from ._device import Mover
-from ._hooks import ModuleHooks, graph_task
-from ._readahead import ReadAhead, Run
+from ._hooks import ModuleHooks
+from ._readahead import Holds, ReadAhead
 from ._seam import (PARAM_STATE, attach, detach, handle_of, is_offloaded, param_value,
                     update_begin, update_end)
 
@@ -52,9 +51,13 @@ __all__ = ["PARAM_STATE", "OffloadHandle", "offload_parameters", "update_begin",
            "update_end", "param_value", "is_offloaded"]
 
 # ---------------------------------------------------------------------------------- handle
-class OffloadHandle(ModuleHooks, ReadAhead):
+class OffloadHandle:
     """Keeps ``model``'s parameters in ``store``; made by :func:`offload_parameters` (its
-    arguments are this constructor's).
+    arguments are this constructor's). It holds a
+    :class:`~statestore.offload._readahead.ReadAhead` (materializing, releasing, reading
+    ahead, writing back) and a
+    :class:`~statestore.offload._hooks.ModuleHooks` (the model's hooks and who holds each
+    parameter), and talks to both through their public methods.
 
     While open, every parameter of the model is released (``p.data`` a zero-stride
     placeholder of the right shape and dtype) except while a forward, a backward or an
@@ -123,7 +126,6 @@ class OffloadHandle(ModuleHooks, ReadAhead):
         self.prefetch = prefetch
         self.device = device
         self._closed = False
-        self._mover = Mover(device)
         # parameters (each once, under its first name) and every name they have
         self._params: List[nn.Parameter] = [p for _, p in named]
         self._name: Dict[Tensor, str] = {p: n for n, p in named}
@@ -144,49 +146,18 @@ class OffloadHandle(ModuleHooks, ReadAhead):
             if own or m is model:
                 self._modules.append(m)
                 self._mod_params.append(own)
-        self._alias = store.resident and store.device == device
-        self._io = not store.resident
-        # runtime state of each parameter
-        self._data: Dict[Tensor, Tensor] = {}       # materialized: p -> its data
-        self._released: Set[Tensor] = set()
-        self._fwd: Dict[Tensor, int] = {}
-        self._bw: Dict[Tensor, Set[int]] = {}
-        self._opt: Set[Tensor] = set()
-        self._uib: Set[Tensor] = set()          # parameters an optimizer updates in backward
-        self._opt_wait: Set[Tensor] = set()     # ... kept from their gradient to their update
-        self._applied: Set[Tensor] = set()      # ... updated before their accumulation hook
-        self._dirty: Dict[Tensor, Tensor] = {}      # updated values not yet written back
-        self._to_release: List[Tensor] = []
-        self._placeholders: Dict[Tuple[torch.dtype, torch.device], Tensor] = {}
-        self._slices: Dict[Tensor, List[Slice]] = {}
-        self._busy = 0
-        # iterations and their recorded order of module requests (by grad mode)
-        self._plans: Dict[bool, List[int]] = {}
-        self._run: Optional[Run] = None
-        self._next_run: Optional[Run] = None
-        self._stack: List[Tuple[int, bool]] = []
-        self._outer_task: Optional[int] = None
-        self._tasks: Set[int] = set()
-        self._root_ctx: List[Any] = []
-        self._hooks = HookHandles()
-        self._foreign: Dict[int, List[Tensor]] = {}
-        self._stats = {"reads": 0, "read_bytes": 0, "writes": 0, "sync_reads": 0}
+        # The objects it holds (the lists and dicts above are shared with them and kept up
+        # to date in place): who holds each parameter, the data movement, the model's hooks.
+        holds = Holds()
+        self._ra = ReadAhead(store, device, prefetch, Mover(device), self._key, self._by_key,
+                             self._mod_params, holds)
+        self._hooks = ModuleHooks(self, model, self._params, self._names, self._modules,
+                                  self._mod_params, self._ra, holds)
         fix_mmap_threshold()         # RSS follows the working set (statestore/_malloc.py)
         self._offload_all(init)
-        self._install_hooks()
+        self._hooks.install()
 
     # ------------------------------------------------------------------ set-up
-    def _placeholder(self, p: Tensor) -> Tensor:
-        if p.numel() == 0:
-            return torch.empty(p.shape, dtype=p.dtype, device=self.device)
-        k = (p.dtype, self.device)
-        base = self._placeholders.get(k)
-        if base is None:
-            fill = float("nan") if p.dtype.is_floating_point else 0
-            base = torch.full((1,), fill, dtype=p.dtype, device=self.device)
-            self._placeholders[k] = base
-        return base.view(()).expand(p.shape)
-
     def _offload_all(self, init) -> None:
         store = self.store
         existing = [p for p in self._params if self._key[p] in store]
@@ -205,7 +176,7 @@ class OffloadHandle(ModuleHooks, ReadAhead):
             # those values are the model's from now on
             for p in self._params:
                 attach(p, self)
-                self._release_now(p)
+                self._ra.release_now(p)
             return
         done: Set[Tensor] = set()
         created: List[StateKey] = []
@@ -228,7 +199,7 @@ class OffloadHandle(ModuleHooks, ReadAhead):
                 for p in todo:
                     done.add(p)
                     attach(p, self)
-                    self._release_now(p)
+                    self._ra.release_now(p)
         except BaseException:
             for p in done:
                 try:
@@ -236,7 +207,7 @@ class OffloadHandle(ModuleHooks, ReadAhead):
                 except Exception:
                     pass
                 detach(p, self)
-            self._released.clear()
+            self._ra.forget()
             try:
                 if created:
                     store.delete(created)
@@ -247,11 +218,11 @@ class OffloadHandle(ModuleHooks, ReadAhead):
 
     def _replace_param(self, old: Tensor, new: Tensor) -> None:
         """``to_empty`` gave a meta parameter a new Parameter object: track that one."""
-        self._params = [new if p is old else p for p in self._params]
+        self._params[:] = [new if p is old else p for p in self._params]
         for d in (self._name, self._key, self._names):
             d[new] = d.pop(old)
         self._by_key[self._key[new]] = new
-        self._mod_params = [[new if p is old else p for p in ps] for ps in self._mod_params]
+        self._mod_params[:] = [[new if p is old else p for p in ps] for ps in self._mod_params]
 
     def _materialize_meta(self, m: nn.Module, init) -> None:
         """Parameters created on the meta device get memory here, one module at a time."""
@@ -283,24 +254,39 @@ class OffloadHandle(ModuleHooks, ReadAhead):
     def stats(self) -> Dict[str, Any]:
         """Counters: parameters and bytes offloaded, materialized now, reads (and those made
         synchronously, outside the read-ahead), write-backs."""
+        data = self._ra.data
         return {"params": len(self._params),
                 "nbytes": sum(p.numel() * p.dtype.itemsize for p in self._params),
-                "materialized": len(self._data),
-                "materialized_bytes": sum(t.numel() * t.dtype.itemsize
-                                          for t in self._data.values()),
-                **self._stats}
+                "materialized": len(data),
+                "materialized_bytes": sum(t.numel() * t.dtype.itemsize for t in data.values()),
+                **self._ra.stats}
 
     def sync(self) -> None:
         """Write every updated parameter back and wait until the store has it."""
         self._check_open()
-        self._suspend()
+        self._ra.suspend()
         self.store.sync()
+
+    # the seam's optimizer side (``_seam.OffloadSeam``; ``update_begin``/``update_end``)
+    def value(self, p: Tensor) -> Tensor:
+        """``p``'s current value (read from the store if needed, not kept materialized)."""
+        return self._ra.value(p)
+
+    def begin_update(self, items) -> None:
+        """Materialize the parameters of ``items`` (``(param, start, stop)``) for an
+        optimizer's update (:func:`~statestore.offload._seam.update_begin` calls it)."""
+        self._hooks.begin_update(items)
+
+    def end_update(self, items) -> None:
+        """After the update of ``items``: a parameter whose last range was updated is
+        written back to the store and released."""
+        self._hooks.end_update(items)
 
     # the seam's checkpoint side (``_seam.OffloadSeam``; ``_checkpoint.py`` uses these)
     @property
     def in_model_pass(self) -> bool:
         """True during the model's forward or backward."""
-        return bool(self._stack) or graph_task() >= 0
+        return self._hooks.in_model_pass
 
     def release_all(self) -> None:
         """Release every materialized parameter (its value stays in the store).
@@ -308,29 +294,30 @@ class OffloadHandle(ModuleHooks, ReadAhead):
         Raises:
             StateStoreError: a forward, backward or optimizer update holds one.
         """
-        self._suspend()
-        for p in list(self._data):
-            if self._held(p):
+        ra = self._ra
+        ra.suspend()
+        for p in list(ra.data):
+            if ra.holds.held(p):
                 raise StateStoreError("offload handle: parameters are in use")
-            self._release_now(p)
+            ra.release_now(p)
 
     def chunks(self, p: Tensor):
         """``p``'s value, flattened, piece by piece (at most the store's unit size each,
         through its pipeline for streaming stores); each piece is valid until the next."""
-        if p in self._data:
-            yield self._data[p].reshape(-1)
+        if p in self._ra.data:
+            yield self._ra.data[p].reshape(-1)
             return
         if self.store.resident:
             yield self.store.get(self._key[p]).reshape(-1)
             return
-        slices = self._slices_of(p)
+        slices = self._ra.slices_of(p)
         with self.store.pipeline([[s] for s in slices], mode="r") as pipe:
             for (t,) in pipe:
                 yield t
 
     def slices(self, p: Tensor) -> List[Slice]:
         """The store slices holding ``p``'s data, in order (each at most a unit)."""
-        return list(self._slices_of(p))
+        return list(self._ra.slices_of(p))
 
     def names(self, p: Tensor) -> List[str]:
         """Every name of ``p`` in the model (tied weights have several), its first first."""
@@ -340,13 +327,13 @@ class OffloadHandle(ModuleHooks, ReadAhead):
         """The model's state_dict with every parameter's value (read from the store, copies):
         the whole model in memory at once, as ``model.state_dict()`` would be."""
         self._check_open()
-        self._suspend()
+        self._ra.suspend()
         out = {}
         for name, t in self.model.state_dict(keep_vars=True).items():
             if isinstance(t, nn.Parameter) and handle_of(t) is self:
                 v = self.value(t)
-                out[name] = v.detach().clone() if (self._alias or v is self._data.get(t)) \
-                    else v.detach()
+                live = self._ra.alias or v is self._ra.data.get(t)
+                out[name] = v.detach().clone() if live else v.detach()
             else:
                 out[name] = t.detach()
         return out
@@ -407,39 +394,27 @@ class OffloadHandle(ModuleHooks, ReadAhead):
         """
         if self._closed:
             return
-        if self._stack or graph_task() >= 0:
+        if self._hooks.in_model_pass:
             raise StateStoreError("offload handle: close() called during the model's forward "
                                   "or backward")
-        self._tasks.clear()
-        self._outer_task = None
-        self._bw.clear()
-        self._fwd.clear()
-        self._opt.clear()
-        self._opt_wait.clear()
+        self._hooks.stop()
+        ra = self._ra
         err = None
         try:
-            self._suspend()
-            self._run = None
-            values = {}
+            ra.stop()
             for p in self._params:
-                if p in self._data and not self._alias:
-                    values[p] = self._data[p]
+                if p in ra.data and not ra.alias:
+                    value = ra.data[p]
                 else:
-                    values[p] = self._mover.to_device(self.store.get(self._key[p]), owned=False) \
-                        if self.store.resident else \
-                        self._mover.to_device(self.store.get(self._key[p]), owned=True)
-                self._busy += 1
-                try:
-                    p.data = values.pop(p)
-                finally:
-                    self._busy -= 1
+                    value = ra.mover.to_device(self.store.get(self._key[p]),
+                                               owned=not self.store.resident)
+                ra.set_data(p, value)
         except BaseException as e:
             err = e
-        self._hooks.remove_all()
+        self._hooks.remove()
         for p in self._params:
             detach(p, self)
-        self._data.clear()
-        self._released.clear()
+        ra.forget()
         self._closed = True
         if err is not None:
             raise err

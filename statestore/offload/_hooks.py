@@ -1,24 +1,27 @@
 """The hooks through which an :class:`~statestore.offload.OffloadHandle` follows the model.
 
-:class:`ModuleHooks` installs and serves them: each module's forward pre-hook and forward
-hook (parameters held for the forward), a hook on each output's gradient and the unpacking of
-tensors saved for backward (held again for the backward), the parameters' gradient
-accumulation hooks (released after), a ``TorchFunctionMode`` (:class:`FetchMode`) for
-parameters read by a module that does not own them, the global optimizer step hooks
-(optimizers other than statestore's get every parameter for their ``step()``) and
-``model.state_dict()`` / ``load_state_dict()`` hooks.
+:class:`ModuleHooks`, an object the handle holds, installs and serves them: each module's
+forward pre-hook and forward hook (parameters held for the forward), a hook on each output's
+gradient and the unpacking of tensors saved for backward (held again for the backward), the
+parameters' gradient accumulation hooks (released after), a ``TorchFunctionMode``
+(:class:`FetchMode`) for parameters read by a module that does not own them, the global
+optimizer step hooks (optimizers other than statestore's get every parameter for their
+``step()``) and ``model.state_dict()`` / ``load_state_dict()`` hooks. It keeps who holds each parameter
+(:class:`~statestore.offload._readahead.Holds`) and moves data only through the handle's
+:class:`~statestore.offload._readahead.ReadAhead`.
 """
 from __future__ import annotations
 
 import weakref
-from typing import Callable, List, Set
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from .._hook_handles import HookHandles
 from ..errors import StateStoreValueError
-from ._readahead import Run
+from ._readahead import Holds, ReadAhead
 from ._seam import handle_of, updates_offloaded
 
 __all__ = ["ModuleHooks", "FetchMode", "Saved", "graph_task", "tensors_in",
@@ -103,24 +106,78 @@ def tensors_in(obj, depth: int = 0):
 
 
 class ModuleHooks:
-    """The hooks of :class:`~statestore.offload.OffloadHandle` (a base class of it: the
-    attributes used here are set by the handle's ``__init__``)."""
+    """The hooks of an :class:`~statestore.offload.OffloadHandle` (module docstring).
 
-    def _install_hooks(self) -> None:
-        for idx, m in enumerate(self._modules):
-            self._hooks.add(m.register_forward_pre_hook(self._make_pre(idx)))
-            self._hooks.add(m.register_forward_hook(self._make_post(idx), always_call=True))
-        for p in self._params:
+    Args:
+        owner: the handle (which parameters are its: ``handle_of(p) is owner``).
+        model: the module.
+        params: its offloaded parameters; names: every name of each (kept up to date by
+            the handle).
+        modules, mod_params: the modules owning parameters directly (and the root), in model
+            order, and their parameters (a list kept up to date in place).
+        ra: the handle's :class:`~statestore.offload._readahead.ReadAhead`.
+        holds: who holds each parameter (shared with ``ra``).
+    """
+
+    def __init__(self, owner, model: nn.Module, params: List[Tensor],
+                 names: Dict[Tensor, List[str]], modules: List[nn.Module],
+                 mod_params: List[List[Tensor]], ra: ReadAhead, holds: Holds):
+        self.owner, self.model, self.params, self.names = owner, model, params, names
+        self.modules, self.mod_params, self.ra, self.holds = modules, mod_params, ra, holds
+        self._uib: Set[Tensor] = set()          # parameters an optimizer updates in backward
+        self._opt_wait: Set[Tensor] = set()     # ... kept from their gradient to their update
+        self._applied: Set[Tensor] = set()      # ... updated before their accumulation hook
+        self._to_release: List[Tensor] = []
+        self._stack: List[Tuple[int, bool]] = []
+        self._outer_task: Optional[int] = None
+        self._tasks: Set[int] = set()
+        self._root_ctx: List[Any] = []
+        self._foreign: Dict[int, List[Tensor]] = {}
+        self._loading = False
+        self._handles = HookHandles()
+
+    def install(self) -> None:
+        """Register every hook (removed by :meth:`remove`)."""
+        add = self._handles.add
+        for idx, m in enumerate(self.modules):
+            add(m.register_forward_pre_hook(self._make_pre(idx)))
+            add(m.register_forward_hook(self._make_post(idx), always_call=True))
+        for p in self.params:
             if p.requires_grad:
-                self._hooks.add(p.register_hook(self._make_pre_acc(p)))
-                self._hooks.add(p.register_post_accumulate_grad_hook(self._post_acc))
-        self._hooks.add(self.model._register_state_dict_hook(self._state_dict_hook))
-        self._hooks.add(self.model.register_load_state_dict_pre_hook(self._load_pre_hook))
-        self._hooks.add(self.model.register_load_state_dict_post_hook(self._load_post_hook))
+                add(p.register_hook(self._make_pre_acc(p)))
+                add(p.register_post_accumulate_grad_hook(self._post_acc))
+        add(self.model._register_state_dict_hook(self._state_dict_hook))
+        add(self.model.register_load_state_dict_pre_hook(self._load_pre_hook))
+        add(self.model.register_load_state_dict_post_hook(self._load_post_hook))
         from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                            register_optimizer_step_pre_hook)
-        self._hooks.add(register_optimizer_step_pre_hook(self._before_step))
-        self._hooks.add(register_optimizer_step_post_hook(self._after_step))
+        add(register_optimizer_step_pre_hook(self._before_step))
+        add(register_optimizer_step_post_hook(self._after_step))
+
+    @property
+    def in_model_pass(self) -> bool:
+        """True during the model's forward or backward."""
+        return bool(self._stack) or graph_task() >= 0
+
+    def stop(self) -> None:
+        """The handle closes (outside any forward or backward): nothing holds a parameter."""
+        self._tasks.clear()
+        self._outer_task = None
+        self.holds.clear()
+        self._opt_wait.clear()
+
+    def remove(self) -> None:
+        self._handles.remove_all()
+
+    def _flush_releases(self) -> None:
+        todo, self._to_release = self._to_release, []
+        for p in todo:
+            self.ra.maybe_release(p)
+
+    def _event(self, idx: int) -> None:
+        """Module ``idx`` asks for its parameters (holds are added by the caller)."""
+        self._flush_releases()
+        self.ra.event(idx)
 
     def _note_task(self) -> int:
         task = graph_task()
@@ -134,23 +191,42 @@ class ModuleHooks:
 
     def _task_end(self, task: int) -> None:
         self._tasks.discard(task)
-        for p, tasks in self._bw.items():
+        for p, tasks in self.holds.bw.items():
             if task in tasks:
                 tasks.discard(task)
                 self._to_release.append(p)
         self._flush_releases()
         if task == self._outer_task:
             self._outer_task = None
-            self._end_iteration()
+            self.ra.end_iteration()
+
+    def _begin_iteration(self) -> None:
+        ra, holds = self.ra, self.holds
+        ra.end_iteration()
+        self._applied.clear()
+        for p in self._opt_wait:            # step() was not called: nothing will update them
+            holds.opt.discard(p)
+            self._to_release.append(p)
+        self._opt_wait.clear()
+        if self._tasks or self._outer_task is not None:
+            # a backward that raised never reached its end callbacks: no backward runs now
+            self._tasks.clear()
+            self._outer_task = None
+            for p, tasks in holds.bw.items():
+                if tasks:
+                    tasks.clear()
+                    self._to_release.append(p)
+            self._flush_releases()
+        ra.begin_iteration(torch.is_grad_enabled())
 
     # ------------------------------------------------------------------ hooks
     def _make_pre(self, idx: int):
         def pre(module, args):
-            self._busy += 1
+            self.ra.busy += 1
             try:
                 self._pre(idx, args)
             finally:
-                self._busy -= 1
+                self.ra.busy -= 1
         return pre
 
     def _pre(self, idx: int, args) -> None:
@@ -159,15 +235,16 @@ class ModuleHooks:
         if root and graph_task() < 0:
             self._begin_iteration()
             torch._C._autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
-            mode = FetchMode(self._released, lambda: self._busy > 0, self._fallback_forward)
+            ra = self.ra
+            mode = FetchMode(ra.released, lambda: ra.busy > 0, self._fallback_forward)
             mode.__enter__()
             self._root_ctx.append(mode)
             pushed = True
         self._stack.append((idx, pushed))
         self._event(idx)
-        for p in self._mod_params[idx]:
-            self._fwd[p] = self._fwd.get(p, 0) + 1
-        if torch.is_grad_enabled() and any(not p.requires_grad for p in self._mod_params[idx]):
+        for p in self.mod_params[idx]:
+            self.holds.fwd[p] = self.holds.fwd.get(p, 0) + 1
+        if torch.is_grad_enabled() and any(not p.requires_grad for p in self.mod_params[idx]):
             # (no input requiring grad: frozen parameters then serve no backward of it)
             for x in tensors_in(args):
                 if x.requires_grad:
@@ -175,24 +252,24 @@ class ModuleHooks:
 
     def _make_post(self, idx: int):
         def post(module, args, output):
-            self._busy += 1
+            self.ra.busy += 1
             try:
                 self._post(idx, output)
             finally:
-                self._busy -= 1
+                self.ra.busy -= 1
         return post
 
     def _post(self, idx: int, output) -> None:
         if not self._stack or self._stack[-1][0] != idx:
             return          # the pre-hook did not run (it raised before its push)
         _, pushed = self._stack.pop()
-        for p in self._mod_params[idx]:
-            n = self._fwd.get(p, 0) - 1
+        for p in self.mod_params[idx]:
+            n = self.holds.fwd.get(p, 0) - 1
             if n <= 0:
-                self._fwd.pop(p, None)
-                self._maybe_release(p)
+                self.holds.fwd.pop(p, None)
+                self.ra.maybe_release(p)
             else:
-                self._fwd[p] = n
+                self.holds.fwd[p] = n
         if pushed:
             mode = self._root_ctx.pop()
             mode.__exit__(None, None, None)
@@ -205,14 +282,14 @@ class ModuleHooks:
     def _backward_event(self, idx: int) -> None:
         task = self._note_task()
         self._event(idx)
-        for p in self._mod_params[idx]:
-            self._bw.setdefault(p, set()).add(task)
+        for p in self.mod_params[idx]:
+            self.holds.bw.setdefault(p, set()).add(task)
 
     def _inputs_done(self, idx: int) -> None:
         task = graph_task()
-        for p in self._mod_params[idx]:
-            if not p.requires_grad and task in self._bw.get(p, ()):
-                self._bw[p].discard(task)
+        for p in self.mod_params[idx]:
+            if not p.requires_grad and task in self.holds.bw.get(p, ()):
+                self.holds.bw[p].discard(task)
                 self._to_release.append(p)
 
     def _make_pre_acc(self, p: Tensor):
@@ -220,18 +297,18 @@ class ModuleHooks:
 
         def pre_acc(grad):
             q = ref()
-            if q is not None and q not in self._data:
+            if q is not None and q not in self.ra.data:
                 # backward reached the parameter without one of its modules asking for it:
                 # accumulating into a released parameter would give its gradient its layout
                 task = self._note_task()
-                self._fetch([q])
-                self._bw.setdefault(q, set()).add(task)
+                self.ra.fetch([q])
+                self.holds.bw.setdefault(q, set()).add(task)
             return None
         return pre_acc
 
     def _post_acc(self, p: Tensor) -> None:
         task = graph_task()
-        tasks = self._bw.get(p)
+        tasks = self.holds.bw.get(p)
         if tasks and task in tasks:
             tasks.discard(task)
         if p in self._applied:              # its update came first (the optimizer's hook ran
@@ -239,34 +316,32 @@ class ModuleHooks:
         elif p in self._uib:
             # an optimizer updates it during backward, maybe only once its states arrive:
             # keep it until then rather than read it again (released by end_update)
-            self._opt.add(p)
+            self.holds.opt.add(p)
             self._opt_wait.add(p)
         self._to_release.append(p)
 
     def _fallback_forward(self, p: Tensor) -> None:
         """A torch function reads released parameter ``p`` in the root's forward: fetch it
         and from now on with the innermost running module."""
-        self._busy += 1
+        self.ra.busy += 1
         try:
             idx = self._stack[-1][0] if self._stack else 0
-            if not any(q is p for q in self._mod_params[idx]):
-                self._mod_params[idx] = self._mod_params[idx] + [p]
-                self._plans.clear()
-                if self._run is not None:
-                    self._run.diverged = True
-                    self._close_window(self._run)
-            self._fetch([p])
-            self._fwd[p] = self._fwd.get(p, 0) + 1
+            if not any(q is p for q in self.mod_params[idx]):
+                self.mod_params[idx] = self.mod_params[idx] + [p]
+                self.ra.diverge()
+            self.ra.fetch([p])
+            self.holds.fwd[p] = self.holds.fwd.get(p, 0) + 1
         finally:
-            self._busy -= 1
+            self.ra.busy -= 1
 
     def _pack(self, t: Tensor):
-        if not self._data or t.device != self.device or t.layout != torch.strided:
+        data = self.ra.data
+        if not data or t.device != self.ra.device or t.layout != torch.strided:
             return t
         ptr = t.data_ptr()
         if ptr == 0:
             return t
-        for p, d in self._data.items():
+        for p, d in data.items():
             if d.dtype != t.dtype:
                 continue
             base = d.data_ptr()
@@ -282,55 +357,41 @@ class ModuleHooks:
         if not isinstance(x, Saved):
             return x
         p = x.p
-        if p not in self._data:
+        if p not in self.ra.data:
             task = self._note_task()
-            self._fetch([p])
-            self._bw.setdefault(p, set()).add(task)
-        d = self._data[p]
+            self.ra.fetch([p])
+            self.holds.bw.setdefault(p, set()).add(task)
+        d = self.ra.data[p]
         return d.as_strided(x.size, x.stride, d.storage_offset() + x.offset)
 
     # ------------------------------------------------------------------ optimizers
     def begin_update(self, items) -> None:
-        """Materialize the parameters of ``items`` (``(param, start, stop)``) for an
-        optimizer's update (:func:`~statestore.offload._seam.update_begin` calls it)."""
+        """The handle's ``begin_update``: materialize the parameters of ``items``."""
         ps = [p for p, _, _ in items]
         if graph_task() >= 0:
             self._uib.update(ps)            # updated during backward (update_in_backward)
-        self._fetch(ps)
-        self._opt.update(ps)
+        self.ra.fetch(ps)
+        self.holds.opt.update(ps)
 
     def end_update(self, items) -> None:
-        """After the update of ``items``: a parameter whose last range was updated is
-        written back to the store and released."""
+        """The handle's ``end_update``: write back and release fully updated parameters."""
         for p, a, b in items:
             if b >= p.numel():
-                self._write_back(p)
-                self._opt.discard(p)
+                self.ra.write_back(p)
+                self.holds.opt.discard(p)
                 if p in self._opt_wait:
                     self._opt_wait.discard(p)
                 elif graph_task() >= 0:
                     self._applied.add(p)
-                self._maybe_release(p)
-
-    def _write_back(self, p: Tensor) -> None:
-        if self._alias or p not in self._data:
-            return
-        t = self._data[p]
-        if self.store.resident:
-            self.store.put(self._key[p], t)
-            return
-        self._dirty[p] = t
-        run = self._run
-        if run is None or run.window is None:
-            self._flush_dirty()
+                self.ra.maybe_release(p)
 
     def _ours(self, optimizer) -> List[Tensor]:
         return [p for g in optimizer.param_groups for p in g["params"]
-                if handle_of(p) is self]
+                if handle_of(p) is self.owner]
 
     def _before_step(self, optimizer, args, kwargs) -> None:
         if updates_offloaded(optimizer):
-            if self._io and getattr(optimizer, "state_store", None) is self.store \
+            if self.ra.io and getattr(optimizer, "state_store", None) is self.ra.store \
                     and self._ours(optimizer):
                 raise StateStoreValueError(
                     f"{type(optimizer).__name__}: its state_store is the store the parameters "
@@ -339,58 +400,45 @@ class ModuleHooks:
             return      # updates parameters a unit at a time through update_begin/update_end
         ps = self._ours(optimizer)
         if ps:          # another optimizer reads every parameter: materialize them all
-            self._fetch(ps)
-            self._opt.update(ps)
+            self.ra.fetch(ps)
+            self.holds.opt.update(ps)
             self._foreign[id(optimizer)] = ps
 
     def _after_step(self, optimizer, args, kwargs) -> None:
         ps = self._foreign.pop(id(optimizer), None)
         if ps:
             for p in ps:
-                self._write_back(p)
-                self._opt.discard(p)
-                self._maybe_release(p)
-        if not self._io or self._run is not None or self._next_run is not None:
-            return
-        plan = self._plans.get(True)
-        if plan and self.prefetch > 0 and (ps or self._ours(optimizer)):
-            # the next iteration's first modules are read while the caller zeroes
-            # gradients and loads the next batch
-            self._flush_dirty()
-            run = Run(True, plan)
-            self._open_window(run, 0)
-            self._next_run = run
+                self.ra.write_back(p)
+                self.holds.opt.discard(p)
+                self.ra.maybe_release(p)
+        if self.ra.io and (ps or self._ours(optimizer)):
+            self.ra.read_next_iteration()
 
     # ------------------------------------------------------------------ model.state_dict()
     def _state_dict_hook(self, module, state_dict, prefix, local_metadata) -> None:
         """``model.state_dict()`` gives the stored values (``keep_vars=True``: the
         parameters themselves, as torch)."""
-        for p in self._params:
-            for n in self._names[p]:
+        for p in self.params:
+            for n in self.names[p]:
                 k = prefix + n
                 v = state_dict.get(k)
                 if v is not None and not isinstance(v, nn.Parameter):
-                    state_dict[k] = self.value(p).detach()
+                    state_dict[k] = self.ra.value(p).detach()
 
     def _load_pre_hook(self, module, state_dict, prefix, *args) -> None:
         """``model.load_state_dict()``: every parameter materialized for torch to copy into,
         written back by :meth:`_load_post_hook`."""
-        self._suspend()
-        self._fetch(self._params)
-        self._opt.update(self._params)
+        self.ra.suspend()
+        self.ra.fetch(self.params)
+        self.holds.opt.update(self.params)
         self._loading = True
 
     def _load_post_hook(self, module, incompatible_keys) -> None:
-        if not getattr(self, "_loading", False):
+        if not self._loading:
             return
         self._loading = False
-        for p in self._params:
-            if self._alias or p not in self._data:
-                pass
-            elif self.store.resident:
-                self.store.put(self._key[p], self._data[p])
-            else:
-                self._dirty[p] = self._data[p]
-            self._opt.discard(p)
-            self._maybe_release(p)
-        self._flush_dirty()
+        for p in self.params:
+            self.ra.stage_write(p)
+            self.holds.opt.discard(p)
+            self.ra.maybe_release(p)
+        self.ra.flush_dirty()

@@ -1,25 +1,26 @@
 """Materializing and releasing offloaded parameters, and reading them ahead.
 
-:class:`ReadAhead` is the part of :class:`~statestore.offload.OffloadHandle` that moves
-data: a parameter is materialized (``_set``) from a synchronous read (``_fetch``) or from
-the read-ahead window, and released (``_release_now``) when no forward, backward or
-optimizer update holds it. The handle records, per iteration (:class:`Run`), the order in
-which modules ask for their parameters and, in the next iteration, reads up to ``prefetch``
-modules ahead through one store pipeline at a time (:class:`Window`); updated parameters of a
-disk store are written back (write-behind) when a window closes, never while a read pipeline
-is open on the store.
+:class:`ReadAhead` is the object of an :class:`~statestore.offload.OffloadHandle` that
+moves data: a parameter is materialized (:meth:`~ReadAhead.set`) from a synchronous read
+(:meth:`~ReadAhead.fetch`) or from the read-ahead window, and released
+(:meth:`~ReadAhead.release_now`) when no forward, backward or optimizer update holds it
+(:class:`Holds`, kept by the handle's :class:`~statestore.offload._hooks.ModuleHooks`). It
+records, per iteration (:class:`Run`), the order in which modules ask for their parameters
+and, in the next iteration, reads up to ``prefetch`` modules ahead through one store pipeline
+at a time (:class:`Window`); updated parameters of a disk store are written back
+(write-behind) when a window closes, never while a read pipeline is open on the store.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import Tensor
 
 from .._stream import chunk_ranges
-from .._types import Slice, StateSpec
+from .._types import Slice, StateKey, StateSpec
 
-__all__ = ["ReadAhead", "Run", "Window", "round_up"]
+__all__ = ["Holds", "ReadAhead", "Run", "Window", "round_up"]
 
 
 def round_up(n: int, a: int) -> int:
@@ -47,48 +48,115 @@ class Run:
         self.window: Optional[Window] = None
 
 
+class Holds:
+    """Who holds each materialized parameter: forwards running (a count), backward graph
+    tasks (ids), optimizer updates. The hooks keep it; a parameter held by none is released.
+    """
+
+    __slots__ = ("fwd", "bw", "opt")
+
+    def __init__(self) -> None:
+        self.fwd: Dict[Tensor, int] = {}
+        self.bw: Dict[Tensor, Set[int]] = {}
+        self.opt: Set[Tensor] = set()
+
+    def held(self, p: Tensor) -> bool:
+        return self.fwd.get(p, 0) > 0 or bool(self.bw.get(p)) or p in self.opt
+
+    def clear(self) -> None:
+        self.fwd.clear()
+        self.bw.clear()
+        self.opt.clear()
+
+
 class ReadAhead:
-    """Data movement of :class:`~statestore.offload.OffloadHandle` (a base class of it: the
-    attributes used here are set by the handle's ``__init__``)."""
+    """Data movement of an :class:`~statestore.offload.OffloadHandle` (module docstring).
+
+    Args:
+        store, device, prefetch: the handle's.
+        mover: copies between the store's tensors and ``device`` (``_device.Mover``).
+        keys, by_key: each parameter's store key and back (dicts the handle keeps up to
+            date).
+        mod_params: each hooked module's parameters (a list the handle and the hooks keep
+            up to date in place).
+        holds: who holds each parameter (:class:`Holds`).
+
+    Attributes:
+        data: the materialized parameters and their data.
+        released: the parameters released now (a live set the hooks' fetch mode reads).
+        busy: > 0 while the handle itself sets parameters' data (the fetch mode stands by).
+        stats: reads, bytes read, writes, reads made outside the read-ahead.
+    """
+
+    def __init__(self, store, device: torch.device, prefetch: int, mover,
+                 keys: Dict[Tensor, StateKey], by_key: Dict[StateKey, Tensor],
+                 mod_params: List[List[Tensor]], holds: Holds):
+        self.store, self.device, self.prefetch, self.mover = store, device, prefetch, mover
+        self.keys, self.by_key, self.mod_params, self.holds = keys, by_key, mod_params, holds
+        self.alias = store.resident and store.device == device
+        self.io = not store.resident
+        self.data: Dict[Tensor, Tensor] = {}
+        self.released: Set[Tensor] = set()
+        self.busy = 0
+        self.stats = {"reads": 0, "read_bytes": 0, "writes": 0, "sync_reads": 0}
+        self._dirty: Dict[Tensor, Tensor] = {}      # updated values not yet written back
+        self._slices: Dict[Tensor, List[Slice]] = {}
+        self._placeholders: Dict[Tuple[torch.dtype, torch.device], Tensor] = {}
+        # iterations and their recorded order of module requests (by grad mode)
+        self._plans: Dict[bool, List[int]] = {}
+        self._run: Optional[Run] = None
+        self._next_run: Optional[Run] = None
 
     # ------------------------------------------------------------------ materialize / release
-    def _set(self, p: Tensor, t: Tensor) -> None:
-        self._busy += 1
+    def _placeholder(self, p: Tensor) -> Tensor:
+        if p.numel() == 0:
+            return torch.empty(p.shape, dtype=p.dtype, device=self.device)
+        k = (p.dtype, self.device)
+        base = self._placeholders.get(k)
+        if base is None:
+            fill = float("nan") if p.dtype.is_floating_point else 0
+            base = torch.full((1,), fill, dtype=p.dtype, device=self.device)
+            self._placeholders[k] = base
+        return base.view(()).expand(p.shape)
+
+    def set_data(self, p: Tensor, t: Tensor) -> None:
+        """``p.data = t`` with the fetch mode standing by."""
+        self.busy += 1
         try:
             p.data = t
         finally:
-            self._busy -= 1
-        self._data[p] = t
-        self._released.discard(p)
+            self.busy -= 1
 
-    def _release_now(self, p: Tensor) -> None:
-        self._busy += 1
-        try:
-            p.data = self._placeholder(p)
-        finally:
-            self._busy -= 1
-        self._data.pop(p, None)
+    def set(self, p: Tensor, t: Tensor) -> None:
+        """``p`` is materialized with data ``t``."""
+        self.set_data(p, t)
+        self.data[p] = t
+        self.released.discard(p)
+
+    def release_now(self, p: Tensor) -> None:
+        """``p``'s data becomes the placeholder (its value stays in the store)."""
+        self.set_data(p, self._placeholder(p))
+        self.data.pop(p, None)
         if p.numel():
-            self._released.add(p)
+            self.released.add(p)
 
-    def _held(self, p: Tensor) -> bool:
-        return self._fwd.get(p, 0) > 0 or bool(self._bw.get(p)) or p in self._opt
+    def maybe_release(self, p: Tensor) -> None:
+        """Release ``p`` when materialized and held by nobody."""
+        if p in self.data and not self.holds.held(p):
+            self.release_now(p)
 
-    def _maybe_release(self, p: Tensor) -> None:
-        if p in self._data and not self._held(p):
-            self._release_now(p)
+    def forget(self) -> None:
+        """The handle closes: no parameter is materialized or released any more."""
+        self.data.clear()
+        self.released.clear()
 
-    def _flush_releases(self) -> None:
-        todo, self._to_release = self._to_release, []
-        for p in todo:
-            self._maybe_release(p)
-
-    def _slices_of(self, p: Tensor) -> List[Slice]:
+    def slices_of(self, p: Tensor) -> List[Slice]:
+        """The store slices of ``p``'s data, in order (each at most a unit)."""
         s = self._slices.get(p)
         if s is None:
             n = p.numel()
             limit = self.store.unit_bytes or max(n * p.dtype.itemsize, 1)
-            k = self._key[p]
+            k = self.keys[p]
             spec = StateSpec(tuple(p.shape), p.dtype)
             s = [Slice(k, a, b) for a, b in
                  chunk_ranges(spec, limit, self.store.cut_alignment(limit))] if n else []
@@ -104,7 +172,7 @@ class ReadAhead:
         cur_b = 0
         for p in dict.fromkeys(ps):
             size = p.dtype.itemsize
-            for s in self._slices_of(p):
+            for s in self.slices_of(p):
                 nb = round_up(max(s.numel * size, 1), align)
                 if cur and limit is not None and cur_b + nb > limit:
                     units.append(cur)
@@ -115,58 +183,83 @@ class ReadAhead:
             units.append(cur)
         return units
 
-    def _fetch(self, ps: Sequence[Tensor]) -> None:
+    def fetch(self, ps: Sequence[Tensor]) -> None:
         """Materialize ``ps`` now (synchronously); read-ahead in flight is dropped."""
-        need = [p for p in dict.fromkeys(ps) if p not in self._data]
+        need = [p for p in dict.fromkeys(ps) if p not in self.data]
         if not need:
             return
         store = self.store
-        if self._alias:
+        if self.alias:
             for p in need:
-                self._set(p, store.get(self._key[p]))
+                self.set(p, store.get(self.keys[p]))
             return
         if store.resident:
             for p in need:
-                self._set(p, self._mover.to_device(store.get(self._key[p]), owned=False))
+                self.set(p, self.mover.to_device(store.get(self.keys[p]), owned=False))
             return
         rest = [p for p in need if not self._set_local(p)]
         if not rest:
             return
-        self._suspend()
-        self._stats["sync_reads"] += 1
-        dest = {p: self._mover.host_buffer(p.numel(), p.dtype) for p in rest}
+        self.suspend()
+        self.stats["sync_reads"] += 1
+        dest = {p: self.mover.host_buffer(p.numel(), p.dtype) for p in rest}
         units = self._units_of(rest)
         with store.pipeline(units, mode="r", wait=False) as pipe:
             for unit, tensors in zip(units, pipe):
                 for s, t in zip(unit, tensors):
-                    dest[self._by_key[s.key]][s.start:s.stop].copy_(t)
+                    dest[self.by_key[s.key]][s.start:s.stop].copy_(t)
         for p in rest:
             self._count_read(p)
-            self._set(p, self._mover.to_device(dest[p].view(p.shape), owned=True))
+            self.set(p, self.mover.to_device(dest[p].view(p.shape), owned=True))
 
     def _set_local(self, p: Tensor) -> bool:
         """Materialize ``p`` without the store where it can be: from its update not yet
         written back, or empty (no elements). False: it needs a read."""
         if p in self._dirty:
-            self._set(p, self._dirty[p])
+            self.set(p, self._dirty[p])
         elif p.numel() == 0:
-            self._set(p, torch.empty(p.shape, dtype=p.dtype, device=self.device))
+            self.set(p, torch.empty(p.shape, dtype=p.dtype, device=self.device))
         else:
             return False
         return True
 
     def _count_read(self, p: Tensor) -> None:
-        self._stats["reads"] += 1
-        self._stats["read_bytes"] += p.numel() * p.dtype.itemsize
+        self.stats["reads"] += 1
+        self.stats["read_bytes"] += p.numel() * p.dtype.itemsize
 
     def value(self, p: Tensor) -> Tensor:
         """``p``'s current value (read from the store if needed, not kept materialized)."""
-        if p in self._data:
-            return self._data[p]
-        self._fetch([p])
-        t = self._data[p]
-        self._maybe_release(p)
+        if p in self.data:
+            return self.data[p]
+        self.fetch([p])
+        t = self.data[p]
+        self.maybe_release(p)
         return t
+
+    # ------------------------------------------------------------------ write-back
+    def stage_write(self, p: Tensor) -> None:
+        """``p``'s data was updated: into the store now (resident stores), or kept to be
+        written back (disk stores: :meth:`flush_dirty`). Nothing for an alias."""
+        if self.alias or p not in self.data:
+            return
+        if self.store.resident:
+            self.store.put(self.keys[p], self.data[p])
+        else:
+            self._dirty[p] = self.data[p]
+
+    def write_back(self, p: Tensor) -> None:
+        """As :meth:`stage_write`, and written back at once unless a read-ahead window is
+        open (then when it closes)."""
+        self.stage_write(p)
+        run = self._run
+        if p in self._dirty and (run is None or run.window is None):
+            self.flush_dirty()
+
+    def flush_dirty(self) -> None:
+        todo, self._dirty = self._dirty, {}
+        for p, t in todo.items():
+            self.store.put(self.keys[p], self.mover.to_host(t))
+            self.stats["writes"] += 1
 
     # ------------------------------------------------------------------ read-ahead windows
     def _open_window(self, run: Run, start: int) -> None:
@@ -175,7 +268,7 @@ class ReadAhead:
         limit = max(1, self.prefetch)
         budget = self.store.budget_bytes // 2
         for i in range(start, len(run.plan)):
-            ps = self._mod_params[run.plan[i]]
+            ps = self.mod_params[run.plan[i]]
             units = self._units_of(ps)
             nb = sum(round_up(max(s.numel * self.store.spec(s.key).itemsize, 1),
                                self.store.alignment) for u in units for s in u)
@@ -187,26 +280,26 @@ class ReadAhead:
         pipe = self.store.pipeline(flat, mode="r", wait=False) if flat else None
         run.window = Window(pipe, start, events)
 
-    def _close_window(self, run: Optional[Run]) -> None:
+    @staticmethod
+    def _close_window(run: Optional[Run]) -> None:
         if run is None or run.window is None:
             return
         w, run.window = run.window, None
         if w.pipe is not None:
             w.pipe.close()
 
-    def _suspend(self) -> None:
+    def suspend(self) -> None:
         """Before any other use of the store: close the read-ahead pipelines (reads in flight
         are drained, their data dropped) and write the updated parameters back."""
         self._close_window(self._run)
         self._close_window(self._next_run)
         self._next_run = None
-        self._flush_dirty()
+        self.flush_dirty()
 
-    def _flush_dirty(self) -> None:
-        todo, self._dirty = self._dirty, {}
-        for p, t in todo.items():
-            self.store.put(self._key[p], self._mover.to_host(t))
-            self._stats["writes"] += 1
+    def stop(self) -> None:
+        """:meth:`suspend`, and no iteration runs any more (the handle closes)."""
+        self.suspend()
+        self._run = None
 
     def _take_planned(self, run: Run) -> None:
         w = run.window
@@ -217,35 +310,35 @@ class ReadAhead:
         _, units, ps = w.events[run.pos - w.start]
         dest: Dict[Tensor, Tensor] = {}
         for p in ps:
-            if p not in self._data and p not in self._dirty and p.numel():
-                dest[p] = self._mover.host_buffer(p.numel(), p.dtype)
+            if p not in self.data and p not in self._dirty and p.numel():
+                dest[p] = self.mover.host_buffer(p.numel(), p.dtype)
         for unit in units:
             tensors = next(w.pipe)
             for s, t in zip(unit, tensors):
-                d = dest.get(self._by_key[s.key])
+                d = dest.get(self.by_key[s.key])
                 if d is not None:
                     d[s.start:s.stop].copy_(t)
         for p in ps:
-            if p in self._data or self._set_local(p):
+            if p in self.data or self._set_local(p):
                 continue
             self._count_read(p)
-            self._set(p, self._mover.to_device(dest[p].view(p.shape), owned=True))
+            self.set(p, self.mover.to_device(dest[p].view(p.shape), owned=True))
         run.pos += 1
         if run.pos == w.start + len(w.events):
             self._close_window(run)
-            self._flush_dirty()
+            self.flush_dirty()
             if run.pos < len(run.plan) and self.prefetch > 0:
                 self._open_window(run, run.pos)
 
-    def _event(self, idx: int) -> None:
-        """Module ``idx`` asks for its parameters (holds are added by the caller)."""
-        self._flush_releases()
+    def event(self, idx: int) -> None:
+        """Module ``idx`` asks for its parameters (holds are added by the caller): taken
+        from the read-ahead window when it comes in the recorded order, else read now."""
         run = self._run
         if run is not None:
             run.record.append(idx)
-        ps = self._mod_params[idx]
-        if not self._io:
-            self._fetch(ps)
+        ps = self.mod_params[idx]
+        if not self.io:
+            self.fetch(ps)
             return
         if run is not None and not run.diverged:
             if run.pos < len(run.plan) and run.plan[run.pos] == idx:
@@ -253,27 +346,24 @@ class ReadAhead:
                 return
             run.diverged = True
             self._close_window(run)
-        self._fetch(ps)
+        self.fetch(ps)
+
+    def diverge(self) -> None:
+        """A module's parameters changed: the recorded orders are forgotten and the running
+        iteration reads without a plan."""
+        self._plans.clear()
+        if self._run is not None:
+            self._run.diverged = True
+            self._close_window(self._run)
 
     # ------------------------------------------------------------------ iterations
-    def _begin_iteration(self) -> None:
-        if self._run is not None:
-            self._end_iteration()
-        self._applied.clear()
-        for p in self._opt_wait:            # step() was not called: nothing will update them
-            self._opt.discard(p)
-            self._to_release.append(p)
-        self._opt_wait.clear()
-        if self._tasks or self._outer_task is not None:
-            # a backward that raised never reached its end callbacks: no backward runs now
-            self._tasks.clear()
-            self._outer_task = None
-            for p, tasks in self._bw.items():
-                if tasks:
-                    tasks.clear()
-                    self._to_release.append(p)
-            self._flush_releases()
-        grad = torch.is_grad_enabled()
+    @property
+    def in_iteration(self) -> bool:
+        return self._run is not None
+
+    def begin_iteration(self, grad: bool) -> None:
+        """The root's forward starts (the previous iteration is ended first by the caller):
+        the run read ahead after the last step is taken when it fits ``grad``."""
         nxt, self._next_run = self._next_run, None
         if nxt is not None and nxt.grad == grad and nxt.plan is self._plans.get(grad):
             self._run = nxt
@@ -281,12 +371,25 @@ class ReadAhead:
             self._close_window(nxt)
             self._run = Run(grad, self._plans.get(grad))
 
-    def _end_iteration(self) -> None:
+    def end_iteration(self) -> None:
         run, self._run = self._run, None
         if run is None:
             return
         self._close_window(run)
-        if self._io:
-            self._flush_dirty()
+        if self.io:
+            self.flush_dirty()
         if run.record:
             self._plans[run.grad] = run.record
+
+    def read_next_iteration(self) -> None:
+        """After an optimizer step: start reading the next iteration's first modules (while
+        the caller zeroes gradients and loads the next batch), when a disk store has a
+        recorded order and nothing runs."""
+        if not self.io or self._run is not None or self._next_run is not None:
+            return
+        plan = self._plans.get(True)
+        if plan and self.prefetch > 0:
+            self.flush_dirty()
+            run = Run(True, plan)
+            self._open_window(run, 0)
+            self._next_run = run
