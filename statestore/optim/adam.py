@@ -140,12 +140,8 @@ class _StoreAdam(StateStoreOptimizer):
 
     def _planner(self):
         """The stepper's planner, holding the layout (not the optimizer)."""
-        from ._plan import plan_step
-        keys, layout = self._keys, self._layout
-
-        def plan(store, items, order=None):
-            return plan_step(store, items, keys, layout, order)
-        return plan
+        from ._plan import PlanMemo
+        return PlanMemo(self._keys, self._layout)
 
     # ------------------------------------------------------------------ set-up
     def _wants_hook(self, p: Tensor) -> bool:

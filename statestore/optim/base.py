@@ -33,7 +33,7 @@ from ._args import check_params
 from ._dtensor import DTensorParams
 from ._layout import StateLayout
 from ._metadata import metadata_source, resume
-from ._plan import Work, collect_work, ensure_states, plan_step
+from ._plan import PlanMemo, Work, collect_work, ensure_states
 from ._shared import attach, check_keys, share_of
 from ._sharding import Sharding, check_not_partial, refuse_partial, shard_state_dict
 from ._state import OptimizerState
@@ -403,7 +403,10 @@ class StateStoreOptimizer(torch.optim.Optimizer):
         return loss
 
     def _plan(self, store: StateStore, items, order: Optional[Dict[Tensor, int]] = None):
-        return plan_step(store, items, self._keys, self._layout, order)
+        memo = self.__dict__.get("_plan_memo")
+        if memo is None or memo.keys is not self._keys or memo.layout is not self._layout:
+            memo = self._plan_memo = PlanMemo(self._keys, self._layout)
+        return memo(store, items, order)
 
     def _step_store(self, store: StateStore, items, grads: Dict[Tensor, Tensor],
                     grad_scale: float) -> None:
