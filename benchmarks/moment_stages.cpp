@@ -115,9 +115,9 @@ __attribute__((noinline)) void st_hash(float* o, int64_t n) {
 }
 __attribute__((noinline)) void st_int8_decode(const int8_t* mc, const uint8_t* vc, float sm, float sv,
                                               float* mo, float* vo, int64_t n) {
-  const F smv = V::set1(sm * 0x1p112f), svv = V::set1(sv * 0x1p112f);
+  const F smv = V::set1(sm * 0x1p112f), smn = V::set1(-sm * 0x1p112f), svv = V::set1(sv * 0x1p112f);
   for (int64_t i = 0; i + W <= n; i += W) {
-    V::store(mo + i, VecF8<V>::decode_m<true>(V::load_i8_i(mc + i), smv));
+    V::store(mo + i, VecF8<V>::decode_m<true>(V::load_i8_i(mc + i), smv, smn));
     V::store(vo + i, VecF8<V>::decode_v<true>(V::load_u8_i(vc + i), svv));
   }
 }

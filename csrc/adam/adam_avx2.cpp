@@ -129,6 +129,14 @@ struct Avx2Ops {
     x = _mm_max_epu32(x, _mm_shuffle_epi32(x, 0xb1));
     return static_cast<uint32_t>(_mm_cvtsi128_si32(x));
   }
+  static uint32_t hminu(I a) {
+    __m128i x = _mm_min_epu32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+    x = _mm_min_epu32(x, _mm_shuffle_epi32(x, 0x4e));
+    x = _mm_min_epu32(x, _mm_shuffle_epi32(x, 0xb1));
+    return static_cast<uint32_t>(_mm_cvtsi128_si32(x));
+  }
+  // per lane: c's sign bit set ? neg : pos
+  static F select_sign(I c, F neg, F pos) { return _mm256_blendv_ps(pos, neg, _mm256_castsi256_ps(c)); }
   static I mini(I a, I b) { return _mm256_min_epi32(a, b); }
   static int32_t hmini(I a) {
     __m128i x = _mm_min_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
@@ -149,7 +157,8 @@ struct Avx2Ops {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(pm), _mm256_castsi256_si128(x));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(pv), _mm256_extracti128_si256(x, 1));
   }
-  // km (-127..127) to 8 int8 at pm, kv (0..255) to 8 uint8 at pv
+  // the low bytes of km to 8 int8 at pm (km within int16: -127..127, or the code minus a
+  // multiple of 256, adam_moments_body.h), kv (0..255) to 8 uint8 at pv
   static void store_codes(int8_t* pm, uint8_t* pv, I km, I kv) {
     const __m256i w = _mm256_packs_epi32(km, kv);               // [m0-3 v0-3 | m4-7 v4-7] int16
     const __m256i lo = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, -1, -1, -1, -1, -1, -1, -1, -1,

@@ -117,6 +117,9 @@ struct Avx512Ops {
     return _mm512_mask_sub_epi32(k, _mm512_movepi32_mask(_mm512_castps_si512(x)), _mm512_setzero_si512(), k);
   }
   static uint32_t hmaxu(I a) { return _mm512_reduce_max_epu32(a); }
+  static uint32_t hminu(I a) { return _mm512_reduce_min_epu32(a); }
+  // per lane: c's sign bit set ? neg : pos
+  static F select_sign(I c, F neg, F pos) { return _mm512_mask_blend_ps(_mm512_movepi32_mask(c), pos, neg); }
   static I mini(I a, I b) { return _mm512_min_epi32(a, b); }
   static int32_t hmini(I a) { return _mm512_reduce_min_epi32(a); }
   static bool any_nan2(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q) != 0; }

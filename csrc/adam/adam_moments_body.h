@@ -105,15 +105,18 @@ struct VecF8 {
   // (benchmarks/adam_step.py --stages), cost no more than normal ones.
   template <int MB>
   static F val_2m112(I k) { return V::casti(V::template slli<23 - MB>(k)); }
-  // exp_avg from codes c (sign-extended int8) and the block's scale: sign(c) val(|c|) scale
-  // (the sign is the code's sign bit moved onto the product: negation is exact).
+  // exp_avg from codes c (sign-extended int8) and the block's scale: sign(c) val(|c|) scale,
+  // computed as val(|c|) (sign(c) scale): a product's sign is the xor of its factors' signs
+  // and its magnitude does not depend on them, so the bits are the same (NaN scales too:
+  // the product is that NaN, with the sign flipped where c < 0, as negating after). The
+  // lane picks scale or -scale by c's sign bit: one blend instead of an and and an xor.
   // kFast: `scale` is scale * 2^112 (exact: fast_decode_ok) and val(|c|) * 2^-112 is
   // multiplied: the same real product, so the same rounding.
   template <bool kFast>
-  static F decode_m(I c, F scale) {
+  static F decode_m(I c, F scale, F neg_scale) {
     const I k = V::absi(c);
-    const F x = V::mul(kFast ? val_2m112<statestore::kMBitsM>(k) : val<statestore::kMBitsM>(k), scale);
-    return V::casti(V::xori(V::castf(x), V::andi(c, V::seti(0x80000000u))));
+    return V::mul(kFast ? val_2m112<statestore::kMBitsM>(k) : val<statestore::kMBitsM>(k),
+                  V::select_sign(c, neg_scale, scale));
   }
   // exp_avg_sq from codes c (zero-extended uint8): (val(c) scale)^2; kFast as decode_m
   template <bool kFast>
@@ -148,16 +151,25 @@ struct VecF8 {
     const F u = kStoch ? VecHash<V>::uniform(h) : V::set1(0.5f);
     return V::cvtt_f2i(V::fma(r, V::set1(static_cast<float>(1u << (14 + MB))), u));
   }
-  template <int MB>
-  static I clamp(I k) { return V::minu(k, V::seti((1u << (MB + 4)) - 1u)); }
+  // The clamp to the largest code, with stochastic rounding only. With nearest rounding no
+  // code can exceed it: the codes are taken against the scale of the block's own largest
+  // value, so every ratio is at most largest * (1 / (largest * kInvTop)), which is 1/kInvTop
+  // (1.8750001, 1.9375001) to two float roundings (a subnormal 1/scale, for blocks near
+  // FLT_MAX, still within 3e-7): below the midpoint to the next code (1.9375, 1.96875), so
+  // nearest rounding gives at most the largest code and f8_code's clamp never acts.
+  template <int MB, bool kStoch>
+  static I clamp(I k) {
+    if constexpr (kStoch) return V::minu(k, V::seti((1u << (MB + 4)) - 1u));
+    return k;
+  }
   template <int MB, bool kStoch>
   static I code(F r, I h) {
-    return clamp<MB>(V::selecti(V::ltf(r, V::set1(statestore::k2m14)), sub_code<MB, kStoch>(r, h),
+    return clamp<MB, kStoch>(V::selecti(V::ltf(r, V::set1(statestore::k2m14)), sub_code<MB, kStoch>(r, h),
                                 normal_code<MB, kStoch>(r, h)));
   }
   // code() for ratios known to be >= 2^-14
   template <int MB, bool kStoch>
-  static I code_normal(F r, I h) { return clamp<MB>(normal_code<MB, kStoch>(r, h)); }
+  static I code_normal(F r, I h) { return clamp<MB, kStoch>(normal_code<MB, kStoch>(r, h)); }
 };
 
 template <class V>
@@ -230,9 +242,11 @@ struct SimdMoments {
   // Pass 2 of an int8 block: the codes of [b, e) from the new moments mt and the square roots
   // of the new exp_avg_sq vt (vector part; the caller does the tail). kOk: both scales are
   // positive (the common case, no test in the loop); else okm/okv say which moment is coded
-  // and which is zeros. kVNormal (with kOk): every sqrt(v) of the block is at least 2^-14 of
-  // its scale, so exp_avg_sq's codes need no subnormal step (f8_code's other branch).
-  template <bool kStoch, bool kOk, bool kVNormal>
+  // and which is zeros. kNormal (with kOk): every |m| and every sqrt(v) of the block is at
+  // least 2^-14 of its scale, so neither code needs the subnormal step (f8_code's other
+  // branch); kVNormal: the same for sqrt(v) alone. sqrt(v) >= +0 (v >= +0, above), so its
+  // ratio needs no abs.
+  template <bool kStoch, bool kOk, bool kVNormal, bool kMNormal = false>
   static int64_t encode_int8(const AdamTensorArgs& a, int64_t b, int64_t e, const float* mt,
                              const float* vt, const QScale& qm, const QScale& qv) {
     int8_t* const mo = static_cast<int8_t*>(a.m);
@@ -249,11 +263,23 @@ struct SimdMoments {
       const I hm = kStoch ? VecHash<V>::mix(weyl, a.seed_m) : zero;
       const I hv = kStoch ? VecHash<V>::mix(weyl, a.seed_v) : zero;
       if constexpr (kStoch) weyl = V::addi(weyl, step);
-      I km = V::neg_where_sign(
-          VecF8<V>::template code<statestore::kMBitsM, kStoch>(V::mul(V::abs(m), invm), hm), m);
-      I kv = kVNormal
-          ? VecF8<V>::template code_normal<statestore::kMBitsV, kStoch>(V::mul(V::abs(s), invv), hv)
-          : VecF8<V>::template code<statestore::kMBitsV, kStoch>(V::mul(V::abs(s), invv), hv);
+      const F rv = V::mul(s, invv);
+      I km;
+      if constexpr (kMNormal && !kStoch) {
+        // the code of m * inv from its bits with the sign bit left in: the rounding reads
+        // only the bits below it, and the sign bit adds 2^(31 - kDrop) = 2048 to the code,
+        // a multiple of 256: the low byte, all that is stored, is the same once negated
+        // (no abs; no clamp: nearest rounding, see VecF8::clamp)
+        km = V::neg_where_sign(
+            VecF8<V>::template normal_code<statestore::kMBitsM, false>(V::mul(m, invm), zero), m);
+      } else {
+        const F rm = V::mul(V::abs(m), invm);
+        km = V::neg_where_sign(kMNormal ? VecF8<V>::template code_normal<statestore::kMBitsM, kStoch>(rm, hm)
+                                        : VecF8<V>::template code<statestore::kMBitsM, kStoch>(rm, hm),
+                               m);
+      }
+      I kv = kVNormal ? VecF8<V>::template code_normal<statestore::kMBitsV, kStoch>(rv, hv)
+                      : VecF8<V>::template code<statestore::kMBitsV, kStoch>(rv, hv);
       if constexpr (!kOk) {
         if (!okm) km = zero;
         if (!okv) kv = zero;
@@ -272,23 +298,29 @@ struct SimdMoments {
 
   // Pass 1 of an int8 block, vector part: decode with the old scales, update, write w (and
   // the parameter), keep the new moments in mt and sqrt of exp_avg_sq in vt; returns the
-  // first element not done. am, av: the largest |m| and |v| as unsigned integers (for floats
+  // first element not done. am, av: the largest |m| and v as unsigned integers (for floats
   // of one sign the bits order as the values do, and inf or NaN, sign cleared, is above
-  // 0x7F7FFFFF); smin: the smallest bits of sqrt(v) as signed integers (below those of any
-  // positive float for -0 or a NaN with its sign bit set: a conservative test in pass 2).
+  // 0x7F7FFFFF; the new v = beta2 v + (1 - beta2) g^2 has its sign bit clear unless NaN,
+  // whose bits exceed every finite float's either way, so it needs no abs); amin: the
+  // smallest |m| as unsigned integers; smin: the smallest bits of sqrt(v) as signed integers
+  // (below those of any positive float for a NaN with its sign bit set: a conservative test
+  // in pass 2).
   template <DType GD, DType PD, bool kAmsgrad, bool kFast>
   static int64_t update_int8(const AdamTensorArgs& a, int64_t b, int64_t e, int64_t end,
-                             float* mt, float* vt, float sm, float sv, I& am, I& av, I& smin) {
+                             float* mt, float* vt, float sm, float sv, I& am, I& av, I& amin,
+                             I& smin) {
     const VecAdam<V> c(a.s);
     const int8_t* const mc = static_cast<const int8_t*>(a.m);
     const uint8_t* const vc = static_cast<const uint8_t*>(a.v);
-    const F smv = V::set1(kFast ? sm * 0x1p112f : sm), svv = V::set1(kFast ? sv * 0x1p112f : sv);
+    const float smf = kFast ? sm * 0x1p112f : sm;
+    const F smv = V::set1(smf), smn = V::set1(-smf);
+    const F svv = V::set1(kFast ? sv * 0x1p112f : sv);
     int64_t i = b;
     for (; i + W <= e; i += W) {
       prefetch<GD, PD, 1>(a, i, end);
       F w = V::load(a.w + i);
       F g = VecIO<V, GD>::load(a.g, i);
-      F m = VecF8<V>::template decode_m<kFast>(V::load_i8_i(mc + i), smv);
+      F m = VecF8<V>::template decode_m<kFast>(V::load_i8_i(mc + i), smv, smn);
       F v = VecF8<V>::template decode_v<kFast>(V::load_u8_i(vc + i), svv);
       F s;
       c.template update<kAmsgrad>(w, g, m, v, kAmsgrad ? a.vmax + i : nullptr, &s);
@@ -296,8 +328,10 @@ struct SimdMoments {
       if constexpr (PD != DType::kNone) VecIO<V, PD>::store(a.p_out, i, w);
       V::store(mt + (i - b), m);
       V::store(vt + (i - b), s);
-      am = V::maxu(am, V::castf(V::abs(m)));
-      av = V::maxu(av, V::castf(V::abs(v)));
+      const I mabs = V::castf(V::abs(m));
+      am = V::maxu(am, mabs);
+      amin = V::minu(amin, mabs);
+      av = V::maxu(av, V::castf(v));
       smin = V::mini(smin, V::castf(s));
     }
     return i;
@@ -308,12 +342,13 @@ struct SimdMoments {
                          float* vt) {
     const int64_t blk = b / statestore::kQBlock;
     const float sm = a.m_scale[blk], sv = a.v_scale[blk];
-    I am = V::seti(0u), av = V::seti(0u), smin = V::seti(0x7fffffffu);
+    I am = V::seti(0u), av = V::seti(0u), amin = V::seti(0xffffffffu), smin = V::seti(0x7fffffffu);
     // pass 1: decode, update, keep the new moments
     int64_t i = fast_decode_ok(sm, sv)
-                    ? update_int8<GD, PD, kAmsgrad, true>(a, b, e, end, mt, vt, sm, sv, am, av, smin)
-                    : update_int8<GD, PD, kAmsgrad, false>(a, b, e, end, mt, vt, sm, sv, am, av, smin);
+                    ? update_int8<GD, PD, kAmsgrad, true>(a, b, e, end, mt, vt, sm, sv, am, av, amin, smin)
+                    : update_int8<GD, PD, kAmsgrad, false>(a, b, e, end, mt, vt, sm, sv, am, av, amin, smin);
     const uint32_t hm = V::hmaxu(am), hv = V::hmaxu(av);
+    uint32_t mmin = V::hminu(amin);
     int32_t vmin = V::hmini(smin);
     bool fm = hm <= 0x7f7fffffu, fv = hv <= 0x7f7fffffu;
     float amx = fm ? statestore::bits_to_float(hm) : 0.0f;
@@ -322,6 +357,8 @@ struct SimdMoments {
       statestore::adam_element_int8_update<GD, PD, kAmsgrad>(i, a, sm, sv, mt[i - b], vt[i - b]);
       statestore::absmax_step(mt[i - b], amx, fm);
       statestore::absmax_step(vt[i - b], avx, fv);
+      const uint32_t mbits = statestore::float_to_bits(mt[i - b]) & 0x7fffffffu;
+      mmin = mbits < mmin ? mbits : mmin;
       vt[i - b] = sqrtf(vt[i - b]);
       const int32_t bits = static_cast<int32_t>(statestore::float_to_bits(vt[i - b]));
       vmin = bits < vmin ? bits : vmin;
@@ -333,7 +370,11 @@ struct SimdMoments {
     // its smallest sqrt(v) times inv (a negative vmin: -0 or a NaN, take the general path)
     const bool ok = statestore::encode_block_ok(qm) && statestore::encode_block_ok(qv);
     const bool vnormal = vmin >= 0 && statestore::bits_to_float(static_cast<uint32_t>(vmin)) * qv.inv >= statestore::k2m14;
-    if (ok && vnormal) i = encode_int8<kStoch, true, true>(a, b, e, mt, vt, qm, qv);
+    // |m| * inv rounds monotonically, so the block's smallest ratio is its smallest |m| times
+    // inv (a NaN makes the block not ok)
+    const bool mnormal = statestore::bits_to_float(mmin) * qm.inv >= statestore::k2m14;
+    if (ok && vnormal && mnormal) i = encode_int8<kStoch, true, true, true>(a, b, e, mt, vt, qm, qv);
+    else if (ok && vnormal) i = encode_int8<kStoch, true, true>(a, b, e, mt, vt, qm, qv);
     else if (ok) i = encode_int8<kStoch, true, false>(a, b, e, mt, vt, qm, qv);
     else i = encode_int8<kStoch, false, false>(a, b, e, mt, vt, qm, qv);
     for (; i < e; ++i) statestore::encode_element_int8(i, a, qm, qv, mt[i - b], vt[i - b]);
