@@ -217,3 +217,56 @@ def test_all_names_what_the_module_defines():
             continue
         bad += [f"{path.relative_to(ROOT.parent)}: {n}" for n in exported or () if n not in names]
     assert not bad, "__all__ names not defined:\n" + "\n".join(bad)
+
+
+def _own_names(cls):
+    """The names a class body defines: its methods and class attributes, ``__slots__``, and
+    the attributes its methods assign on ``self``/``cls``."""
+    out = set()
+    for st in cls.body:
+        if isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            out.add(st.name)
+        elif isinstance(st, (ast.Assign, ast.AnnAssign)):
+            for t in (st.targets if isinstance(st, ast.Assign) else [st.target]):
+                out.update(x.id for x in ast.walk(t) if isinstance(x, ast.Name))
+            if isinstance(st, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__slots__"
+                                                  for t in st.targets):
+                out.update(c.value for c in ast.walk(st.value) if isinstance(c, ast.Constant))
+    for n in ast.walk(cls):
+        if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) \
+                and isinstance(n.value, ast.Name) and n.value.id in ("self", "cls"):
+            out.add(n.attr)
+    return out
+
+
+def test_no_class_is_a_mixin_of_its_subclasses():
+    """A class of the package that others derive from uses only the private attributes it
+    or its own bases define: a base reading ``self._x`` that only a subclass sets is a mixin,
+    a class cut across files that shares its host's attributes (docs/architecture.md, "Seams
+    between objects": the parts are objects the class holds instead)."""
+    classes = {}
+    for path in MODULES.values():
+        for n in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(n, ast.ClassDef):
+                classes[n.name] = (path, n)
+
+    def bases(cls):
+        return [ast.unparse(b).split(".")[-1].split("[")[0] for b in cls.bases]
+
+    def lineage(name, seen):
+        if name not in classes or name in seen:
+            return set()
+        seen.add(name)
+        cls = classes[name][1]
+        return _own_names(cls).union(*(lineage(b, seen) for b in bases(cls)))
+
+    bad = []
+    for name in sorted({b for _, c in classes.values() for b in bases(c) if b in classes}):
+        path, cls = classes[name]
+        known = lineage(name, set())
+        reads = sorted({n.attr for n in ast.walk(cls) if isinstance(n, ast.Attribute)
+                        and isinstance(n.value, ast.Name) and n.value.id == "self"
+                        and _private(n.attr)} - known)
+        if reads:
+            bad.append(f"{path.relative_to(ROOT.parent)}: {name} reads {', '.join(reads)}")
+    assert not bad, "base classes using their subclasses' attributes (mixins):\n" + "\n".join(bad)
