@@ -608,6 +608,7 @@ def test_background_write_error_surfaces_in_next_step():
         opt = CPUAdam(params, state_store=store)
         grads = make_grads(params, 2)
         train(opt, params, grads[:1])
+        store.sync()            # the first step's writes done: only the second's can fail
         store.fail_writes(key=K("1", "exp_avg_sq"))
         train(opt, params, grads[1:])   # the failing write is still in the background here
         with pytest.raises(ss.StateStoreIOError, match="1/exp_avg_sq"):
