@@ -5,7 +5,9 @@ NVMeStore, run in its own process by tests/system/test_scale.py (RSS is per proc
 
 Prints one JSON object: the model's parameter and gradient bytes and, per phase, the peak
 RSS over the RSS before it (``VmHWM`` after ``/proc/self/clear_refs`` reset it, the heap
-trimmed first so freed memory retained by the allocator cannot hide an allocation).
+trimmed first so freed memory retained by the allocator cannot hide an allocation). The
+optimizer over a disk store fixes glibc's mmap threshold (``statestore/_malloc.py``), so freed
+blocks leave the RSS and each phase's peak is its live bytes.
 """
 from __future__ import annotations
 
