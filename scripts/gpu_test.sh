@@ -95,9 +95,15 @@ say "nvcc: $NVCC ($("$NVCC" --version | tail -1))"
 # ---- 3. a copy of the sources, built in place with CUDA
 SRC="$ROOT/build/gpu/src"
 mkdir -p "$SRC"
+# a fresh copy each run: files moved or deleted since the last one must not stay behind (old
+# test files would be collected); the build's objects (build/gpu/src/build) are kept, and
+# tar keeps the sources' times, so only what changed is compiled again
+find "$SRC" -mindepth 1 -maxdepth 1 ! -name build -exec rm -rf {} +
 if git -C "$ROOT" rev-parse --is-inside-work-tree >/dev/null 2>&1; then
-  git -C "$ROOT" ls-files -z --cached --others --exclude-standard \
-    | grep -zv '\.so$' | (cd "$ROOT" && tar --null -cf - -T -) | tar -xf - -C "$SRC"
+  # the index may still name files deleted or moved in the work tree: copy those that exist
+  git -C "$ROOT" ls-files -z --cached --others --exclude-standard | grep -zv '\.so$' \
+    | (cd "$ROOT" && while IFS= read -r -d '' f; do [[ -e "$f" ]] && printf '%s\0' "$f"; done) \
+    | (cd "$ROOT" && tar --null -cf - -T -) | tar -xf - -C "$SRC"
 else
   (cd "$ROOT" && tar --exclude='*.so' --exclude='__pycache__' --exclude='.venv*' --exclude=./.git \
      --exclude='./build' -cf - .) | tar -xf - -C "$SRC"
