@@ -13,6 +13,7 @@ name before anything changes (:class:`~statestore.BudgetError` with the budget i
 from __future__ import annotations
 
 import math
+import os
 from typing import Callable, Collection, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -182,7 +183,8 @@ class PlanMemo:
     numbers of a schedule (``amsgrad`` and the like decide the states; ``lr`` is read later,
     per unit) and the backward order. A training loop's steps plan the same units: planning
     them anew cost ~30 us a parameter on the host, which a GPU step (a few ms for thousands of
-    parameters) waited for. The plans handed out are shared: callers only read them."""
+    parameters) waited for. The plans handed out are shared: callers only read them.
+    ``STATESTORE_PLAN_MEMO=0`` plans every step (for comparisons)."""
 
     __slots__ = ("keys", "layout", "_memo")
 
@@ -191,6 +193,8 @@ class PlanMemo:
         self._memo: Dict[int, tuple] = {}
 
     def __call__(self, store, items, order: Optional[Dict[Tensor, int]] = None):
+        if os.environ.get("STATESTORE_PLAN_MEMO", "1") == "0":     # for comparisons
+            return plan_step(store, items, self.keys, self.layout, order)
         sig = [id(store), store.unit_bytes, store.alignment, budget_of(store)]
         for group, ps in items:
             sig.append(id(group))

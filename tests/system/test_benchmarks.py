@@ -91,3 +91,14 @@ def test_small_states_prints_one_json_line(tmp_path):
         assert out[k] > 0, out
     assert out["state_bytes"] == 25 * (16 + 2000) * 4 * 2      # Adam: two fp32 states
     assert not (tmp_path / "b").exists()
+
+
+def test_host_overhead_prints_a_row_per_tensor_count():
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "host_overhead.py"), "--tensors",
+           "3,7", "--rounds", "1", "--steps", "2"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = re.findall(r"^\| (\d+) \| (\d+) \| (\d+) \| (\d+) \| [0-9.]+ \| [0-9.]+x \| [0-9.]+x \|$",
+                      res.stdout, re.M)
+    assert [r[0] for r in rows] == ["3", "7"], res.stdout
+    assert all(int(x) > 0 for r in rows for x in r[1:]), res.stdout
