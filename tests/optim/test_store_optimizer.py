@@ -378,8 +378,8 @@ def test_sharded_over_a_process_group_and_resumed_in_one_process(tmp_path):
     checkpoint resumes in one process, bit for bit."""
     from safetensors.torch import load_file
 
-    import dist_worker as W
-    from fsdp2_worker import run_ranks
+    from helpers import dist_worker as W
+    from helpers.fsdp2_worker import run_ranks
     k, n = 2, 4
     run_ranks(W.store_optimizer_sharded, 2, str(tmp_path), k, n)     # the join bounded
     want = W.make_model()
