@@ -50,3 +50,25 @@ def test_optimizer_over_a_disk_store_adds_no_module_and_no_resident_free_blocks(
     assert pyarrow == "False", "building and stepping the optimizer imported pyarrow"
     assert int(before) >= 16, f"control: glibc kept only {before} MiB of freed blocks"
     assert int(after) <= 4, f"{after} MiB of freed blocks stayed resident"
+
+
+def test_ring_is_sized_to_states_smaller_than_the_budget(tmp_path):
+    """The pipeline's host buffers (``stats()["buffer_bytes"]``, the RAM a disk store holds
+    between steps) follow the states while they are smaller than ``budget_bytes``: 2 MiB of
+    Adam states under a 256 MiB budget take a ring of about their size, and one step of a
+    model whose states exceed the budget takes the budget, no more."""
+    import torch
+
+    import statestore as ss
+    from statestore.optim import HybridAdam
+    for width, budget in ((256, 256 << 20), (1024, 1 << 20)):
+        store = ss.NVMeStore(str(tmp_path / str(width)), budget_bytes=budget)
+        m = torch.nn.Linear(width, width, bias=False)
+        opt = HybridAdam(m.named_parameters(), lr=0.1, state_store=store)
+        m(torch.ones(2, width)).sum().backward()
+        opt.step()
+        store.sync()
+        st = store.stats()
+        assert st["nbytes"] == 2 * 4 * width * width
+        assert st["buffer_bytes"] <= min(budget, st["nbytes"] + (1 << 20) + 4 * store.alignment)
+        store.close()
