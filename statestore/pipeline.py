@@ -219,9 +219,9 @@ class Extent:
 
 
 class UnitPlan(NamedTuple):
-    """How a streaming store lays a unit out in the ring (its ``_unit_plan``): ``nbytes`` in
-    all, each slice's data at ``offsets[i]``; the slices of ``extents`` move by extent
-    (``_start_extent``/``_write_extent``), the ``loose`` ones one by one
+    """How a streaming store lays a unit out in the ring (``store.extents.unit_plan``):
+    ``nbytes`` in all, each slice's data at ``offsets[i]``; the slices of ``extents`` move by
+    extent (``store.extents.start_extent``/``write_extent``), the ``loose`` ones one by one
     (``_submit_read``/``_submit_write``)."""
 
     nbytes: int
@@ -273,9 +273,9 @@ class Pipeline(StatePipeline):
         self._writes: InFlightWrites = store.in_flight
         self._ref = weakref.ref(self)
         if not self._resident:
-            plan = store._unit_plan
+            layout = store.extents
             for u in self._units:
-                u.plan = plan(u.slices)
+                u.plan = layout.unit_plan(u.slices) if layout is not None else None
             need = max((self._unit_nbytes(u) for u in self._units), default=0)
             try:
                 with deferred_signals():    # a Ctrl-C meanwhile is raised as it ends: below
@@ -441,7 +441,7 @@ class Pipeline(StatePipeline):
                             futs.append(SliceIO(s, submit(s, unit.tensors[i],
                                                           optimizer_pass=optimizer_pass)))
                         for e in plan.extents:
-                            fut, covered = self._store._write_extent(
+                            fut, covered = self._store.extents.write_extent(
                                 e, self._arena.view(unit.region.start + e.ring_offset, e.nbytes),
                                 [unit.slices[i] for i in e.members],
                                 [unit.tensors[i] for i in e.members], optimizer_pass)
@@ -547,7 +547,7 @@ class Pipeline(StatePipeline):
                             s, unit.tensors[i])))
                 for e in plan.extents:
                     # an extent is read whole (or, mode "w", zero-filled: it is written whole)
-                    fut = self._store._start_extent(
+                    fut = self._store.extents.start_extent(
                         e, self._arena.view(unit.region.start + e.ring_offset, e.nbytes),
                         [unit.slices[i] for i in e.members], reading)
                     unit.reads.append(SliceIO(unit.slices[e.members[0]], fut))

@@ -24,7 +24,7 @@ from ._types import LinkableFile, Slice, StateKey, StateSpec, as_key
 from .errors import StateKeyError, StateStoreClosedError, StateStoreError, StateStoreValueError
 from .kernels import stream_copy_
 from ._stream import StateStream
-from .pipeline import StatePipeline, UnitPlan
+from .pipeline import StatePipeline
 
 __all__ = ["StateStore", "DEFAULT_BUDGET_BYTES", "CHUNK_BYTES", "LinkableFile"]
 
@@ -57,6 +57,10 @@ class StateStore(ABC):
     transfer_alignment: int = 1
     #: How checkpoints link its files and adopt theirs (``_links.py``; NVMeStore's own).
     links: FileLinks = NO_LINKS
+    #: Streaming stores that move several slices of a unit by one request: the object that
+    #: lays units out (``unit_plan``, ``start_extent``, ``write_extent``: NVMeStore's
+    #: ``PackedStates``, ``backends/_nvme_packed.py``); None moves each slice on its own.
+    extents: Optional[Any] = None
 
     def __init__(self, *, budget_bytes: Optional[int] = None):
         if budget_bytes is None:
@@ -105,11 +109,6 @@ class StateStore(ABC):
     def _ring_bytes(self, spec: StateSpec) -> int:
         """Ring bytes a state takes (the ring is never larger than all states' sum)."""
         return -(-spec.nbytes // self.alignment) * self.alignment
-
-    # How a pipeline lays a unit out: None (each slice on its own), or a pipeline.UnitPlan
-    # whose extents _start_extent/_write_extent move (NVMeStore's packed small states).
-    def _unit_plan(self, slices: Sequence[Slice]) -> Optional[UnitPlan]:
-        return None
 
     def _backend_stats(self) -> Dict[str, Any]:
         return {}

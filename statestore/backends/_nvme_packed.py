@@ -78,9 +78,8 @@ def index_blocks(sf: StateFile, entries, where) -> None:
 
 class PackedStates:
     """Lays out, reads and writes an NVMeStore's small states by extents (module docstring);
-    an object the store holds, whose :meth:`unit_plan`, :meth:`start_extent` and
-    :meth:`write_extent` are the store's ``_unit_plan``, ``_start_extent`` and
-    ``_write_extent``.
+    an object the store holds, and its ``store.extents``: the pipeline calls its
+    :meth:`unit_plan`, :meth:`start_extent` and :meth:`write_extent`.
 
     Args:
         table: the store's :class:`~statestore.backends._nvme_table.FileTable` (``where``,

@@ -156,6 +156,7 @@ class NVMeStore(StreamingStore):
         self._frozen_reads = FrozenReads(lambda k: (table.where[k][1], self._specs[k].nbytes),
                                          table.read_sync)
         self._packed = PackedStates(table, self._specs, self._digests, self._frozen_reads)
+        self.extents = self._packed     # the pipeline moves units with small states by it
         self._copy_on_write = CopyOnWrite(table, self._packed, self._specs, self.in_flight,
                                           self._frozen_reads)
         # Held while open: a store started later in this directory knows these files are in
@@ -178,17 +179,6 @@ class NVMeStore(StreamingStore):
 
     def _ring_bytes(self, spec: StateSpec) -> int:
         return ring_bytes(spec)         # a small state: its 64-byte slots of a shared block
-
-    # Units holding small states move by extents of whole blocks (_nvme_packed.py).
-    def _unit_plan(self, slices):
-        return self._packed.unit_plan(slices)
-
-    def _start_extent(self, extent, buf: torch.Tensor, slices: List[Slice], read: bool):
-        return self._packed.start_extent(extent, buf, slices, read)
-
-    def _write_extent(self, extent, buf: torch.Tensor, slices: List[Slice], tensors,
-                      optimizer_pass: bool):
-        return self._packed.write_extent(extent, buf, slices, tensors, optimizer_pass)
 
     def _allocate(self, entries: Sequence[Tuple[StateKey, StateSpec]]) -> None:
         # Files of at most MAX_FILE_DATA bytes of states (a larger state gets a file of its
