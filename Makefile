@@ -30,17 +30,21 @@ demo: setup
 
 # STATESTORE_REQUIRE_TENSORNVME=1: the TensorNVMe store's tests fail, not skip, without it.
 # Two runs: the `serial` tests (peak memory bounds, timing-sensitive under a second busy
-# process) alone, then every other test on pytest-xdist (a test extra): TEST_JOBS workers
-# (the cores, at most 4), each running whole files (--dist loadfile: a file's module fixtures,
-# e.g. its zygote process, start once), the files holding `slow` tests first
-# (tests/conftest.py). TEST_JOBS=0 runs the second in one process. pytest's exit status goes
-# through: a failure, or no test collected (5), fails the target. --durations=15 prints the
-# slowest tests, where the suite's time budget (6 minutes on 2 cores) goes first.
+# process) alone, collected from the files that hold one (SERIAL_FILES: a whole collection
+# imports every test module and costs seconds), then every other test on pytest-xdist (a
+# test extra): TEST_JOBS workers (the cores, at most 4) taking tests as they free up
+# (--dist worksteal: a worker that runs out takes half of another's queue, so one long file
+# no longer ends the run alone; module fixtures, e.g. a zygote process, start once per
+# worker), the files holding `slow` tests first (tests/conftest.py). TEST_JOBS=0 runs the
+# second in one process. pytest's exit status goes through: a failure, or no test collected
+# (5), fails the target. --durations=15 prints the slowest tests, where the suite's time
+# budget (6 minutes on 2 cores) goes first.
 TEST_JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
+SERIAL_FILES := $(shell grep -rl --include='test_*.py' 'pytest\.mark\.serial' tests)
 PYTEST := STATESTORE_REQUIRE_TENSORNVME=1 $(PY) -m pytest -q -p no:cacheprovider
 test: setup
-	$(PYTEST) -m serial
-	$(PYTEST) -m "not serial" -n $(TEST_JOBS) --dist loadfile --durations=15
+	$(if $(SERIAL_FILES),$(PYTEST) -m serial $(SERIAL_FILES))
+	$(PYTEST) -m "not serial" -n $(TEST_JOBS) --dist worksteal --durations=15
 
 cuda-check:
 	bash scripts/check_cuda.sh

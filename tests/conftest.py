@@ -30,7 +30,8 @@ def pytest_collection_modifyitems(config, items):
     CUDA (fail with STATESTORE_REQUIRE_CUDA=1, as ``make gpu-test`` sets).
 
     Files holding a ``slow`` test are collected first (each file's order kept): under
-    ``--dist loadfile`` they start at once on the workers instead of ending the run alone."""
+    ``--dist worksteal`` (``make test``) they start at once, and the workers share out the
+    rest as they free up, instead of a long test ending the run alone."""
     slow_files = {item.nodeid.split("::")[0] for item in items
                   if item.get_closest_marker("slow") is not None}
     items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow_files)

@@ -173,18 +173,16 @@ def _check_consistent(path: str) -> int:
 @pytest.mark.slow
 def test_atomic_under_kill_9(tmp_path, zygote):
     """Kill -9 a process doing repeated saves (to a new path, and re-saving to the same
-    path) at random moments, 15 times: the previous checkpoint always loads and verifies;
-    the new one is complete or refused with CheckpointNotFoundError."""
+    path) at random moments, 10 times (a count, not a time limit: timing decides where the
+    kills land, never whether the test passes): the previous checkpoint always loads and
+    verifies; the new one is complete or refused with CheckpointNotFoundError."""
     base, new = str(tmp_path / "base"), str(tmp_path / "new")
     rng = random.Random(1234)
     ready = str(tmp_path / "ready")
     kills = outcomes_new = 0
     saw_refused = saw_complete = False
-    deadline = time.monotonic() + 25
-    i = 0
-    while kills < 15 and time.monotonic() < deadline:
-        kind = STORE_KINDS[i % len(STORE_KINDS)]
-        i += 1
+    for i in range(1, 11):
+        kind = STORE_KINDS[(i - 1) % len(STORE_KINDS)]
         pid = zygote.start("save_loop", str(tmp_path / f"loop{i}.log"), kind=kind,
                            store_dir=str(tmp_path / f"s{i}"), base=base, new=new, ready=ready,
                            shard_bytes=1 << 20)
@@ -207,7 +205,7 @@ def test_atomic_under_kill_9(tmp_path, zygote):
         except ss.CheckpointNotFoundError:
             saw_refused = True
         outcomes_new += 1
-    assert kills >= 10, f"only {kills} kills in the time allowed"
+    assert kills == 10
     assert saw_complete or saw_refused
     # leftovers of killed saves never confuse a later save: it cleans them up
     with _small_store("device-cpu", tmp_path) as s:
