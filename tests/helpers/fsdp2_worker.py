@@ -70,6 +70,26 @@ def _worker(fn):
     return run
 
 
+def run_example(rank: int, world: int, port: int, script: str, argv: list) -> None:
+    """A rank of an example script (``main(argv)``), started by :func:`run_ranks` with the
+    environment torchrun gives a rank; the script joins the group itself."""
+    import runpy
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    try:
+        runpy.run_path(script)["main"](argv)
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 # ------------------------------------------------------------------------------ FSDP2 training
 K, N = 2, 4        # save at step K, train to step N
 
