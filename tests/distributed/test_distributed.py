@@ -3,12 +3,10 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 import warnings
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 import statestore as ss
@@ -17,13 +15,8 @@ from statestore.distributed import owners_from_metadata, partition
 from statestore.errors import StateStoreError, StateStoreValueError
 from statestore.optim import CPUAdam
 
+from helpers.ranks import run_ranks
 from helpers import dist_worker as W
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_partition_balanced_and_deterministic():
@@ -64,8 +57,7 @@ def test_process_group_without_init_is_a_clear_error():
 @pytest.mark.parametrize("world,kind", [(2, "ram"), (3, "nvme")])
 def test_sharded_training_equals_single_process(tmp_path, world, kind):
     steps = 6
-    mp.spawn(W.sharded_train, args=(world, _port(), str(tmp_path), kind, steps), nprocs=world,
-             join=True)
+    run_ranks(W.sharded_train, world, str(tmp_path), kind, steps)
     owned = [set(filter(None, (tmp_path / f"owned{r}.txt").read_text().split("\n")))
              for r in range(world)]
     names = [n for n, _ in W.make_model().named_parameters()]
@@ -114,7 +106,7 @@ def test_save_at_2_resume_at_1_and_3(tmp_path):
     at 3 ranks. Each rank trains on the whole batch, so the group-averaged gradient of 1 or 2
     ranks is bit-identical to one process's: resuming at 1 must equal the uninterrupted run
     bit for bit; at 3 ranks the average of 3 equal gradients rounds, so float32 rounding."""
-    mp.spawn(W.save_sharded, args=(2, _port(), str(tmp_path), "nvme", K, N), nprocs=2, join=True)
+    run_ranks(W.save_sharded, 2, str(tmp_path), "nvme", K, N)
     ckpt = tmp_path / "ckpt"
     assert verify_checkpoint(str(ckpt)) == []
     m = read_manifest(str(ckpt))
@@ -156,8 +148,7 @@ def test_save_at_2_resume_at_1_and_3(tmp_path):
         _assert_same({str(k): store.get(k) for k in store.keys()}, ref_states, exact=True)
 
     # resume at 3: each rank loads only its shard of the 2-rank checkpoint
-    mp.spawn(W.resume_sharded, args=(3, _port(), str(tmp_path), "nvme", K, N), nprocs=3,
-             join=True)
+    run_ranks(W.resume_sharded, 3, str(tmp_path), "nvme", K, N)
     loaded = [(tmp_path / f"b3-loaded{r}.txt").read_text().split("\n") for r in range(3)]
     loaded_keys = [set(filter(None, lines[1:])) for lines in loaded]
     assert sum(len(s) for s in loaded_keys) == len(m.rows)          # each state read once ...
@@ -180,9 +171,8 @@ def test_save_at_2_resume_at_1_and_3(tmp_path):
 
 
 def test_rank_killed_mid_save_leaves_previous_checkpoint(tmp_path):
-    with pytest.raises(Exception):
-        mp.spawn(W.killed_mid_save, args=(2, _port(), str(tmp_path), "nvme"), nprocs=2,
-                 join=True)
+    with pytest.raises(AssertionError, match="killed_mid_save at 2 ranks.*SIGKILL"):
+        run_ranks(W.killed_mid_save, 2, str(tmp_path), "nvme")
     assert (tmp_path / "saved0").exists() and (tmp_path / "saved1").exists()
     assert not list(tmp_path.glob("second-save-returned*"))
     assert "failed on rank 1" in (tmp_path / "early0.txt").read_text()

@@ -1,6 +1,6 @@
 """FSDP2: regions of states in stores and checkpoints, and the optimizers over DTensor
 parameters (``docs/distributed.md``, "FSDP2"). Multi-process tests run gloo groups on
-127.0.0.1 through ``fsdp2_worker.run_ranks`` (every join bounded)."""
+127.0.0.1 through ``helpers.ranks.run_ranks`` (every join bounded)."""
 from __future__ import annotations
 
 import random

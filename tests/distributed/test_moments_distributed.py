@@ -3,32 +3,25 @@ checkpoint and a single-process resume give the same bits as one process (each r
 on the whole batch, so the group-averaged gradient of 2 ranks equals one process's)."""
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 import statestore as ss
 from statestore.checkpoint import read_manifest, verify_checkpoint
 from statestore.optim import CPUAdam
 
+from helpers.ranks import run_ranks
 from helpers import dist_moments_worker as MW
 from helpers import dist_worker as W
 
 K, N = 3, 6
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("md", ["bf16", "int8"])
 def test_sharded_compressed_moments_save_and_resume(tmp_path, md):
-    mp.spawn(MW.save_sharded, args=(2, _port(), str(tmp_path), md, K, N), nprocs=2, join=True)
+    run_ranks(MW.save_sharded, 2, str(tmp_path), md, K, N)
     ckpt = str(tmp_path / "ckpt")
     assert verify_checkpoint(ckpt) == []
     assert read_manifest(ckpt).metadata["moment_dtype"] == md

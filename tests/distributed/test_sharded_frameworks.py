@@ -6,35 +6,20 @@ bit instead of waiting for ever."""
 from __future__ import annotations
 
 import json
-import socket
-import time
 import warnings
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+from helpers.ranks import run_ranks
 from helpers import sharded_worker as W
 from helpers.dist_worker import make_model
 from statestore.optim import CPUAdam
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(fn, tmp_path, timeout: float, world: int = 2) -> None:
-    """Spawn ``world`` ranks of ``fn``; a rank that hangs fails the test after ``timeout``."""
-    ctx = mp.spawn(fn, args=(world, _port(), str(tmp_path)), nprocs=world, join=False)
-    deadline = time.monotonic() + timeout
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            pytest.fail(f"{fn.__name__} did not finish within {timeout} s (a hang)")
+    """``world`` ranks of ``fn``; a rank that hangs fails the test after ``timeout``."""
+    run_ranks(fn, world, str(tmp_path), timeout=timeout)
 
 
 def test_state_dict_of_a_sharded_optimizer_is_never_partial(tmp_path):

@@ -206,8 +206,8 @@ def killed_mid_save(rank: int, world: int, port: int, out: str, kind: str) -> No
         if rank == 1:
             real_commit = ckpt_writer.commit
 
-            def commit_then_die(fs, f, tmp, final):
-                real_commit(fs, f, tmp, final)
+            def commit_then_die(fs, f, tmp, final, then=None):
+                real_commit(fs, f, tmp, final, then)
                 os.kill(os.getpid(), signal.SIGKILL)
             ckpt_writer.commit = commit_then_die
         store.save_checkpoint(os.path.join(out, "ckpt"), shard_bytes=512)

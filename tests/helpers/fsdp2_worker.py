@@ -1,51 +1,20 @@
 """Workers of the FSDP2 tests (``tests/distributed/test_fsdp2.py``): each runs in a process of a gloo
-group on 127.0.0.1, started by :func:`run_ranks`, and writes what the test checks into files
+group on 127.0.0.1, started by :func:`helpers.ranks.run_ranks`, and writes what the test checks into files
 of its output directory."""
 from __future__ import annotations
 
 import functools
 import os
-import socket
 import sys
-import time
 import traceback
 import warnings
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import statestore as ss
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_ranks(fn, world: int, *args, timeout: float = 120.0) -> None:
-    """Run ``fn(rank, world, port, *args)`` in ``world`` new processes and wait for all, at
-    most ``timeout`` seconds (then they are killed and the test fails)."""
-    # forkserver: one server process imports torch once (with what FSDP2 and optimizers
-    # import on first use: dynamo alone takes seconds) and forks every rank from it, seconds
-    # faster per rank than a fresh interpreter each. Only torch: the server starts before
-    # the test's sys.path applies, so statestore would come from wherever the interpreter
-    # finds it first (an installed copy), not from this tree.
-    mp.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed.fsdp",
-                               "torch.distributed.tensor", "torch.distributed.checkpoint"])
-    ctx = mp.start_processes(fn, args=(world, free_port()) + args, nprocs=world, join=False,
-                             start_method="forkserver")
-    deadline = time.monotonic() + timeout
-    try:
-        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{fn.__name__}: ranks still running after {timeout} s")
-    except mp.ProcessExitedException as e:     # its traceback is on stderr
-        raise AssertionError(f"{fn.__name__} at {world} ranks: {e}") from None
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
+from helpers.ranks import free_port, run_ranks  # noqa: F401  (the FSDP2 tests start ranks here)
 
 
 def _worker(fn):

@@ -379,7 +379,7 @@ def test_sharded_over_a_process_group_and_resumed_in_one_process(tmp_path):
     from safetensors.torch import load_file
 
     from helpers import dist_worker as W
-    from helpers.fsdp2_worker import run_ranks
+    from helpers.ranks import run_ranks
     k, n = 2, 4
     run_ranks(W.store_optimizer_sharded, 2, str(tmp_path), k, n)     # the join bounded
     want = W.make_model()

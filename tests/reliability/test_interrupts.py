@@ -236,7 +236,7 @@ def _optimizer(model, store, in_backward):
 
 def _prefetched(store):
     """Let the next step's reads arrive, so that backward updates parameters."""
-    from conftest import wait_for_prefetch
+    from helpers.stores import wait_for_prefetch
     store.sync()
     store.pump()
     wait_for_prefetch(store)

@@ -580,7 +580,7 @@ def test_large_states_of_a_slab_are_not_a_power_of_two_apart(backend, tmp_path):
     or more start 4 KiB further on, so exp_avg and exp_avg_sq of a 2^k-byte parameter are
     not exactly 2^k bytes apart (the update's streams would share DRAM banks:
     docs/kernels.md, "Speed")."""
-    from conftest import make_store
+    from helpers.stores import make_store
     store = make_store(backend, tmp_path)
     try:
         n = 1 << 20                                 # 4 MiB of fp32 per state
