@@ -96,6 +96,16 @@ def train(opt, named, start: int, n: int) -> None:
         opt.zero_grad()
 
 
+def trained(store, steps: int):
+    """The set-up most fault tests start from: fresh parameters (:func:`make_params`) and
+    their optimizer (:func:`make_opt`) on ``store``, trained ``steps`` steps. Returns
+    ``(named, opt)``."""
+    named = make_params()
+    opt = make_opt(named, store)
+    train(opt, named, 0, steps)
+    return named, opt
+
+
 def snapshot(named, store) -> Dict[str, torch.Tensor]:
     """Parameters (``param:<name>``) and every state (``state:<key>``), copied."""
     out = {f"param:{n}": p.detach().clone() for n, p in named}

@@ -94,9 +94,7 @@ def test_write_eio_in_step_is_loud_and_sticky(kind, engine, tmp_path):
     sdir, ck = str(tmp_path / "s"), str(tmp_path / "ck")
     leaks = F.Leaks()
     store = F.make_store(kind, sdir, engine)
-    named = F.make_params()
-    opt = F.make_opt(named, store)
-    F.train(opt, named, 0, 3)
+    named, opt = F.trained(store, 3)
     F.save(store, named, ck, 3)
     hashes = F.file_hashes(ck)
     # what Leaks checks is there to see (TensorNVMe's adapter has no native thread of ours)
@@ -135,9 +133,7 @@ def test_read_eio_mid_step_stops_the_optimizer(kind, engine, tmp_path, monkeypat
     sdir, ck = str(tmp_path / "s"), str(tmp_path / "ck")
     leaks = F.Leaks()
     store = F.make_store(kind, sdir, engine)
-    named = F.make_params()
-    opt = F.make_opt(named, store)
-    F.train(opt, named, 0, 3)
+    named, opt = F.trained(store, 3)
     F.save(store, named, ck, 3)
     eng = F.engine_of(store)
     kernel = adam_mod.adam_step
@@ -179,9 +175,7 @@ def test_read_eio_before_any_update_is_retryable(kind, engine, tmp_path):
     # failure part-way).
     leaks = F.Leaks()
     store = F.make_store(kind, str(tmp_path / "s"), engine, budget=64 << 20)
-    named = F.make_params()
-    opt = F.make_opt(named, store)
-    F.train(opt, named, 0, 2)
+    named, opt = F.trained(store, 2)
     before = F.snapshot(named, store)
     # The last step's prefetch may have read the next step's states already (then the fault
     # would hit the prefetch that step 3 starts, and surface at step 4): drop it first.
@@ -234,9 +228,7 @@ def test_read_eio_during_save_keeps_previous_checkpoint(kind, engine, tmp_path):
     and the store and optimizer keep working (the next save is exact)."""
     sdir, ck = str(tmp_path / "s"), str(tmp_path / "ck")
     store = F.make_store(kind, sdir, engine)
-    named = F.make_params()
-    opt = F.make_opt(named, store)
-    F.train(opt, named, 0, 3)
+    named, opt = F.trained(store, 3)
     store.save_checkpoint(ck, progress=False)
     hashes = F.file_hashes(ck)
     F.train(opt, named, 3, 1)
@@ -335,9 +327,7 @@ def test_state_files_removed_under_live_store(kind, tmp_path):
     sdir, ck = str(tmp_path / "s"), str(tmp_path / "ck")
     leaks = F.Leaks()
     store = F.make_store(kind, sdir)
-    named = F.make_params()
-    opt = F.make_opt(named, store)
-    F.train(opt, named, 0, 3)
+    named, opt = F.trained(store, 3)
     before = F.snapshot(named, store)
     files = F.files_of(store)
     for f in files:
@@ -503,9 +493,7 @@ def test_rollback_into_the_same_store_takes_the_checkpoints_step_counts(tmp_path
     resumes with the checkpoint's step counts (not the old optimizer's), exactly."""
     ck = str(tmp_path / "ck")
     store = F.make_store("nvme", str(tmp_path / "s"))
-    named = F.make_params()
-    opt = F.make_opt(named, store)
-    F.train(opt, named, 0, 3)
+    named, opt = F.trained(store, 3)
     F.save(store, named, ck, 3)
     F.train(opt, named, 3, 4)                   # the old optimizer goes on to step 7
     named, opt, step = F.resume(store, ck)
@@ -521,9 +509,7 @@ def test_save_failing_after_its_manifest_is_committed_keeps_its_shards(tmp_path,
     from statestore.checkpoint import writer
     ck = str(tmp_path / "ck")
     with ss.DeviceStore("cpu") as store:
-        named = F.make_params()
-        opt = F.make_opt(named, store)
-        F.train(opt, named, 0, 3)
+        named, opt = F.trained(store, 3)
         store.save_checkpoint(ck, progress=False)
         F.train(opt, named, 3, 1)
 

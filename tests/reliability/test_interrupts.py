@@ -118,9 +118,7 @@ def _finish(opt, named, store, tmp_path, ck, final=6):
 
 def _stepped_store(kind, tmp_path, steps=3, ck_at=2):
     store = _store(kind, tmp_path)
-    named = F.make_params()
-    opt = F.make_opt(named, store)
-    F.train(opt, named, 0, ck_at)
+    named, opt = F.trained(store, ck_at)
     ck = str(tmp_path / "ck")
     F.save(store, named, ck, ck_at)
     F.train(opt, named, ck_at, steps - ck_at)
@@ -606,9 +604,7 @@ def test_new_optimizer_on_a_store_emptied_after_a_failed_one(tmp_path, monkeypat
     refusal, and a store holding the mixed states still refuses to start a new one)."""
     import statestore.optim._units as units_mod
     store = ss.DeviceStore("cpu")
-    named = F.make_params()
-    opt = F.make_opt(named, store)
-    F.train(opt, named, 0, 2)
+    named, opt = F.trained(store, 2)
     kernel, calls = units_mod.adam_step, [0]
 
     def second_unit_fails(*a, **kw):
@@ -626,9 +622,7 @@ def test_new_optimizer_on_a_store_emptied_after_a_failed_one(tmp_path, monkeypat
     with pytest.raises(ss.StateStoreError, match="failed part-way"):
         F.make_opt(F.make_params(), store)      # the mixed states are still there
     store.clear()
-    named = F.make_params()
-    opt = F.make_opt(named, store)
-    F.train(opt, named, 0, 3)
+    named, opt = F.trained(store, 3)
     assert F.differences(F.snapshot(named, store), F.reference(3)) == []
 
 
@@ -642,9 +636,7 @@ def test_ctrl_c_at_the_commit_of_a_save_keeps_a_whole_checkpoint(tmp_path):
 
     def stepped(sub):
         store = ss.DeviceStore("cpu")
-        named = F.make_params()
-        opt = F.make_opt(named, store)
-        F.train(opt, named, 0, 2)
+        named, opt = F.trained(store, 2)
         ck = str(tmp_path / sub / "ck")
         store.save_checkpoint(ck, progress=False)
         F.train(opt, named, 2, 1)

@@ -393,9 +393,7 @@ def test_issue_sequence_three_steps_checkpoint_two_more(tmp_path):
     checkpoint equals the 3-step states."""
     ck = str(tmp_path / "ck")
     with ss.TensorNVMeStore(str(tmp_path / "s"), budget_bytes=64 << 10) as store:
-        named = F.make_params()
-        opt = F.make_opt(named, store)
-        F.train(opt, named, 0, 3)
+        named, opt = F.trained(store, 3)
         store.save_checkpoint(ck, progress=False)
         F.train(opt, named, 3, 2)
         assert F.differences(F.snapshot(named, store), F.reference(5)) == []
@@ -499,9 +497,7 @@ def test_short_read_in_a_step_fails_loudly_and_the_checkpoint_resumes(tmp_path):
     exactly in a new store."""
     ck = str(tmp_path / "ck")
     store = F.make_store("tensornvme", str(tmp_path / "s"))
-    named = F.make_params()
-    opt = F.make_opt(named, store)
-    F.train(opt, named, 0, 3)
+    named, opt = F.trained(store, 3)
     F.save(store, named, ck, 3)
     store.cancel_prefetch()
     store.engine._inject_fault_for_testing(op="read", kind="short")
