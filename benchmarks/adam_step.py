@@ -23,6 +23,12 @@ the roofline. Roofline: a kernel with the memory traffic of an fp32 Adam step (r
 write p, m, v: 28 bytes a parameter) and no arithmetic, from the same extension and threads.
 Timing is informative only; nothing here is a test.
 
+Clock (``--clock``): ``wall`` (default) times each step by the wall clock. ``cpu`` takes the
+process's CPU time over the step divided by the threads: on a host shared with other work,
+where the wall clock also counts the time the threads wait for a core, it is the step's time
+on cores of its own (the threads' memory bandwidth is still shared with whatever runs beside
+them; the thread pool's spinning at the end of a parallel region is counted).
+
 Compressed moments (``--moments bf16,int8``, default): statestore's kernel over bf16 and int8
 moments runs in the same rotation; a second table gives, per moment dtype, params/s, the bytes
 an update moves per parameter, the roofline at those bytes (the probe's GB/s divided by them)
@@ -305,10 +311,16 @@ class Roofline(Contestant):
         self.ext.bandwidth_probe(*self.bufs)
 
 
-def run_config(classes, n, ntensors, gdtype, reps, ext, bf16_params=False):
+def run_config(classes, n, ntensors, gdtype, reps, ext, bf16_params=False, clock="wall"):
     """Median step time of each contestant and of the roofline probe, interleaved. With
-    bf16_params the parameters are bf16 with fp32 masters (statestore's contestants only)."""
+    bf16_params the parameters are bf16 with fp32 masters (statestore's contestants only).
+    clock "cpu": the process's CPU time per step over the threads (see the module doc)."""
     import torch
+    if clock == "cpu":
+        thr = torch.get_num_threads()
+        now = lambda: time.process_time() / thr  # noqa: E731
+    else:
+        now = time.perf_counter
     sizes = [n // ntensors] * ntensors
     sizes[-1] += n - sum(sizes)
     params = [torch.randn(s) for s in sizes]
@@ -324,9 +336,9 @@ def run_config(classes, n, ntensors, gdtype, reps, ext, bf16_params=False):
     for r in range(reps):
         k = r % len(contestants)
         for c in contestants[k:] + contestants[:k]:
-            t0 = time.perf_counter()
+            t0 = now()
             c.step()
-            times[c.name].append(time.perf_counter() - t0)
+            times[c.name].append(now() - t0)
     del contestants, params, grads
     gc.collect()
     med = {k: statistics.median(v) for k, v in times.items()}
@@ -480,6 +492,9 @@ def main():
                          "statestore's kernels only, in the per-moment table)")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--quick", action="store_true", help="16M only, 5 reps")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="wall clock, or the process's CPU time over the threads (a loaded "
+                         "host: the step on cores of its own)")
     ap.add_argument("--no-foreach", action="store_true", help="skip torch foreach (slow)")
     ap.add_argument("--peers-python", default=None)
     ap.add_argument("--no-peers", action="store_true", help="stay in this interpreter")
@@ -529,6 +544,8 @@ def main():
     gd = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     print(f"torch {torch.__version__}; statestore path {info['simd']} ({info['simd_width']}-bit); "
           f"cpu: {_cpu_name()}")
+    print(f"clock: {args.clock}; load average at start: "
+          f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}")
     for name, why in skipped.items():
         print(f"skipped {name}: {why}")
     if "ColossalAI CPUAdam" in skipped:
@@ -547,7 +564,7 @@ def main():
                     torch.set_num_threads(thr)
                     bf16p = pd == "bf16"
                     med, roof_t = run_config(classes + mclasses, size * M, nt, gd[g], args.reps,
-                                             ext, bf16_params=bf16p)
+                                             ext, bf16_params=bf16p, clock=args.clock)
                     n = size * M
                     rate = {k: n / t for k, t in med.items()}
                     roof = n / roof_t

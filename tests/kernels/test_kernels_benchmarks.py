@@ -49,6 +49,16 @@ def test_adam_step_stages_prints_every_stage():
     assert sum(n.startswith("kernel:") for n in names) == 10, out
 
 
+def test_adam_step_cpu_clock_prints_every_moment_row():
+    out = _run("adam_step.py", "--sizes", "1", "--tensors", "1", "--threads", "1",
+               "--grads", "fp32", "--reps", "1", "--no-foreach", "--no-peers", "--clock", "cpu")
+    assert re.search(r"^clock: cpu; load average at start: [0-9.]+, [0-9.]+, [0-9.]+$", out, re.M)
+    rows = re.findall(r"^\| 1M \| 1 \| 1 \| fp32 \| fp32 \| statestore \| (fp32|bf16|int8) \| "
+                      r"([0-9.]+) G \|", out, re.M)
+    assert [r[0] for r in rows] == ["fp32", "bf16", "int8"], out
+    assert all(float(r[1]) > 0 for r in rows), out
+
+
 def test_adam_step_cache_resident_rejects_bad_sizes():
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "adam_step.py"), "--cache-resident",
            "--cr-sizes", "4096,256", "--no-peers"]
