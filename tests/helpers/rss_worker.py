@@ -1,7 +1,8 @@
-"""Peak RSS of each phase of training a ~100M-parameter bf16 model with states on an
-NVMeStore, run in its own process by tests/system/test_scale.py (RSS is per process).
+"""Peak RSS of each phase of training a bf16 model of LAYERS x ``Linear(2048, 2048)`` (24 by
+default: 100.7M parameters) with states on an NVMeStore, run in its own process by
+tests/system/test_scale.py (RSS is per process).
 
-    PYTHONPATH=. python tests/helpers/rss_worker.py DIR BUDGET_MIB
+    PYTHONPATH=. python tests/helpers/rss_worker.py DIR BUDGET_MIB [LAYERS]
 
 Prints one JSON object: the model's parameter and gradient bytes and, per phase, the peak
 RSS over the RSS before it (``VmHWM`` after ``/proc/self/clear_refs`` reset it, the heap
@@ -22,7 +23,7 @@ import torch
 import statestore as ss  # noqa: E402
 from statestore.optim import HybridAdam  # noqa: E402
 
-LAYERS, WIDTH = 24, 2048        # 24 x 2048 x 2048 = 100.7M parameters
+WIDTH = 2048
 
 
 def _status(field: str) -> int:
@@ -53,10 +54,10 @@ class Phase:
             self.out[self.name] = _status("VmHWM") - self.before
 
 
-def _model():
+def _model(n_layers: int):
     torch.manual_seed(0)
     layers = []
-    for _ in range(LAYERS):
+    for _ in range(n_layers):
         lin = torch.nn.Linear(WIDTH, WIDTH, bias=False, dtype=torch.bfloat16)
         layers += [lin, torch.nn.Tanh()]
     return torch.nn.Sequential(*layers)
@@ -70,9 +71,10 @@ def _backward(model, step):
 
 def main() -> None:
     d, budget = sys.argv[1], int(sys.argv[2]) << 20
+    n_layers = int(sys.argv[3]) if len(sys.argv) > 3 else 24     # 24: 100.7M parameters
     torch.set_num_threads(1)
     out: dict = {}
-    model = _model()
+    model = _model(n_layers)
     out["param_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
     out["layer_bytes"] = WIDTH * WIDTH * 2
 
