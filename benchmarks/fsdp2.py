@@ -6,16 +6,25 @@ each rank trains on ``--tokens`` tokens a step. Configurations, each in fresh pr
 (``torch.multiprocessing`` spawn), interleaved ``--rounds`` times:
 
 * ``torch``: ``torch.optim.AdamW(foreach=False)`` (torch's default for DTensor parameters
-  on CPU: its per-tensor loop), states in RAM;
+  on CPU: its per-tensor loop), states in RAM, glibc's malloc as it starts;
+* ``torch+mallopt``: the same with glibc's mmap threshold fixed at 1 MiB, as a statestore
+  optimizer over a disk store sets it (``statestore/_malloc.py``): the baseline with the
+  same allocator as the ``nvme`` configurations (glibc's default lets freed heap blocks
+  keep each rank up to ~1 GiB over its working set, differently in every run);
 * ``nvme``: ``HybridAdam`` over an ``NVMeStore`` per rank (``--budget`` MiB of RAM);
 * ``nvme+ib``: the same with ``update_in_backward=True, release_grads=True`` (each shard
   updated after its reduce-scatter, the disk working during backward).
 
 Reported per configuration: the median step (forward, backward, optimizer step) over
-``--steps`` after one warm-up step, as the slowest rank sees it; its ratio to ``torch``;
-per-rank peak RSS (VmHWM) and optimizer state bytes; for ``nvme`` the disk's floor (the
-states' bytes read and written per step at the probed O_DIRECT bandwidth, both ranks on one
-disk) and the step's ratio to it.
+``--steps`` after one warm-up step, as the slowest rank sees it; its ratio to ``torch``; the
+CPU seconds a rank spends in a step (user + system, all its threads; median, the larger rank:
+steadier than the wall time on a shared host);
+per-rank peak RSS (VmHWM, the whole process) and optimizer state bytes; for ``nvme`` the
+store's ring (``store.stats()["buffer_bytes"]``: the pipeline's host buffers, the RAM it
+holds between steps), the disk's floor (the states' bytes read and written per step at the
+probed O_DIRECT bandwidth, both ranks on one disk) and the step's ratio to it; "saved" is
+the RSS a configuration saves per rank against a torch baseline, as a share of that rank's
+states (the issue's target: 90%).
 
     .venv/bin/python benchmarks/fsdp2.py                     # 106M params, 2 ranks
     .venv/bin/python benchmarks/fsdp2.py --layers 2 --vocab 4000 --steps 2 --rounds 1
@@ -25,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import socket
 import statistics
@@ -100,7 +110,10 @@ def _worker(rank: int, world: int, port: int, a: dict, config: str, out: str) ->
         fully_shard(blk)
     fully_shard(model)
     store = None
-    if config == "torch":
+    if config == "torch+mallopt":
+        from statestore._malloc import fix_mmap_threshold
+        fix_mmap_threshold()
+    if config.startswith("torch"):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, foreach=False)
     else:
         store = ss.NVMeStore(os.path.join(a["dir"], f"{config}-rank{rank}"),
@@ -110,10 +123,11 @@ def _worker(rank: int, world: int, port: int, a: dict, config: str, out: str) ->
                          update_in_backward=ib, release_grads=ib)
     gen = torch.Generator().manual_seed(rank)
     ids = torch.randint(0, a["vocab"], (1, a["tokens"] + 1), generator=gen)
-    times = []
+    times, cpu = [], []
     for i in range(a["steps"] + 1):
         dist.barrier()
         t = time.perf_counter()
+        ru = resource.getrusage(resource.RUSAGE_SELF)
         logits = model(ids[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.view(-1, a["vocab"]), ids[0, 1:])
         loss.backward()
@@ -121,9 +135,11 @@ def _worker(rank: int, world: int, port: int, a: dict, config: str, out: str) ->
         opt.zero_grad()
         if store is not None:
             store.sync()                        # the step's writes are on disk
+        ru2 = resource.getrusage(resource.RUSAGE_SELF)
         dist.barrier()
         if i:
             times.append(time.perf_counter() - t)
+            cpu.append(ru2.ru_utime + ru2.ru_stime - ru.ru_utime - ru.ru_stime)
     if store is None:
         state_bytes = sum(v.to_local().numel() * v.to_local().element_size()
                           for st in opt.state.values() for v in st.values()
@@ -131,8 +147,9 @@ def _worker(rank: int, world: int, port: int, a: dict, config: str, out: str) ->
     else:
         state_bytes = store.stats()["nbytes"]
     n_local = sum(p.to_local().numel() for p in model.parameters())
-    res = {"step_s": statistics.median(times), "rss_peak": proc_status("VmHWM"),
-           "state_bytes": state_bytes, "local_params": n_local}
+    res = {"step_s": statistics.median(times), "cpu_s": statistics.median(cpu), "rss_peak": proc_status("VmHWM"),
+           "state_bytes": state_bytes, "local_params": n_local,
+           "ring": store.stats()["buffer_bytes"] if store is not None else 0}
     with open(os.path.join(out, f"{config}-rank{rank}.json"), "w") as f:
         json.dump(res, f)
     if store is not None:
@@ -165,7 +182,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2, help="interleaved repetitions")
     ap.add_argument("--budget", type=int, default=32, help="NVMeStore RAM budget, MiB/rank")
-    ap.add_argument("--configs", default="torch,nvme,nvme+ib")
+    ap.add_argument("--configs", default="torch,torch+mallopt,nvme,nvme+ib")
     ap.add_argument("--dir", default=None, help="directory for the stores (a local disk)")
     ns = ap.parse_args()
     from _common import probe_disk
@@ -189,29 +206,38 @@ def main() -> None:
     print(f"# disk probe (O_DIRECT, 512 MiB): write {wbw:.2f} GB/s, read {rbw:.2f} GB/s")
     base = statistics.median(max(r["step_s"] for r in res) for res in results.get("torch", []))\
         if "torch" in results else None
-    print("| config | step s | vs torch | disk floor s | vs floor | peak RSS MiB/rank | "
-          "state MiB/rank | RSS saved / states |")
-    print("|---|---|---|---|---|---|---|---|")
-    torch_rss = [statistics.median(res[r]["rss_peak"] for res in results["torch"])
-                 for r in range(ns.ranks)] if "torch" in results else None
+    print("| config | step s | vs torch | CPU s/step | disk floor s | vs floor | peak RSS MiB/rank | "
+          "state MiB/rank | ring MiB/rank | saved vs torch | saved vs torch+mallopt |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+
+    def rss_of(c):
+        return [statistics.median(res[r]["rss_peak"] for res in results[c])
+                for r in range(ns.ranks)]
+
+    def saved(c, base_c):
+        # the RSS saved per rank against ``base_c``, as a share of that rank's states
+        if c.startswith("torch") or base_c not in results:
+            return "-"
+        tstates = [results[base_c][0][r]["state_bytes"] for r in range(ns.ranks)]
+        return "/".join(f"{(t - o) / s:.0%}" for t, o, s in zip(rss_of(base_c), rss_of(c),
+                                                               tstates))
+
     for c in configs:
         step = statistics.median(max(r["step_s"] for r in res) for res in results[c])
-        rss = [statistics.median(res[r]["rss_peak"] for res in results[c])
-               for r in range(ns.ranks)]
         states = [results[c][0][r]["state_bytes"] for r in range(ns.ranks)]
+        rings = [results[c][0][r]["ring"] for r in range(ns.ranks)]
         floor = None
-        if c != "torch":
+        if not c.startswith("torch"):
             moved = sum(states)                 # every state read and written once a step
             floor = moved / (rbw * 1e9) + moved / (wbw * 1e9)
-        saved = "-"
-        if c != "torch" and torch_rss:
-            tstates = [results["torch"][0][r]["state_bytes"] for r in range(ns.ranks)]
-            saved = "/".join(f"{(t - o) / s:.0%}" for t, o, s in zip(torch_rss, rss, tstates))
-        print(f"| {c} | {step:.3f} | {step / base:.2f}x | "
+        cpu = statistics.median(max(r["cpu_s"] for r in res) for res in results[c])
+        print(f"| {c} | {step:.3f} | {f'{step / base:.2f}x' if base else '-'} | {cpu:.2f} | "
               f"{'-' if floor is None else f'{floor:.3f}'} | "
               f"{'-' if floor is None else f'{step / floor:.2f}x'} | "
-              f"{'/'.join(f'{x / 2**20:.0f}' for x in rss)} | "
-              f"{'/'.join(f'{x / 2**20:.0f}' for x in states)} | {saved} |")
+              f"{'/'.join(f'{x / 2**20:.0f}' for x in rss_of(c))} | "
+              f"{'/'.join(f'{x / 2**20:.0f}' for x in states)} | "
+              f"{'/'.join(f'{x / 2**20:.0f}' for x in rings)} | "
+              f"{saved(c, 'torch')} | {saved(c, 'torch+mallopt')} |")
 
 
 if __name__ == "__main__":
