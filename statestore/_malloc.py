@@ -17,7 +17,8 @@ RAM, so an optimizer over a disk store and the offload handle fix the threshold 
 more is a mapping again, given back when freed. Process-wide, once; ``STATESTORE_MALLOPT=0``
 in the environment leaves malloc alone (as does a C library other than glibc). The cost: a
 block of 1 MiB or more is mapped and its pages faulted in at each allocation (torch's CPU
-allocator keeps no cache).
+allocator keeps no cache): FSDP2 on the CPU took about 1.6x the CPU seconds a step
+(benchmarks/RESULTS.md, "FSDP2: per-rank RSS once the fixed costs were cut").
 """
 from __future__ import annotations
 
