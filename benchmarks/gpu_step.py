@@ -259,7 +259,7 @@ def offload_table(n_list, ntensors, dtypes, reps, directory, stores):
                              f"{_ms(d2h)} / {_ms(h2d)} ({_gbs(d2h_b, d2h)} / {_gbs(h2d_b, h2d)})",
                              _ms(cpu), _ms(disk) if disk is not None else "-", _ms(floor),
                              f"{t['ours'] / floor:.2f}x"))
-                staged = opt._staging.stats() if opt._staging is not None else {}
+                staged = opt.staging_stats()
                 opt.close()
                 store.close()
                 if sync_store is not None:

@@ -24,8 +24,10 @@ or an all-reduce after the hook make ``step()`` stage it again (correct, just wi
 with backward). The same holds for the staged value of an fp32 parameter.
 
 Staging memory is page-locked once per parameter set (one slab per device and call, exact size,
-registered with ``cudaHostRegister`` like ``PinnedCPUStore``'s), reused every step, and reported
-by :meth:`StagingPath.stats`: the gradients' and parameters' bytes of the offloaded parameters.
+registered with ``cudaHostRegister``; unregistered when the lane closes or goes away, after the
+device is synchronized), reused every step, and reported by :meth:`StagingPath.stats` (public:
+``staging_stats()`` of the optimizers): the gradients' and parameters' bytes of the offloaded
+parameters.
 
 The device side (stream, events, copies, page-locked memory) is a *lane*; :class:`CudaLane` is the
 real one. Tests run the same code with CPU parameters through a lane that defers every copy until
