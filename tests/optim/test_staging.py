@@ -224,27 +224,46 @@ def test_cpu_parameters_take_the_ordinary_path():
         assert opt._staging is None
 
 
-def test_make_gpu_test_selects_the_cuda_lines():
+class _Collected:
+    """What a ``pytest --collect-only`` run in this process collected, and why it stopped."""
+
+    def __init__(self):
+        self.ids, self.stopped = [], ""
+
+    def pytest_collection_finish(self, session):
+        self.ids = [item.nodeid for item in session.items]
+
+    def pytest_keyboard_interrupt(self, excinfo):      # pytest.exit lands here too
+        self.stopped = str(excinfo.value)
+
+
+def _collect(*args) -> tuple:
+    """``pytest -q --collect-only ARGS`` run in this process from the repository's root (as
+    ``make gpu-test`` runs it): its exit status and the :class:`_Collected`. In-process: a
+    new interpreter would import torch and collect again, seconds for one list of ids."""
+    got = _Collected()
+    rc = pytest.main(["-q", "-p", "no:cacheprovider", "-p", "no:hypothesispytest",
+                      "--collect-only", *args], plugins=[got])
+    return rc, got
+
+
+def test_make_gpu_test_selects_the_cuda_lines(monkeypatch):
     """``pytest -m cuda`` (what make gpu-test runs) collects the conformance suite's CUDA lines
     and no CPU line; with STATESTORE_REQUIRE_CUDA=1 and no CUDA it stops instead of skipping."""
     import os
-    import subprocess
-    import sys
     from helpers import paths
     here = os.path.dirname(os.path.abspath(__file__))
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only",
-           "-m", "cuda", os.path.join(paths.TESTS, "stores", "test_store_conformance.py")]
-    env = {k: v for k, v in os.environ.items() if k != "STATESTORE_REQUIRE_CUDA"}
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env,
-                         cwd=paths.ROOT)
-    ids = [line for line in res.stdout.splitlines() if "::" in line]
+    monkeypatch.chdir(paths.ROOT)
+    monkeypatch.delenv("STATESTORE_REQUIRE_CUDA", raising=False)
+    rc, got = _collect("-m", "cuda", os.path.join(paths.TESTS, "stores", "test_store_conformance.py"))
+    ids = got.ids
+    assert rc == 0 and ids, (rc, got.stopped)
     assert any("[device-cuda" in i for i in ids) and any("[pinned-locked" in i for i in ids)
     assert all("device-cuda" in i or "pinned-locked" in i for i in ids), ids[:5]
     if not torch.cuda.is_available():
-        res = subprocess.run(cmd[:-1] + [os.path.join(here, "test_gpu.py")], capture_output=True,
-                             text=True, timeout=300, env={**env, "STATESTORE_REQUIRE_CUDA": "1"},
-                             cwd=paths.ROOT)
-        assert res.returncode != 0 and "STATESTORE_REQUIRE_CUDA=1" in res.stdout + res.stderr
+        monkeypatch.setenv("STATESTORE_REQUIRE_CUDA", "1")
+        rc, got = _collect("-m", "cuda", os.path.join(here, "test_gpu.py"))
+        assert rc != 0 and "STATESTORE_REQUIRE_CUDA=1" in got.stopped, (rc, got.stopped)
 
 
 def test_staging_stats_is_the_optimizers_public_report(tmp_path):
