@@ -6,13 +6,25 @@ Code the tests share lives in the ``helpers`` package (``tests/helpers``), not h
 from __future__ import annotations
 
 import os
+import sys
 
-import pytest
-import torch
+# OpenMP's threads wait for work by spinning (libgomp: up to about 300,000 spins per wait)
+# unless told otherwise. Two pytest-xdist workers on two cores, each with torch's two
+# OpenMP threads (and the processes the tests start), spun on cores the other one needed:
+# the same 1,130 tests (tests/optim, tests/checkpoint, test_kernels.py on 2 workers) took
+# 186-204 s of CPU with spinning and 112-116 s without, on the 2-core development host. Passive waiting keeps every thread count the tests use (kernels still run on 2
+# threads) and costs a sleeping thread a wake-up. Read when libgomp loads (with torch),
+# so set before the import; processes the tests start inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+if "torch" in sys.modules:  # pragma: no cover - a plugin imported torch first
+    sys.stderr.write("conftest: torch was imported before OMP_WAIT_POLICY was set\n")
 
-import statestore as ss
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import statestore as ss  # noqa: E402
 # re-exported: older tests import these names from conftest
-from helpers.stores import (BACKEND_NAMES, BACKENDS, CUDA_BACKEND_NAMES, CUDA_BACKENDS,  # noqa: F401
+from helpers.stores import (BACKEND_NAMES, BACKENDS, CUDA_BACKEND_NAMES, CUDA_BACKENDS,  # noqa: F401,E402
                             TiedNet, cuda_usable, make_store, wait_for_prefetch)
 
 
