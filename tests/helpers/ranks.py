@@ -9,6 +9,12 @@ import time
 import torch.multiprocessing as mp
 
 
+#: what the forkserver imports once (``helpers.forked`` forks from the same server): torch,
+#: with what FSDP2 and optimizers import on first use (dynamo alone takes seconds)
+PRELOAD = ["torch", "torch._dynamo", "torch.distributed.fsdp", "torch.distributed.tensor",
+           "torch.distributed.checkpoint"]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -23,8 +29,7 @@ def run_ranks(fn, world: int, *args, timeout: float = 120.0) -> None:
     # faster per rank than a fresh interpreter each. Only torch: the server starts before
     # the test's sys.path applies, so statestore would come from wherever the interpreter
     # finds it first (an installed copy), not from this tree.
-    mp.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed.fsdp",
-                               "torch.distributed.tensor", "torch.distributed.checkpoint"])
+    mp.set_forkserver_preload(PRELOAD)
     ctx = mp.start_processes(fn, args=(world, free_port()) + args, nprocs=world, join=False,
                              start_method="forkserver")
     deadline = time.monotonic() + timeout

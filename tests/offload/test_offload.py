@@ -6,8 +6,6 @@ states and resumes bit for bit in a fresh process; memory stays within the docum
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 import warnings
 
@@ -20,7 +18,7 @@ import statestore as ss
 from statestore.offload import PARAM_STATE
 from statestore.optim import HybridAdam
 
-from helpers import paths
+from helpers import forked
 from helpers import registry
 from helpers.stores import BACKEND_NAMES, make_store, wait_for_prefetch
 
@@ -382,12 +380,9 @@ def test_resume_in_fresh_process_bit_exact(backend, dtype, uib, tmp_path):
     ck = str(tmp_path / "ck")
     run(range(3), save=ck)
     ref = run(range(6))
-    script = tmp_path / "resume.py"
-    script.write_text(_RESUME.format(tests=os.path.dirname(__file__)))
     out = str(tmp_path / "resumed.pt")
-    env = paths.env()
-    r = subprocess.run([sys.executable, str(script), backend, ck, out, dtype, uib],
-                       capture_output=True, text=True, env=env, timeout=300)
+    # a new process (forked from a server that imported torch only: it never saw the store)
+    r = forked.run(_RESUME.format(tests=os.path.dirname(__file__)), backend, ck, out, dtype, uib)
     assert r.returncode == 0, r.stderr[-3000:]
     got = torch.load(out)
     assert ref.keys() == got.keys()

@@ -31,7 +31,7 @@ import statestore as ss
 from statestore import checkpoint as ckpt
 from statestore.errors import CheckpointCorruptError
 
-from helpers import paths
+from helpers import forked, paths
 from helpers import fuzz_targets as F
 from helpers.parquet_bytes import page_bomb
 
@@ -198,9 +198,7 @@ def test_damaged_footer_does_not_abort_the_interpreter(tmp_path):
     """Found by the long run: this manifest's footer (a size-statistics histogram of the wrong
     length) made pyarrow's ``RowGroupMetaData.column()`` throw a C++ exception that Cython
     does not catch: ``terminate called``, the interpreter aborted. The bounds check now reads
-    the footer itself. Run in a subprocess, since a regression kills the process."""
-    import subprocess
-    import sys
+    the footer itself. Run in a process of its own, since a regression kills the process."""
     path = _copy(tmp_path)
     shutil.copy(os.path.join(paths.DATA,
                              "manifest-abort-size-statistics.parquet"),
@@ -208,7 +206,6 @@ def test_damaged_footer_does_not_abort_the_interpreter(tmp_path):
     code = ("import sys\nfrom statestore import checkpoint as c\n"
             "try:\n    c.read_manifest(sys.argv[1])\nexcept c.CheckpointCorruptError as e:\n"
             "    print('refused:', e)\n")
-    r = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True,
-                       timeout=300, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    r = forked.run(code, path)
     assert r.returncode == 0, f"rc={r.returncode}: {r.stderr[-2000:]}"
     assert "refused:" in r.stdout and "manifest.parquet" in r.stdout

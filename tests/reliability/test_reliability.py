@@ -16,6 +16,7 @@ import statestore as ss
 from statestore.checkpoint import verify_checkpoint
 
 from helpers import faults as F  # noqa: E402
+from helpers import forked
 
 @pytest.fixture(scope="module")
 def zygote():
@@ -179,15 +180,10 @@ with ss.DeviceStore("cpu") as s:
 def test_racing_saves_from_processes(tmp_path):
     """Two processes save to one path 30 times each, at the same time: the path ends up
     holding one complete checkpoint (one of theirs), every failure is a loud EBUSY."""
-    import subprocess
     ck = str(tmp_path / "ck")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, "-c", _PROC_SAVER, ck, str(i), "30"], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(2)]
-    outs = [p.communicate(timeout=300) for p in procs]
-    for p, (o, e) in zip(procs, outs):
-        assert p.returncode == 0, e
+    procs = [forked.start(_PROC_SAVER, ck, i, 30) for i in range(2)]
+    for r in [p.result(timeout=300) for p in procs]:
+        assert r.returncode == 0, r.stderr
     assert verify_checkpoint(ck, progress=False) == []
     got = _ckpt_content(ck)
     vals = {float(t[0]) for t in got.values()}
@@ -367,13 +363,11 @@ except ss.CheckpointCorruptError as e:
 
 def test_manifest_symlinked_to_dev_zero_is_refused(tmp_path):
     """Before: read until memory ran out. Run in a child with an address-space limit."""
-    import subprocess
     ck = _small_checkpoint(tmp_path)
     mpath = os.path.join(ck, "manifest.parquet")
     os.unlink(mpath)
     os.symlink("/dev/zero", mpath)
-    r = subprocess.run([sys.executable, "-c", _ZERO_MANIFEST, ck], capture_output=True,
-                       text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    r = forked.run(_ZERO_MANIFEST, ck, timeout=120)
     assert r.returncode == 0 and "refused:" in r.stdout, (r.returncode, r.stderr[-2000:])
     assert "symlink" in r.stdout and "outside the checkpoint directory" in r.stdout, r.stdout
 
