@@ -21,6 +21,7 @@ from statestore import Slice, StateKey
 from statestore.errors import (BudgetError, StateKeyError, StateStoreClosedError,
                                StateStoreError, StateStoreIOError, StateStoreValueError)
 
+from helpers.gc_scope import new_objects_only
 from helpers.simstore import SimDiskStore
 
 K = StateKey
@@ -615,16 +616,17 @@ def test_pinned_slabs_are_unregistered_before_their_memory_is_freed(monkeypatch)
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: Driver())
-    for i in range(16):
-        st = ss.PinnedCPUStore()
-        st.create_many([(f"{j}/m", (50 + 300 * j,), torch.float32, None) for j in range(3)])
-        st.create("x/s", (), torch.float32, torch.tensor(2.0))
-        view = st.get("1/m")
-        assert st.stats()["pinned_bytes"] >= 4 * (50 + 350 + 650) and len(registered) >= 2
-        if i % 2:
-            st.close()
-        del st
-        gc.collect()
-        view.fill_(1.0)                     # a view outliving its store keeps its pages mapped
-        del view
+    with new_objects_only():
+        for i in range(16):
+            st = ss.PinnedCPUStore()
+            st.create_many([(f"{j}/m", (50 + 300 * j,), torch.float32, None) for j in range(3)])
+            st.create("x/s", (), torch.float32, torch.tensor(2.0))
+            view = st.get("1/m")
+            assert st.stats()["pinned_bytes"] >= 4 * (50 + 350 + 650) and len(registered) >= 2
+            if i % 2:
+                st.close()
+            del st
+            gc.collect()
+            view.fill_(1.0)                 # a view outliving its store keeps its pages mapped
+            del view
     assert registered == {}
