@@ -436,10 +436,10 @@ def cache_resident(sizes, rounds, calls):
     return slope
 
 
-def stages(n, rounds):
+def stages(n, rounds, opt="3"):
     """Cycles per element of each stage of the compressed-moment SIMD body, cache-resident,
     one thread: benchmarks/moment_stages.cpp, compiled here for each instruction set the
-    processor has, with the extension's flags."""
+    processor has, with the extension's flags (``opt``: the -O level; the extension's is 3)."""
     import subprocess
     import tempfile
     from statestore.kernels import kernels_info
@@ -454,7 +454,7 @@ def stages(n, rounds):
     with tempfile.TemporaryDirectory() as d:
         for isa in isas:
             exe = os.path.join(d, f"stages_{isa}")
-            cmd = [cxx, "-O3", "-std=c++17", "-ffp-contract=off", "-fno-math-errno",
+            cmd = [cxx, f"-O{opt}", "-std=c++17", "-ffp-contract=off", "-fno-math-errno",
                    "-I" + os.path.join(REPO, "csrc"), f"-DSTAGES_{isa.upper()}", src, "-o", exe]
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:
@@ -467,7 +467,8 @@ def stages(n, rounds):
                 if name.startswith(("stage:", "kernel:")):
                     rows.setdefault(name, {})[isa] = float(val)
     print(f"cpu: {_cpu_name()}; 1 thread; {n} elements, cache-resident; best of {rounds} "
-          f"rounds; cycles at the {mhz} MHz /proc/cpuinfo reports")
+          f"rounds; cycles at the {mhz} MHz /proc/cpuinfo reports; built with -O{opt}"
+          + ("" if opt == "3" else " (NOT the kernel's -O3: these figures are not its speed)"))
     print()
     head = ["stage (per element)"] + [f"{i} ns" for i in cols] + [f"{i} cycles" for i in cols]
     print("| " + " | ".join(head) + " |")
@@ -512,10 +513,13 @@ def main():
                          "SIMD body (compiles benchmarks/moment_stages.cpp with $CXX)")
     ap.add_argument("--stage-elems", type=int, default=4096,
                     help="elements of --stages' arrays (cache-resident)")
+    ap.add_argument("--stages-opt", choices=("0", "1", "2", "3"), default="3",
+                    help="optimization level (-O) of --stages' build; below 3 the figures "
+                         "are not the kernel's (a quicker build, to check the script runs)")
     args = ap.parse_args()
     if args.stages:
         sys.path.insert(0, REPO)
-        stages(max(args.stage_elems, 256), max(args.reps, 1) * 8)
+        stages(max(args.stage_elems, 256), max(args.reps, 1) * 8, opt=args.stages_opt)
         return
     if args.cache_resident:
         sys.path.insert(0, REPO)
