@@ -44,6 +44,14 @@ process trains from the same seed without stopping, for the digests to compare. 
 ``--offload-params`` add the bf16 parameters' store (2 bytes a parameter) and the
 checkpoint's model file (2 more). The run refuses to start without the free space it needs
 (``--force`` to try anyway).
+
+``--fork``: the train, resume and reference processes are forked from the parent once it has
+imported torch, statestore, ``llama`` and ``torch._dynamo`` (which building an optimizer
+imports) instead of starting a new interpreter each. Each is still a new process with its
+own model, store and optimizer, killed and resumed as above, and its phases' peak RSS is
+measured over its own built model as before; only the seconds of interpreter start and
+imports a process are not repeated (the tests use it).
+
 Results (and the commands that produced them): docs/scale.md.
 """
 from __future__ import annotations
@@ -326,7 +334,64 @@ def child_reference(args) -> None:
         json.dump(out, f)
 
 
+ROLES = {"train": child_train, "resume": child_resume, "reference": child_reference}
+
+
 # ------------------------------------------------------------------ parent
+class _Forked:
+    """A child process forked from this one (``--fork``) running ``ROLES[role]``, with the
+    part of ``subprocess.Popen`` the parent uses: ``stdout`` (a pipe, with ``pipe``),
+    ``send_signal`` and ``wait`` (the exit status; -N when killed by signal N)."""
+
+    def __init__(self, args, role: str, pipe: bool):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        r, w = os.pipe() if pipe else (-1, -1)
+        self.pid = os.fork()
+        if self.pid == 0:
+            code = 1
+            try:
+                if pipe:
+                    os.close(r)
+                    os.dup2(w, 1)
+                    os.close(w)
+                args.role = role
+                ROLES[role](args)
+                code = 0
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 1
+            except BaseException:
+                import traceback
+                traceback.print_exc()
+            finally:
+                try:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                finally:
+                    os._exit(code)
+        self.stdout = None
+        if pipe:
+            os.close(w)
+            self.stdout = os.fdopen(r, "r")
+
+    def send_signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
+
+    def wait(self) -> int:
+        _, status = os.waitpid(self.pid, 0)
+        if self.stdout is not None:
+            self.stdout.close()
+        return os.waitstatus_to_exitcode(status)
+
+
+def _start(args, role: str, pipe: bool = False):
+    """The ``role`` process: forked (``--fork``) or a new interpreter running this script."""
+    if args.fork:
+        return _Forked(args, role, pipe)
+    me = [sys.executable, os.path.abspath(__file__)] + sys.argv[1:] + ["--role", role]
+    return subprocess.Popen(me, stdout=subprocess.PIPE if pipe else None, text=pipe)
+
+
 class DiskSampler(threading.Thread):
     """Largest disk use (allocated blocks, each inode once) under ``d``, sampled every
     0.5 s: the filesystem is shared, so its own used-bytes figure would count others' files."""
@@ -390,14 +455,13 @@ def main() -> None:
                          "after its checkpoint (disk: twice the states), or a third process "
                          "training from the same seed while the resumed one drops the "
                          "checkpoint after loading it (disk: the states once)")
-    ap.add_argument("--role", choices=["train", "resume", "reference"], help=argparse.SUPPRESS)
+    ap.add_argument("--fork", action="store_true",
+                    help="fork the train, resume and reference processes from this one once "
+                         "it has imported torch and statestore, instead of a new interpreter each")
+    ap.add_argument("--role", choices=sorted(ROLES), help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.role == "train":
-        return child_train(args)
-    if args.role == "resume":
-        return child_resume(args)
-    if args.role == "reference":
-        return child_reference(args)
+    if args.role:
+        return ROLES[args.role](args)
 
     import llama
     c = _config(args)
@@ -423,14 +487,18 @@ def main() -> None:
     w_bw, r_bw = probe_disk(args.dir, int(args.probe_gib * GiB))
     print(f"disk probe ({args.probe_gib:g} GiB, O_DIRECT, 64 MiB requests): write "
           f"{w_bw:.2f} GB/s, read {r_bw:.2f} GB/s", flush=True)
+    if args.fork:           # what every child imports, once (before the sampler's thread)
+        import statestore  # noqa: F401
+        import tqdm.auto  # noqa: F401
+        import xxhash  # noqa: F401
+        import torch._dynamo  # noqa: F401   (the optimizer's constructor imports it)
     sampler = DiskSampler(args.dir)
     sampler.start()
-    me = [sys.executable, os.path.abspath(__file__)] + [a for a in sys.argv[1:]]
     t0 = time.perf_counter()
     for f in ("train.json", "resume.json", "reference.json"):
         if os.path.exists(os.path.join(args.dir, f)):
             os.unlink(os.path.join(args.dir, f))
-    train = subprocess.Popen(me + ["--role", "train"], stdout=subprocess.PIPE, text=True)
+    train = _start(args, "train", pipe=True)
     killed = False
     for line in train.stdout:
         sys.stdout.write(line)
@@ -446,13 +514,13 @@ def main() -> None:
     disk_after_train = folder_bytes(args.dir, follow_symlinks=True)
     for sub in ("run-a", "params-a"):
         shutil.rmtree(os.path.join(args.dir, sub), ignore_errors=True)
-    rc = subprocess.call(me + ["--role", "resume"])
+    rc = _start(args, "resume").wait()
     if rc:
         sys.exit(f"the resume process failed ({rc})")
     if args.reference == "rerun":
         for sub in ("run-b", "params-b"):
             shutil.rmtree(os.path.join(args.dir, sub), ignore_errors=True)
-        rc = subprocess.call(me + ["--role", "reference"])
+        rc = _start(args, "reference").wait()
         if rc:
             sys.exit(f"the reference process failed ({rc})")
     sampler.stop.set()
