@@ -1,26 +1,25 @@
 """The I/O benchmark runs end to end on a tiny size (its figures are not checked: timing never
-decides a test; that the table comes out, with a number in every store and probe cell, is)."""
+decides a test; that the table comes out, with a number in every store and probe cell, is).
+Each benchmark runs in a process forked from one that imported torch (helpers/warm.py)."""
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from statestore.io import probe_engine
 
-from helpers import paths
+from helpers import paths, warm
 
 ROOT = paths.ROOT
 
 
 @pytest.mark.parametrize("files", ["fresh", "reuse"])
 def test_nvme_io_prints_store_and_probe_rows(tmp_path, files):
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "nvme_io.py"), "--sizes", "8M",
-           "--reps", "2", "--no-peers", "--files", files, "--dir", str(tmp_path),
-           "--only", "NVMeStore|probe|ss:threads", "--json", str(tmp_path / "reps.json")]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    res = warm.run_script(os.path.join(ROOT, "benchmarks", "nvme_io.py"), [
+        "--sizes", "8M", "--reps", "2", "--no-peers", "--files", files, "--dir", str(tmp_path),
+        "--only", "NVMeStore|probe|ss:threads", "--json", str(tmp_path / "reps.json")],
+        timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     rows = {}
     for line in res.stdout.splitlines():
@@ -40,8 +39,7 @@ def test_nvme_io_prints_store_and_probe_rows(tmp_path, files):
 
 
 def _gpu_step(*args, timeout=600):
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "gpu_step.py"), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    return warm.run_script(os.path.join(ROOT, "benchmarks", "gpu_step.py"), args, timeout=timeout)
 
 
 def test_gpu_step_without_cuda_says_so():
@@ -69,9 +67,8 @@ def test_gpu_step_prints_both_tables(tmp_path):
 
 
 def test_optimizer_probe_prints_a_ratio_per_round():
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "optimizer_probe.py"), "--size-m",
-           "0.25", "--rounds", "2", "--steps", "2", "--threads", "1"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    res = warm.run_script(os.path.join(ROOT, "benchmarks", "optimizer_probe.py"), [
+        "--size-m", "0.25", "--rounds", "2", "--steps", "2", "--threads", "1"], timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     rows = re.findall(r"^\| \d+ \| ([0-9.]+) \| ([0-9.]+) \| [0-9.]+ \| [0-9.]+ \| ([0-9.]+)x \|$",
                       res.stdout, re.M)
@@ -81,9 +78,8 @@ def test_optimizer_probe_prints_a_ratio_per_round():
 
 
 def test_small_states_prints_one_json_line(tmp_path):
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "small_states.py"), "--params", "50",
-           "--sizes", "16,2000", "--dir", str(tmp_path / "b")]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    res = warm.run_script(os.path.join(ROOT, "benchmarks", "small_states.py"), [
+        "--params", "50", "--sizes", "16,2000", "--dir", str(tmp_path / "b")], timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     import json
     out = json.loads(res.stdout.strip().splitlines()[-1])
@@ -94,9 +90,8 @@ def test_small_states_prints_one_json_line(tmp_path):
 
 
 def test_host_overhead_prints_a_row_per_tensor_count():
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "host_overhead.py"), "--tensors",
-           "3,7", "--rounds", "1", "--steps", "2"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    res = warm.run_script(os.path.join(ROOT, "benchmarks", "host_overhead.py"), [
+        "--tensors", "3,7", "--rounds", "1", "--steps", "2"], timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     rows = re.findall(r"^\| (\d+) \| (\d+) \| (\d+) \| (\d+) \| [0-9.]+ \| [0-9.]+x \| [0-9.]+x \|$",
                       res.stdout, re.M)

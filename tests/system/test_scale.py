@@ -15,7 +15,7 @@ import torch
 import statestore as ss
 from statestore.optim import HybridAdam
 
-from helpers import paths
+from helpers import paths, warm
 from helpers.stores import BACKEND_NAMES, make_store
 
 
@@ -303,12 +303,9 @@ def test_peak_rss_of_every_phase_is_bounded_whatever_the_states_size(tmp_path):
 
 
 # ------------------------------------------------------------------ the benchmark and the example
-def _env():
-    return paths.env()
-
-
-# Each mode is a whole run of the benchmark (three processes or four): the states-on-disk run,
-# int8 moments (with offload) and the rerun reference (with offload). int8 moments without
+# Each mode is a whole run of the benchmark (three processes or four: the first forked from a
+# process that imported torch, helpers/warm.py, and the others from it, ``--fork``): the
+# states-on-disk run, int8 moments (with offload) and the rerun reference (with offload). int8 moments without
 # offload are the store's path of tests/*/test_moments_*.py, and the reference mode is the
 # same comparison with or without offload.
 @pytest.mark.slow
@@ -322,11 +319,10 @@ def test_largest_model_benchmark_runs_end_to_end_at_a_tiny_size(mode, tmp_path):
     states on disk or (``--offload-params``) the parameters too (figures are not checked:
     timing never decides a test)."""
     root = paths.ROOT
-    r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "largest_model.py"),
-                        "--size", "tiny", "--dir", str(tmp_path), "--steps", "2",
-                        "--check-steps", "1", "--probe-gib", "0.0625", "--kill-after", "0",
-                        "--no-compute-probe", "--threads", "1"] + mode,
-                       capture_output=True, text=True, env=_env(), timeout=600)
+    r = warm.run_script(os.path.join(root, "benchmarks", "largest_model.py"),
+                        ["--size", "tiny", "--dir", str(tmp_path), "--steps", "2",
+                         "--check-steps", "1", "--probe-gib", "0.0625", "--kill-after", "0",
+                         "--no-compute-probe", "--threads", "1", "--fork"] + mode, timeout=600)
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-2000:])
     assert "bit-identical to the uninterrupted run: True" in r.stdout, r.stdout[-2000:]
     assert "weights at load == weights at save: True" in r.stdout
@@ -339,10 +335,10 @@ def test_largest_model_benchmark_runs_end_to_end_at_a_tiny_size(mode, tmp_path):
 
 def test_the_example_trains_saves_and_resumes(tmp_path):
     root = paths.ROOT
-    cmd = [sys.executable, os.path.join(root, "examples", "largest_model.py"), "--size", "tiny",
-           "--dir", str(tmp_path), "--steps", "1", "--seq", "8"]
-    for extra in ([], ["--resume"]):
-        r = subprocess.run(cmd + extra, capture_output=True, text=True, env=_env(), timeout=600)
+    args = ["--size", "tiny", "--dir", str(tmp_path), "--steps", "1", "--seq", "8"]
+    for extra in ([], ["--resume"]):      # each a new process (forked from a warm one)
+        r = warm.run_script(os.path.join(root, "examples", "largest_model.py"), args + extra,
+                            timeout=600)
         assert r.returncode == 0, r.stderr[-2000:]
     assert "resumed at step 1" in r.stdout
 
