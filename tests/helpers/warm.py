@@ -1,23 +1,24 @@
-"""Run a script as ``python SCRIPT ARGS`` would, in a process forked from a warm *zygote*.
+"""Run a script as ``python SCRIPT ARGS`` would, in a process forked from a warm one.
 
 A test that runs a benchmark or an example end to end starts a new interpreter, whose
-``import torch`` (and statestore, ``torch._dynamo`` which building an optimizer imports, and
-``transformers`` for the HF scripts) takes seconds before the script does anything. The
-zygote (``python -m helpers.warm --zygote MODULE...``, started once per test process and set
-of modules, with :func:`helpers.paths.env`) imports those modules once, never computes (so no
-thread pool exists when it forks), and forks one child per script run. The child is a new
-process: its own session, ``sys.argv``, ``sys.path[0]`` (the script's folder), working
-directory, environment, stdin from ``/dev/null``, stdout and stderr into files; it runs the
-script as ``__main__`` (``runpy``), then exits as an interpreter does (non-daemon threads
-joined, ``atexit`` handlers run) with the script's exit status. What differs from a new
-interpreter: the modules are already imported, so a variable of the environment that one of
-them reads at import time is the zygote's (pass ``env`` only for what is read later), and
-processes the script starts itself (``sys.executable``) are new interpreters as before.
-Tests that need a cold interpreter (what an import pulls in, an import's own cost) keep
-``subprocess``. ``helpers.forked`` runs ``-c`` code from torch's forkserver in the test's
-directory and environment; this runs a script file, in its own session (a timeout kills the
-processes it started too), with the working directory and environment a script run by hand
-has, from a zygote that can hold other modules (``HF``: transformers).
+``import torch`` (and ``torch._dynamo``, which building an optimizer imports, and
+``transformers`` for the HF scripts) takes seconds before the script does anything.
+:func:`run_script` forks the script's process instead from torch's forkserver (the one
+``helpers.ranks`` and ``helpers.forked`` use: torch and dynamo imported once, started by
+the first of them in this test process) or, with ``warm=HF``, from a *zygote* (``python -m
+helpers.warm --zygote MODULE...``, started once per test process and set of modules, with
+:func:`helpers.paths.env`) that imported those modules. Neither computes, so no thread pool
+exists when they fork. The child is a new process: its own session (a timeout kills what
+the script started too), ``sys.argv``, ``sys.path`` (the script's folder, then
+``PYTHONPATH``: the statestore under test), working directory, environment, stdin from
+``/dev/null``, stdout and stderr into files; it runs the script as ``__main__`` (``runpy``),
+then exits as an interpreter does (non-daemon threads joined, ``atexit`` handlers run) with
+the script's exit status. What differs from a new interpreter: the preloaded modules are
+already imported, so a variable of the environment one of them reads at import time is the
+server's (pass ``env`` only for what is read later), and processes the script starts itself
+(``sys.executable``) are new interpreters as before. Tests that need a cold interpreter
+(what an import pulls in, an import's own cost) keep ``subprocess``; Python code that needs
+only a process of its own (no script, the test's directory) runs from ``helpers.forked``.
 """
 from __future__ import annotations
 
@@ -30,11 +31,9 @@ import sys
 import tempfile
 from typing import Dict, Iterable, Optional, Sequence
 
-BASE = ("torch", "torch._dynamo", "statestore", "statestore.optim", "safetensors.torch",
-        "tqdm.auto")
-#: what the HF Trainer scripts import on top of BASE
-HF = BASE + ("transformers", "transformers.trainer", "accelerate",
-             "statestore.integrations.transformers")
+#: the modules a zygote for the HF Trainer scripts imports
+HF = ("torch", "torch._dynamo", "statestore", "statestore.optim", "transformers",
+      "transformers.trainer", "accelerate", "statestore.integrations.transformers")
 
 
 # ------------------------------------------------------------------------------ zygote side
@@ -56,7 +55,11 @@ def _child(req: dict) -> None:
         os.environ.update(req["env"])
         script = os.path.abspath(req["script"])
         sys.argv = [script] + list(req["argv"])
-        sys.path[0] = os.path.dirname(script)
+        # as `python SCRIPT` with this environment: the script's folder, then PYTHONPATH
+        # (the statestore under test first), then the rest (never "": the cwd moved)
+        front = [os.path.dirname(script)] + [x for x in req["env"].get("PYTHONPATH", "")
+                                             .split(os.pathsep) if x]
+        sys.path[:] = front + [x for x in sys.path[1:] if x and x not in front]
         import runpy
         try:
             runpy.run_path(script, run_name="__main__")
@@ -102,6 +105,15 @@ def _zygote(modules: Sequence[str]) -> None:
 
 
 # ------------------------------------------------------------------------------ test side
+def _read(path: str) -> str:
+    """A child's output file ("" if it died before opening it)."""
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except FileNotFoundError:
+        return ""
+
+
 class _Zygote:
     def __init__(self, modules: Sequence[str]):
         from helpers import paths
@@ -150,10 +162,7 @@ class _Zygote:
                 except ProcessLookupError:
                     pass
                 line = self._line(60.0)
-            with open(out, errors="replace") as f:
-                stdout = f.read()
-            with open(err, errors="replace") as f:
-                stderr = f.read()
+            stdout, stderr = _read(out), _read(err)
         cmd = [sys.executable, script, *map(str, args)]
         if timed_out:
             raise subprocess.TimeoutExpired(cmd, timeout, output=stdout, stderr=stderr)
@@ -181,19 +190,53 @@ def _close_all() -> None:
     _ZYGOTES.clear()
 
 
-def run_script(script: str, args: Iterable = (), *, warm: Sequence[str] = BASE,
+def _forkserver_run(script: str, args: list, timeout: float, cwd: str,
+                    env: Dict[str, str]) -> subprocess.CompletedProcess:
+    """:func:`_child` forked from torch's forkserver (``helpers.ranks.PRELOAD``)."""
+    import signal
+
+    import torch.multiprocessing as mp
+
+    from helpers.ranks import PRELOAD
+    cmd = [sys.executable, script, *args]
+    with tempfile.TemporaryDirectory(prefix="warm-") as d:
+        out, err = os.path.join(d, "out"), os.path.join(d, "err")
+        mp.set_forkserver_preload(PRELOAD)
+        p = mp.get_context("forkserver").Process(target=_child, args=(dict(
+            script=script, argv=args, cwd=cwd, env=env, out=out, err=err),))
+        p.start()
+        p.join(timeout)
+        timed_out = p.is_alive()
+        if timed_out:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)    # its session: what it started too
+            except ProcessLookupError:
+                p.kill()
+            p.join()
+        stdout, stderr = _read(out), _read(err)
+    if timed_out:
+        raise subprocess.TimeoutExpired(cmd, timeout, output=stdout, stderr=stderr)
+    return subprocess.CompletedProcess(cmd, p.exitcode, stdout, stderr)
+
+
+def run_script(script: str, args: Iterable = (), *, warm: Optional[Sequence[str]] = None,
                timeout: float = 600.0, cwd: Optional[str] = None,
                env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
     """``subprocess.run([sys.executable, script, *args], capture_output=True, text=True,
     timeout=timeout, cwd=cwd, env=paths.env(**env))``, the script run in a process forked
-    from the zygote that imported ``warm`` (started on first use, kept for this process).
-    A run past ``timeout`` has its session killed and raises ``subprocess.TimeoutExpired``."""
+    from torch's forkserver (``helpers.ranks`` and ``helpers.forked`` start it: torch and
+    dynamo imported) or, with ``warm``, from a zygote that imported those modules (started
+    on first use, kept for this process; ``HF``). A run past ``timeout`` has its session
+    killed and raises ``subprocess.TimeoutExpired``."""
+    from helpers import paths
+    script, args, cwd = os.path.abspath(script), [str(a) for a in args], cwd or os.getcwd()
+    if warm is None:
+        return _forkserver_run(script, args, timeout, cwd, paths.env(**(env or {})))
     key = tuple(warm)
     z = _ZYGOTES.get(key)
     if z is None or z.proc.poll() is not None:
         z = _ZYGOTES[key] = _Zygote(key)
-    return z.run(os.path.abspath(script), list(args), timeout, cwd or os.getcwd(),
-                 dict(z.env, **(env or {})) if env else dict(z.env))
+    return z.run(script, args, timeout, cwd, dict(z.env, **(env or {})))
 
 
 if __name__ == "__main__":
