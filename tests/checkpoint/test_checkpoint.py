@@ -83,22 +83,38 @@ def _small_store(kind: str, tmp_path, n: int = 3):
 K, N = 3, 4     # steps before the save, steps after
 
 
+_SAVED_RUNS: dict = {}
+
+
+def _saved_run(kind, cfg, tmp_path_factory):
+    """On store ``kind``: K steps, the checkpoint and weights saved, N more steps (the
+    uninterrupted run). Once per (kind, cfg) in a test process: the same-store and
+    other-store resumes read the same checkpoint and compare with the same run."""
+    if (kind, cfg) not in _SAVED_RUNS:
+        d = tmp_path_factory.mktemp(f"saved-{kind}-{cfg}")
+        c = CONFIGS[cfg]
+        named = H.make_params(c)
+        params = [p for _, p in named]
+        ckpt, weights = str(d / "ckpt"), str(d / "w.safetensors")
+        with make_store(kind, str(d / "a")) as store:
+            opt = H.make_opt(c, named, store)
+            H.train(opt, params, 0, K)
+            store.save_checkpoint(ckpt, progress=False)
+            H.save_weights(named, weights)
+            H.train(opt, params, K, N)                  # the uninterrupted run
+        _SAVED_RUNS[kind, cfg] = ckpt, weights, named
+    return _SAVED_RUNS[kind, cfg]
+
+
 @pytest.mark.parametrize("cfg", ["mixed", "bf16"])
 @pytest.mark.parametrize("same", [True, False], ids=["same-store", "other-store"])
 @pytest.mark.parametrize("kind", STORE_KINDS)
-def test_exact_resume_in_new_process(kind, same, cfg, tmp_path, zygote):
+def test_exact_resume_in_new_process(kind, same, cfg, tmp_path, tmp_path_factory, zygote):
     """Train K steps on store A, save; a NEW process loads into store B, rebuilds the
     optimizer over the saved weights and trains N more: bit-identical to never stopping."""
     c = CONFIGS[cfg]
-    named = H.make_params(c)
-    params = [p for _, p in named]
-    ckpt, weights, out = str(tmp_path / "ckpt"), str(tmp_path / "w.safetensors"), str(tmp_path / "out.safetensors")
-    with make_store(kind, str(tmp_path / "a")) as store:
-        opt = H.make_opt(c, named, store)
-        H.train(opt, params, 0, K)
-        store.save_checkpoint(ckpt, progress=False)
-        H.save_weights(named, weights)
-        H.train(opt, params, K, N)                  # the uninterrupted run
+    ckpt, weights, named = _saved_run(kind, cfg, tmp_path_factory)
+    out = str(tmp_path / "out.safetensors")
     kind_b = kind if same else _other(kind)
     zygote.run("resume", str(tmp_path / "child.log"), cfg=cfg, kind=kind_b,
                store_dir=str(tmp_path / "b"), ckpt=ckpt, weights=weights, start=K, n=N, out=out)

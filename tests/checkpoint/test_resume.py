@@ -7,6 +7,7 @@ Every resume is compared with ``torch.equal`` against the same training never in
 """
 from __future__ import annotations
 
+import copy
 import os
 import sys
 
@@ -178,17 +179,33 @@ def _run_and_save(backend, tmp_path, save_at: int, total: int):
     return path, saved, final
 
 
+_SAVED_RUNS: dict = {}
+
+
+@pytest.fixture
+def saved_run(tmp_path_factory):
+    """``_run_and_save(backend, ..., 3, 7)``, once per backend in a test process: the four
+    orders of a backend resume from the same checkpoint (they only read it) and compare with
+    the same uninterrupted run; each gets its own copy of the weights and scheduler state."""
+    def get(backend):
+        if backend not in _SAVED_RUNS:
+            d = tmp_path_factory.mktemp(f"saved-{backend}")
+            (d / "first").mkdir()
+            _SAVED_RUNS[backend] = _run_and_save(backend, d, 3, 7)
+        return copy.deepcopy(_SAVED_RUNS[backend])
+    return get
+
+
 @pytest.mark.parametrize("order", ["store-first", "store-first-old-optimizer", "torch",
                                    "torch-after-steps"])
 @pytest.mark.parametrize("backend", BACKEND_NAMES)
-def test_resume_with_scheduler_bit_for_bit(backend, order, tmp_path):
+def test_resume_with_scheduler_bit_for_bit(backend, order, tmp_path, saved_run):
     """Mid-warmup resume, both orders of load_checkpoint (docs/api.md): the optimizer built on
     a loaded store takes the checkpoint's lr (and initial_lr, which LambdaLR's last_epoch
     needs); store.load_checkpoint under an existing optimizer updates its step counts and
     hyperparameters."""
-    (tmp_path / "first").mkdir()
     (tmp_path / "second").mkdir()
-    path, (weights, sched_sd, lrs), final = _run_and_save(backend, tmp_path, 3, 7)
+    path, (weights, sched_sd, lrs), final = saved_run(backend)
     assert lrs[0] < BASE_LR                    # saved mid-warmup
     model = _Net()
     store = make_store(backend, tmp_path / "second")
