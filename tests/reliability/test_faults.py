@@ -36,6 +36,7 @@ from statestore.io import available_engines
 from helpers import paths  # noqa: E402
 from helpers import registry  # noqa: E402
 from helpers import faults as F  # noqa: E402
+from helpers import zygotes
 
 ENGINES = [e for e in available_engines() if e in ("io_uring", "libaio", "threads")]
 if not ENGINES:  # pragma: no cover - the native engines are not built
@@ -46,11 +47,9 @@ if not ENGINES:  # pragma: no cover - the native engines are not built
 ENGINE_STORES = registry.engine_lines(ENGINES)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def zygote():
-    z = F.Zygote()
-    yield z
-    z.close()
+    yield from zygotes.lend()        # one per test process, shared with the other modules
 
 
 @pytest.fixture(scope="module", autouse=True)

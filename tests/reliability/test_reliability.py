@@ -16,13 +16,11 @@ import statestore as ss
 from statestore.checkpoint import verify_checkpoint
 
 from helpers import faults as F  # noqa: E402
-from helpers import forked
+from helpers import forked, zygotes
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def zygote():
-    z = F.Zygote()
-    yield z
-    z.close()
+    yield from zygotes.lend()        # one per test process, shared with the other modules
 
 
 # ------------------------------------------------------------ 18.1 / 20.2: disk space
