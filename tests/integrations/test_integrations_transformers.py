@@ -220,11 +220,11 @@ ROOT = paths.ROOT
 @pytest.mark.slow
 def test_example_hf_trainer_resumes_in_a_new_process(tmp_path):
     """examples/hf_trainer.py: train, checkpoint, resume in a fresh process, bit for bit (the
-    first process forked from one that imported transformers, helpers/warm.py; the example
-    starts the second, a new interpreter)."""
+    first process forked from one that imported torch, helpers/warm.py; the example starts the
+    second, a new interpreter)."""
     res = warm.run_script(os.path.join(ROOT, "examples", "hf_trainer.py"),
                           ["--dir", str(tmp_path), "--steps", "4", "--save-at", "2"],
-                          warm=warm.HF, timeout=600)
+                          timeout=600)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert "bit for bit: True" in res.stdout
 
@@ -233,14 +233,14 @@ def test_example_hf_trainer_resumes_in_a_new_process(tmp_path):
 def test_trainer_checkpoint_benchmark_prints_both_modes(tmp_path):
     """benchmarks/trainer_checkpoint.py on a tiny config: a row per mode, a number per cell
     (figures are not checked: timing never decides a test). It runs in a process forked from
-    one that imported transformers (helpers/warm.py), and ``--fork`` forks its four
-    processes from it (seconds of imports each)."""
+    one that imported torch (helpers/warm.py), and ``--fork`` forks its four processes from
+    it once it imported transformers (seconds of imports each)."""
     import re
     res = warm.run_script(os.path.join(ROOT, "benchmarks", "trainer_checkpoint.py"),
                           ["--dir", str(tmp_path / "b"), "--vocab", "256", "--hidden", "32",
                            "--inter", "64", "--layers", "1", "--heads", "4", "--kv-heads", "2",
                            "--seq", "16", "--threads", "1", "--fork"],
-                          warm=warm.HF, timeout=600)
+                          timeout=600)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     rows = [ln for ln in res.stdout.splitlines() if re.match(r"(integration|plain) +\|", ln)]
     assert len(rows) == 2, res.stdout
