@@ -16,11 +16,15 @@ from .base import ResidentStore
 __all__ = ["SlabStore"]
 
 _ALIGN = 64
-# Large states of one slab start 4 KiB apart beyond their sizes: exp_avg and exp_avg_sq of a
+# Large states of one slab start 64 KiB apart beyond their sizes: exp_avg and exp_avg_sq of a
 # parameter of a power-of-two size would otherwise sit exactly 2^k bytes apart, and the
-# update's two streams then contend for the same DRAM banks (measured with benchmarks/
-# optimizer_probe.py --layouts; figures in benchmarks/RESULTS.md).
-STAGGER = 4096
+# update's two streams then contend (for DRAM banks or cache sets: which, no counters here
+# showed). 4 KiB, the first stagger, fixed fp32 moments at 64M parameters but not at 32M,
+# and put bf16 moments 2^k + 4 KiB apart, as slow: CPUAdam.step() on DeviceStore("cpu"), 1
+# thread, 1.30 against 1.59 ns a parameter (bf16 moments, 64M), 0.98 against 1.30 (fp32,
+# 32M); 64 KiB was as fast as the best stagger tried at every size and dtype (16M-64M, fp32,
+# bf16, int8). Figures: benchmarks/RESULTS.md, "the slabs' stagger".
+STAGGER = 64 << 10
 STAGGER_MIN = 1 << 20
 
 

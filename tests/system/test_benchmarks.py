@@ -97,3 +97,16 @@ def test_host_overhead_prints_a_row_per_tensor_count():
                       res.stdout, re.M)
     assert [r[0] for r in rows] == ["3", "7"], res.stdout
     assert all(int(x) > 0 for r in rows for x in r[1:]), res.stdout
+
+
+def test_slab_stagger_prints_a_row_per_stagger():
+    """benchmarks/slab_stagger.py at 1M parameters: a row per stagger, the distance of the
+    moment buffers it reports is their size plus that stagger, and the library's stagger is
+    restored (figures are not checked)."""
+    res = warm.run_script(os.path.join(ROOT, "benchmarks", "slab_stagger.py"), [
+        "--size-m", "1", "--moments", "bf16", "--staggers", "4096,65536", "--rounds", "1",
+        "--steps", "1"], timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = re.findall(r"^\| (\d+) \| (0x[0-9a-f]+) \| [0-9.]+ \| [0-9.]+ \|$", res.stdout, re.M)
+    assert [(int(s), int(d, 16)) for s, d in rows] == [(4096, (2 << 20) + 4096),
+                                                        (65536, (2 << 20) + 65536)], res.stdout
