@@ -10,8 +10,10 @@ import ctypes
 import gc
 import mmap
 import os
+import sys
 import time
-from typing import Optional, Set, Tuple
+import traceback
+from typing import Callable, NoReturn, Optional, Set, Tuple
 
 
 def proc_status(field: str) -> int:
@@ -89,3 +91,27 @@ def probe_disk(d: str, nbytes: int) -> Tuple[float, float]:
         mv.release()
         buf.close()
     return w, r
+
+
+def run_forked_child(fn: Callable[[], None]) -> NoReturn:
+    """In a child process just forked (``os.fork()``): run ``fn`` and end the process as an
+    interpreter ends a script: status 0, ``SystemExit``'s code (its message on stderr, 1), or
+    1 with the traceback on stderr; the standard streams flushed, and nothing of the parent's
+    (atexit handlers, finalizers) run again (``os._exit``)."""
+    code = 1
+    try:
+        fn()
+        code = 0
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)

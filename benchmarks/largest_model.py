@@ -71,7 +71,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
-from _common import folder_bytes, probe_disk, proc_status, reset_peak  # noqa: E402
+from _common import folder_bytes, probe_disk, proc_status, reset_peak, run_forked_child  # noqa: E402
 
 GiB = 1 << 30
 
@@ -349,26 +349,14 @@ class _Forked:
         r, w = os.pipe() if pipe else (-1, -1)
         self.pid = os.fork()
         if self.pid == 0:
-            code = 1
-            try:
+            def child() -> None:
                 if pipe:
                     os.close(r)
                     os.dup2(w, 1)
                     os.close(w)
                 args.role = role
                 ROLES[role](args)
-                code = 0
-            except SystemExit as e:
-                code = e.code if isinstance(e.code, int) else 1
-            except BaseException:
-                import traceback
-                traceback.print_exc()
-            finally:
-                try:
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                finally:
-                    os._exit(code)
+            run_forked_child(child)
         self.stdout = None
         if pipe:
             os.close(w)

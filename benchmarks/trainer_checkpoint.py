@@ -40,9 +40,8 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 
-from _common import folder_bytes, peak_growth, reset_peak
+from _common import folder_bytes, peak_growth, reset_peak, run_forked_child
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -202,21 +201,12 @@ def _phase_process(a, phase: str, mode: str):
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
-            code = 1
-            try:
+            def child() -> None:
                 os.dup2(out.fileno(), 1)
                 os.dup2(out.fileno(), 2)
                 res = run_phase(argparse.Namespace(**{**vars(a), "phase": phase, "mode": mode}))
                 print("RESULT " + json.dumps(res), flush=True)
-                code = 0
-            except BaseException:
-                traceback.print_exc()
-            finally:
-                try:
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                finally:
-                    os._exit(code)
+            run_forked_child(child)
         _, status = os.waitpid(pid, 0)
         out.seek(0)
         return os.waitstatus_to_exitcode(status), out.read()

@@ -24,24 +24,32 @@ import torch.multiprocessing as mp
 from helpers.ranks import PRELOAD
 
 
+def run_as_main(fn) -> int:
+    """Call ``fn()`` and return the exit status an interpreter running it as its script
+    would have: 0, ``SystemExit``'s code (a message code printed to stderr: 1), or 1 with
+    the traceback on stderr."""
+    try:
+        fn()
+        return 0
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        print(e.code, file=sys.stderr)
+        return 1
+    except BaseException:
+        traceback.print_exc()
+        return 1
+
+
 def _main(code: str, argv, out: str, err: str) -> None:
     for fd, path in ((1, out), (2, err)):
         f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(f, fd)
         os.close(f)
     sys.argv = list(argv)
-    rc = 0
+    rc = 1
     try:
-        exec(compile(code, "<forked>", "exec"), {"__name__": "__main__"})
-    except SystemExit as e:
-        if e.code is None or isinstance(e.code, int):
-            rc = e.code or 0
-        else:
-            print(e.code, file=sys.stderr)
-            rc = 1
-    except BaseException:
-        traceback.print_exc()
-        rc = 1
+        rc = run_as_main(lambda: exec(compile(code, "<forked>", "exec"), {"__name__": "__main__"}))
     finally:
         sys.stdout.flush()
         sys.stderr.flush()

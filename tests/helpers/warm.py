@@ -53,19 +53,8 @@ def _child(req: dict) -> None:
                                              .split(os.pathsep) if x]
         sys.path[:] = front + [x for x in sys.path[1:] if x and x not in front]
         import runpy
-        try:
-            runpy.run_path(script, run_name="__main__")
-            code = 0
-        except SystemExit as e:
-            if e.code is None or isinstance(e.code, int):
-                code = e.code or 0
-            else:
-                print(e.code, file=sys.stderr)
-                code = 1
-        except BaseException:
-            import traceback
-            traceback.print_exc()
-            code = 1
+        from helpers.forked import run_as_main
+        code = run_as_main(lambda: runpy.run_path(script, run_name="__main__"))
         import threading
         threading._shutdown()           # what the interpreter's exit does, in its order
         atexit._run_exitfuncs()
