@@ -192,6 +192,7 @@ def test_training_with_parameters_offloaded_stays_within_the_bound(tmp_path):
     assert big["growth"] - small["growth"] <= (model_bytes - SMALL * D * D * 4) // 16, (big, small)
 
 
+@pytest.mark.slow
 def test_the_bound_is_exceeded_by_parameters_or_gradients_kept_in_ram(tmp_path):
     """The same measurement, parameters in RAM (no offload) or every gradient kept until
     step() (release_grads=False), at the same layers: each goes over the bound by more than

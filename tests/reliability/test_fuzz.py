@@ -51,6 +51,7 @@ def test_template_is_valid():
     assert out == {"manifest_ok": True, "loaded": True}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target,examples", [("manifest_bytes", 150), ("manifest_metadata", 150),
                                              ("manifest_rows", 200), ("shard_header", 200),
                                              ("shard_bytes", 80)])

@@ -172,6 +172,7 @@ def test_ctrl_c_at_sampled_lines_of_a_step(kind, tmp_path):
     assert not bad, "\n".join(bad)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["device", "nvme"])
 def test_ctrl_c_inside_the_step_count_advance(kind, tmp_path):
     """Ctrl-C at every line of the step counts' bookkeeping (ParamTable): never some counts
