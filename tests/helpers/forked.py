@@ -14,6 +14,8 @@ when the server started).
 from __future__ import annotations
 
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -41,11 +43,17 @@ def run_as_main(fn) -> int:
         return 1
 
 
-def _main(code: str, argv, out: str, err: str) -> None:
+def redirect_output(out: str, err: str) -> None:
+    """In a child: its stdout and stderr (file descriptors 1 and 2) into the files ``out``
+    and ``err``."""
     for fd, path in ((1, out), (2, err)):
         f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(f, fd)
         os.close(f)
+
+
+def _main(code: str, argv, out: str, err: str) -> None:
+    redirect_output(out, err)
     sys.argv = list(argv)
     rc = 1
     try:
@@ -56,39 +64,60 @@ def _main(code: str, argv, out: str, err: str) -> None:
         os._exit(rc)
 
 
-class Child:
-    """A running child (:func:`start`); :meth:`result` waits for it."""
+def _read(path: str) -> str:
+    """A child's output file ("" if it died before opening it)."""
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except FileNotFoundError:
+        return ""
 
-    def __init__(self, code: str, args) -> None:
+
+class Child:
+    """A process forked from the forkserver, running ``target(*args, out, err)`` (``out``,
+    ``err``: the files its stdout and stderr go to); :meth:`result` waits for it. ``cmd``
+    names it in the result (as ``subprocess``'s ``args``); ``session``: the child starts a
+    session of its own, and a timeout kills the session (what the child started too)."""
+
+    def __init__(self, target, args, cmd, *, session: bool = False) -> None:
+        self.args, self._session = cmd, session
         self._dir = tempfile.mkdtemp(prefix="statestore-forked-")
-        self.args = ["-c", *map(str, args)]
         self._out, self._err = os.path.join(self._dir, "out"), os.path.join(self._dir, "err")
         mp.set_forkserver_preload(PRELOAD)
         self.proc = mp.get_context("forkserver").Process(
-            target=_main, args=(code, self.args, self._out, self._err))
+            target=target, args=(*args, self._out, self._err))
         self.proc.start()
 
     def result(self, timeout: float = 300.0) -> subprocess.CompletedProcess:
-        """Wait at most ``timeout`` seconds (then kill it and raise ``TimeoutError``)."""
+        """Wait at most ``timeout`` seconds (then kill it and raise
+        ``subprocess.TimeoutExpired`` with what it printed)."""
         try:
             self.proc.join(timeout)
-            if self.proc.is_alive():
-                self.proc.kill()
+            timed_out = self.proc.is_alive()
+            if timed_out:
+                self._kill()
                 self.proc.join()
-                raise TimeoutError(f"forked child {self.args}: still running after {timeout} s")
-            out = open(self._out).read() if os.path.exists(self._out) else ""
-            err = open(self._err).read() if os.path.exists(self._err) else ""
-            return subprocess.CompletedProcess(self.args, self.proc.exitcode, out, err)
+            out, err = _read(self._out), _read(self._err)
         finally:
-            for name in (self._out, self._err):
-                if os.path.exists(name):
-                    os.unlink(name)
-            os.rmdir(self._dir)
+            shutil.rmtree(self._dir, ignore_errors=True)
+        if timed_out:
+            raise subprocess.TimeoutExpired(self.args, timeout, output=out, stderr=err)
+        return subprocess.CompletedProcess(self.args, self.proc.exitcode, out, err)
+
+    def _kill(self) -> None:
+        if self._session:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                return
+            except ProcessLookupError:
+                pass
+        self.proc.kill()
 
 
 def start(code: str, *args) -> Child:
     """Start ``code`` with ``args`` in a new forked process."""
-    return Child(code, args)
+    argv = ["-c", *map(str, args)]
+    return Child(_main, (code, argv), argv)
 
 
 def run(code: str, *args, timeout: float = 300.0) -> subprocess.CompletedProcess:

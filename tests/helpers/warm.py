@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import atexit
 import os
-import signal
 import subprocess
 import sys
-import tempfile
 from typing import Dict, Iterable, Optional
 
+from helpers.forked import Child, redirect_output, run_as_main
 
-def _child(req: dict) -> None:
+
+def _child(req: dict, out: str, err: str) -> None:
     """In the forked child: become the script's process and run it; never returns."""
     code = 1
     try:
@@ -37,10 +37,7 @@ def _child(req: dict) -> None:
         fd = os.open(os.devnull, os.O_RDONLY)
         os.dup2(fd, 0)
         os.close(fd)
-        for target, path in ((1, req["out"]), (2, req["err"])):
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.dup2(fd, target)
-            os.close(fd)
+        redirect_output(out, err)
         sys.stdin = open(0, closefd=False)
         os.chdir(req["cwd"])
         os.environ.clear()
@@ -53,7 +50,6 @@ def _child(req: dict) -> None:
                                              .split(os.pathsep) if x]
         sys.path[:] = front + [x for x in sys.path[1:] if x and x not in front]
         import runpy
-        from helpers.forked import run_as_main
         code = run_as_main(lambda: runpy.run_path(script, run_name="__main__"))
         import threading
         threading._shutdown()           # what the interpreter's exit does, in its order
@@ -66,15 +62,6 @@ def _child(req: dict) -> None:
             os._exit(code)
 
 
-def _read(path: str) -> str:
-    """A child's output file ("" if it died before opening it)."""
-    try:
-        with open(path, errors="replace") as f:
-            return f.read()
-    except FileNotFoundError:
-        return ""
-
-
 def run_script(script: str, args: Iterable = (), *, timeout: float = 600.0,
                cwd: Optional[str] = None,
                env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
@@ -82,28 +69,7 @@ def run_script(script: str, args: Iterable = (), *, timeout: float = 600.0,
     timeout=timeout, cwd=cwd, env=paths.env(**env))``, the script run in a process forked
     from torch's forkserver. A run past ``timeout`` has its session killed and raises
     ``subprocess.TimeoutExpired``."""
-    import torch.multiprocessing as mp
-
     from helpers import paths
-    from helpers.ranks import PRELOAD
     script, args = os.path.abspath(script), [str(a) for a in args]
-    cmd = [sys.executable, script, *args]
-    with tempfile.TemporaryDirectory(prefix="warm-") as d:
-        out, err = os.path.join(d, "out"), os.path.join(d, "err")
-        mp.set_forkserver_preload(PRELOAD)
-        p = mp.get_context("forkserver").Process(target=_child, args=(dict(
-            script=script, argv=args, cwd=cwd or os.getcwd(), env=paths.env(**(env or {})),
-            out=out, err=err),))
-        p.start()
-        p.join(timeout)
-        timed_out = p.is_alive()
-        if timed_out:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)    # its session: what it started too
-            except ProcessLookupError:
-                p.kill()
-            p.join()
-        stdout, stderr = _read(out), _read(err)
-    if timed_out:
-        raise subprocess.TimeoutExpired(cmd, timeout, output=stdout, stderr=stderr)
-    return subprocess.CompletedProcess(cmd, p.exitcode, stdout, stderr)
+    req = dict(script=script, argv=args, cwd=cwd or os.getcwd(), env=paths.env(**(env or {})))
+    return Child(_child, (req,), [sys.executable, script, *args], session=True).result(timeout)
