@@ -26,6 +26,7 @@ import statestore as ss  # noqa: E402
 # re-exported: older tests import these names from conftest
 from helpers.stores import (BACKEND_NAMES, BACKENDS, CUDA_BACKEND_NAMES, CUDA_BACKENDS,  # noqa: F401,E402
                             TiedNet, cuda_usable, make_store, wait_for_prefetch)
+from helpers import zygotes  # noqa: E402
 
 
 #: Combinations the registry added to a suite that fail today, each with what fails: marked
@@ -101,3 +102,11 @@ def store_factory(backend, tmp_path):
             s.close()
         except ss.StateStoreError:
             pass
+
+
+@pytest.fixture
+def zygote():
+    """The test process's job zygote (``helpers.zygotes``: started once, shared by the
+    checkpoint, fault and reliability tests; dropped after a test that left a child
+    unwaited)."""
+    yield from zygotes.lend()

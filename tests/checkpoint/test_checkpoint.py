@@ -29,14 +29,8 @@ from statestore import checkpoint as ckpt_mod
 
 from helpers import ckpt as H  # noqa: E402
 from helpers.ckpt import CONFIGS, STORE_KINDS, make_store  # noqa: E402
-from helpers import zygotes
 
 PATH_KINDS = ["local", "memory"]
-
-
-@pytest.fixture
-def zygote():
-    yield from zygotes.lend()        # one per test process, shared with the other modules
 
 
 def _ckpt_path(kind: str, tmp_path, name: str = "ckpt") -> str:

@@ -285,10 +285,12 @@ class Zygote:
     #: leaves one: its exit status would be read as the next test's answer)
     outstanding = 0
 
-    def __init__(self):
+    def __init__(self, module: str = "helpers.ckpt"):
+        """``python -m MODULE --zygote``: this module's jobs, or those of a module that adds
+        its own (``helpers.faults``)."""
         env = paths.env(OMP_NUM_THREADS="1", ARROW_DEFAULT_MEMORY_POOL="system")
-        self.proc = subprocess.Popen([sys.executable, "-m", "helpers.ckpt", "--zygote"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, bufsize=1, env=env)
+        self.proc = subprocess.Popen([sys.executable, "-m", module, "--zygote"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, bufsize=1, env=env)
 
     def _recv(self) -> dict:
         line = self.proc.stdout.readline()

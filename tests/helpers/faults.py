@@ -27,7 +27,7 @@ import statestore as ss
 from statestore.checkpoint import read_manifest, verify_checkpoint
 from statestore.optim import CPUAdam
 
-from helpers import paths, registry  # noqa: E402
+from helpers import registry  # noqa: E402
 from helpers import ckpt as H  # noqa: E402
 
 #: A small NVMe budget: a step is cut into many pipeline units, so faults land mid-step.
@@ -781,11 +781,7 @@ class Zygote(H.Zygote):
     """``helpers.ckpt.Zygote`` running this module's jobs."""
 
     def __init__(self):  # noqa: D107 - same protocol, this script
-        import subprocess
-        env = paths.env(OMP_NUM_THREADS="1", ARROW_DEFAULT_MEMORY_POOL="system")
-        self.proc = subprocess.Popen([sys.executable, "-m", "helpers.faults", "--zygote"],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     bufsize=1, env=env)
+        super().__init__("helpers.faults")
 
     def job(self, fn: str, tmp_path, **kwargs) -> Dict[str, Any]:
         """Run job ``fn`` in a new process; returns what it observed."""

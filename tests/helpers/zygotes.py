@@ -4,11 +4,7 @@ a zygote's start (torch, statestore, pyarrow imported, a first optimizer built) 
 of a core, and the checkpoint, fault and reliability modules each started their own in every
 test process that ran one of their tests.
 
-A test module's fixture::
-
-    @pytest.fixture
-    def zygote():
-        yield from zygotes.lend()
+Tests take it through the ``zygote`` fixture of ``tests/conftest.py``.
 """
 from __future__ import annotations
 

@@ -36,7 +36,6 @@ from statestore.io import available_engines
 from helpers import paths  # noqa: E402
 from helpers import registry  # noqa: E402
 from helpers import faults as F  # noqa: E402
-from helpers import zygotes
 
 ENGINES = [e for e in available_engines() if e in ("io_uring", "libaio", "threads")]
 if not ENGINES:  # pragma: no cover - the native engines are not built
@@ -45,11 +44,6 @@ if not ENGINES:  # pragma: no cover - the native engines are not built
 #: injection hook: an "error" is refused before it reaches TensorNVMe, so the block keeps
 #: its bytes, as a failed request leaves a disk's)
 ENGINE_STORES = registry.engine_lines(ENGINES)
-
-
-@pytest.fixture
-def zygote():
-    yield from zygotes.lend()        # one per test process, shared with the other modules
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -483,7 +477,6 @@ def test_kill_9_during_nvme_step_then_resume(engine, tmp_path, zygote):
     assert os.listdir(sdir) == []
     problems = leaks.problems()       # the directory listing differs by design: reclaimed
     assert [p for p in problems if not p.startswith(sdir)] == []
-
 
 
 # ------------------------------------------------------------------ rollback in one process

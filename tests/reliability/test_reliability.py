@@ -16,11 +16,7 @@ import statestore as ss
 from statestore.checkpoint import verify_checkpoint
 
 from helpers import faults as F  # noqa: E402
-from helpers import forked, zygotes
-
-@pytest.fixture
-def zygote():
-    yield from zygotes.lend()        # one per test process, shared with the other modules
+from helpers import forked
 
 
 # ------------------------------------------------------------ 18.1 / 20.2: disk space
