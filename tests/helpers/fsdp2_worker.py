@@ -26,17 +26,26 @@ def _worker(fn):
         torch.set_num_threads(1)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=world)
-        try:
+
+        def body() -> None:
             fn(rank, world, *args)
             dist.barrier()
-        except BaseException:
-            traceback.print_exc()
-            sys.stderr.flush()
-            os._exit(1)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        _exit_after(body)
     return run
+
+
+def _exit_after(body) -> None:
+    """Run ``body()``, then leave the process without interpreter finalization: status 0,
+    or 1 with the traceback on stderr if it raised (``SystemExit`` included)."""
+    try:
+        body()
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_example(rank: int, world: int, port: int, script: str, argv: list) -> None:
@@ -48,15 +57,7 @@ def run_example(rank: int, world: int, port: int, script: str, argv: list) -> No
                       MASTER_PORT=str(port))
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
-    try:
-        runpy.run_path(script)["main"](argv)
-    except BaseException:
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    _exit_after(lambda: runpy.run_path(script)["main"](argv))
 
 
 # ------------------------------------------------------------------------------ FSDP2 training
