@@ -29,9 +29,14 @@ struct Avx2Ops {
   // maxps: a > b ? a : b, as statestore::ss_max
   static F max(F a, F b) { return _mm256_max_ps(a, b); }
 
+  // 8 bf16 -> their floats (bits << 16): the 16 bytes in both 128-bit lanes, then one
+  // in-lane byte shuffle puts elements 0-3 (low lane) and 4-7 (high lane) in the high
+  // halves of the 32-bit lanes and zeros below (one shuffle instead of a widening and a shift)
   static F load_bf16(const uint16_t* p) {
-    __m256i x = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+    const __m256i x = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i idx = _mm256_setr_epi8(-1, -1, 0, 1, -1, -1, 2, 3, -1, -1, 4, 5, -1, -1, 6, 7,
+                                         -1, -1, 8, 9, -1, -1, 10, 11, -1, -1, 12, 13, -1, -1, 14, 15);
+    return _mm256_castsi256_ps(_mm256_shuffle_epi8(x, idx));
   }
   // statestore::float_to_bf16 on 8 lanes: add 0x7FFF + lsb, truncate; NaN -> 0x7FC0.
   static void store_bf16(uint16_t* p, F x) {
@@ -49,6 +54,8 @@ struct Avx2Ops {
   using I = __m256i;
   static I seti(uint32_t x) { return _mm256_set1_epi32(static_cast<int>(x)); }
   static I addi(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I load_i(const uint32_t* p) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(p)); }  // aligned
+  static void store_i(uint32_t* p, I x) { _mm256_store_si256(reinterpret_cast<__m256i*>(p), x); }
   static I xori(I a, I b) { return _mm256_xor_si256(a, b); }
   template <int N> static I srli(I a) { return _mm256_srli_epi32(a, N); }
   static I mullo(I a, I b) { return _mm256_mullo_epi32(a, b); }

@@ -50,6 +50,8 @@ struct Avx512Ops {
   using I = __m512i;
   static I seti(uint32_t x) { return _mm512_set1_epi32(static_cast<int>(x)); }
   static I addi(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I load_i(const uint32_t* p) { return _mm512_load_si512(p); }         // 64-byte aligned
+  static void store_i(uint32_t* p, I x) { _mm512_store_si512(p, x); }
   static I xori(I a, I b) { return _mm512_xor_si512(a, b); }
   template <int N> static I srli(I a) { return _mm512_srli_epi32(a, N); }
   static I mullo(I a, I b) { return _mm512_mullo_epi32(a, b); }

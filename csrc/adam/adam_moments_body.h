@@ -19,8 +19,8 @@
 // the codes. So the loops keep everything else off the vector units: rounding mode and amsgrad
 // are template parameters, a block's largest magnitude is an unsigned integer max of the float
 // bits (which also flags inf and NaN), the codes stay integers (no int -> float -> int round
-// trips), the Weyl step of the hash is carried from vector to vector, and both moments'
-// codes leave in one pack.
+// trips), the Weyl step of the hash is carried from vector to vector, both moments' codes
+// leave in one pack, and bf16's random bits are computed a chunk ahead (run_bf16).
 
 using statestore::MomentKind;
 using statestore::QScale;
@@ -211,6 +211,13 @@ struct SimdMoments {
     }
   }
 
+  // bf16 moments. With stochastic rounding the random bits of a chunk of kHashChunk elements
+  // are computed first, in a loop of their own, and read back from L1 by the update loop:
+  // the same hashes of the same indices (the same bits), but two short dependency chains in
+  // place of one long one, which the out-of-order core overlaps better (3-4% of the kernel
+  // cache-resident on the AVX2 host: benchmarks/RESULTS.md).
+  static constexpr int64_t kHashChunk = 256;
+
   template <DType GD, DType PD, bool kAmsgrad, bool kStoch>
   static void run_bf16(const AdamTensorArgs& a, int64_t begin, int64_t end) {
     const VecAdam<V> c(a.s);
@@ -218,23 +225,34 @@ struct SimdMoments {
     uint16_t* const vp = static_cast<uint16_t*>(a.v);
     I weyl = VecHash<V>::weyl(static_cast<uint32_t>(a.offset + begin));
     const I step = VecHash<V>::step();
+    alignas(64) uint32_t hb[2 * kHashChunk];   // per vector: W hashes of m, then W of v
     int64_t i = begin;
-    for (; i + W <= end; i += W) {
-      prefetch<GD, PD, 2>(a, i, end);
-      F w = V::load(a.w + i);
-      F g = VecIO<V, GD>::load(a.g, i);
-      F m = V::load_bf16(mp + i);
-      F v = V::load_bf16(vp + i);
-      c.template update<kAmsgrad>(w, g, m, v, kAmsgrad ? a.vmax + i : nullptr);
-      V::store(a.w + i, w);
+    while (end - i >= W) {
+      const int64_t c0 = i;
+      const int64_t ce = c0 + (end - c0 < kHashChunk ? (end - c0) / W * W : kHashChunk);
       if constexpr (kStoch) {
-        VecBf16<V, true>::store(mp + i, vp + i, m, v, VecHash<V>::mix16(weyl, a.seed_m),
-                                VecHash<V>::mix16(weyl, a.seed_v));
-        weyl = V::addi(weyl, step);
-      } else {
-        VecBf16<V, false>::store(mp + i, vp + i, m, v, weyl, weyl);
+        for (int64_t j = c0; j < ce; j += W) {
+          V::store_i(hb + 2 * (j - c0), VecHash<V>::mix16(weyl, a.seed_m));
+          V::store_i(hb + 2 * (j - c0) + W, VecHash<V>::mix16(weyl, a.seed_v));
+          weyl = V::addi(weyl, step);
+        }
       }
-      if constexpr (PD != DType::kNone) VecIO<V, PD>::store(a.p_out, i, w);
+      for (; i < ce; i += W) {
+        prefetch<GD, PD, 2>(a, i, end);
+        F w = V::load(a.w + i);
+        F g = VecIO<V, GD>::load(a.g, i);
+        F m = V::load_bf16(mp + i);
+        F v = V::load_bf16(vp + i);
+        c.template update<kAmsgrad>(w, g, m, v, kAmsgrad ? a.vmax + i : nullptr);
+        V::store(a.w + i, w);
+        if constexpr (kStoch) {
+          const uint32_t* const h = hb + 2 * (i - c0);
+          VecBf16<V, true>::store(mp + i, vp + i, m, v, V::load_i(h), V::load_i(h + W));
+        } else {
+          VecBf16<V, false>::store(mp + i, vp + i, m, v, weyl, weyl);
+        }
+        if constexpr (PD != DType::kNone) VecIO<V, PD>::store(a.p_out, i, w);
+      }
     }
     for (; i < end; ++i) statestore::adam_element_bf16m<GD, PD, kAmsgrad>(i, a);
   }
