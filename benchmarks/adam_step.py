@@ -101,6 +101,22 @@ class Contestant:
         raise NotImplementedError
 
 
+def slab_states(params, dtypes):
+    """(exp_avg, exp_avg_sq) of each parameter, zeros of ``dtypes``, in one buffer laid out as
+    the resident stores lay out their slabs (``statestore.backends._slab.slab_layout``): the
+    layout users get from ``DeviceStore("cpu")`` or ``PinnedCPUStore``. Separate allocations
+    of 2^k bytes land 2^k + 4 KiB apart, a layout that costs the compressed-moment step up to
+    1.5x at 1 thread (benchmarks/RESULTS.md, "the slabs' stagger")."""
+    import torch
+    from statestore.backends._slab import slab_layout
+    shapes = [(p.shape, d) for p in params for d in dtypes]
+    sizes = [p.numel() * torch.empty((), dtype=d).element_size() for p in params for d in dtypes]
+    offs, total = slab_layout(sizes)
+    buf = torch.zeros(max(total, 1), dtype=torch.uint8)
+    views = [buf[o:o + nb].view(d).view(shape) for (shape, d), o, nb in zip(shapes, offs, sizes)]
+    return views[0::2], views[1::2]
+
+
 class Ours(Contestant):
     name = "statestore"
     peer = False
@@ -109,8 +125,7 @@ class Ours(Contestant):
         import torch
         from statestore.kernels import adam_step
         super().__init__(params, grads, gdtype, masters)
-        self.m = [torch.zeros(p.shape) for p in params]
-        self.v = [torch.zeros(p.shape) for p in params]
+        self.m, self.v = slab_states(params, (torch.float32, torch.float32))
         self.n = 0
         self._step = adam_step
 
@@ -132,8 +147,7 @@ class OursMoments(Contestant):
         from statestore.kernels._moments import adam_step_moments
         super().__init__(params, grads, gdtype, masters)
         cm, cv = (torch.bfloat16, torch.bfloat16) if self.kind == "bf16" else (torch.int8, torch.uint8)
-        self.m = [torch.zeros(p.shape, dtype=cm) for p in params]
-        self.v = [torch.zeros(p.shape, dtype=cv) for p in params]
+        self.m, self.v = slab_states(params, (cm, cv))
         self.ms = [torch.zeros(Q.nblocks(p.numel())) for p in params] if self.kind == "int8" else None
         self.vs = [torch.zeros(Q.nblocks(p.numel())) for p in params] if self.kind == "int8" else None
         self.rounding = "stochastic" if self.kind == "bf16" else "nearest"

@@ -6,14 +6,14 @@ A backend supplies :meth:`_new_slab` (and optionally :meth:`_release_slab`); vie
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
 from .._types import StateKey, StateSpec
 from .base import ResidentStore
 
-__all__ = ["SlabStore"]
+__all__ = ["SlabStore", "slab_layout"]
 
 _ALIGN = 64
 # Large states of one slab start 64 KiB apart beyond their sizes: exp_avg and exp_avg_sq of a
@@ -26,6 +26,20 @@ _ALIGN = 64
 # bf16, int8). Figures: benchmarks/RESULTS.md, "the slabs' stagger".
 STAGGER = 64 << 10
 STAGGER_MIN = 1 << 20
+
+
+def slab_layout(sizes: Sequence[int]) -> Tuple[List[int], int]:
+    """Byte offsets of states of these sizes (bytes) in one slab, and the slab's size: each
+    state 64-byte aligned, and one of ``STAGGER_MIN`` bytes or more ``STAGGER`` beyond the
+    previous state's end (``benchmarks/adam_step.py`` lays its states out the same way)."""
+    offsets, pos = [], 0
+    for nbytes in sizes:
+        pos += (-pos) % _ALIGN
+        if pos and nbytes >= STAGGER_MIN:
+            pos += STAGGER
+        offsets.append(pos)
+        pos += nbytes
+    return offsets, pos
 
 
 class _Slab:
@@ -48,14 +62,8 @@ class SlabStore(ResidentStore):
     def _new_slab(self, entries: Sequence[Tuple[StateKey, StateSpec]]
                   ) -> Tuple[torch.Tensor, Any, Dict[StateKey, int]]:
         """Return a zero-filled uint8 buffer, a handle, and each state's byte offset in it."""
-        offsets, pos = {}, 0
-        for k, spec in entries:
-            pos += (-pos) % _ALIGN
-            if pos and spec.nbytes >= STAGGER_MIN:
-                pos += STAGGER
-            offsets[k] = pos
-            pos += spec.nbytes
-        return self._alloc_bytes(max(pos, 1)), None, offsets
+        offs, total = slab_layout([spec.nbytes for _, spec in entries])
+        return self._alloc_bytes(max(total, 1)), None, {k: o for (k, _), o in zip(entries, offs)}
 
     def _alloc_bytes(self, nbytes: int) -> torch.Tensor:
         raise NotImplementedError
