@@ -97,7 +97,7 @@ __attribute__((noinline)) void st_bf16_encode(const float* mi, const float* vi, 
   for (int64_t i = 0; i + W <= n; i += W) {
     if constexpr (kStoch) {
       VecBf16<V, true>::store(m + i, v + i, V::load(mi + i), V::load(vi + i),
-                              VecHash<V>::mix16(weyl, 1u), VecHash<V>::mix16(weyl, 2u));
+                              VecHash<V>::bits16(weyl, 1u), VecHash<V>::bits16(weyl, 2u));
       weyl = V::addi(weyl, step);
     } else {
       VecBf16<V, false>::store(m + i, v + i, V::load(mi + i), V::load(vi + i), weyl, weyl);

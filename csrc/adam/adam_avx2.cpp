@@ -38,16 +38,17 @@ struct Avx2Ops {
                                          -1, -1, 8, 9, -1, -1, 10, 11, -1, -1, 12, 13, -1, -1, 14, 15);
     return _mm256_castsi256_ps(_mm256_shuffle_epi8(x, idx));
   }
-  // statestore::float_to_bf16 on 8 lanes: add 0x7FFF + lsb, truncate; NaN -> 0x7FC0.
+  // statestore::float_to_bf16 on 8 lanes: add 0x7FFF + lsb, keep the high halves (one byte
+  // shuffle to the low 8 bytes of each 128-bit lane, then qwords 0 and 2); NaN -> 0x7FC0.
   static void store_bf16(uint16_t* p, F x) {
     const __m256i u = _mm256_castps_si256(x);
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
     __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
-    r = _mm256_srli_epi32(r, 16);
     const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
-    // packus works per 128-bit lane: [r0..r3 r0..r3 | r4..r7 r4..r7]; keep qwords 0 and 2
-    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc00000), nan);
+    const __m256i hi = _mm256_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1,
+                                        2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1);
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(r, hi), 0x08);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
   }
   // ---- compressed moments (adam_moments_body.h)
@@ -66,53 +67,9 @@ struct Avx2Ops {
   static F casti(I a) { return _mm256_castsi256_ps(a); }
   template <int N> static I slli(I a) { return _mm256_slli_epi32(a, N); }
   static I subi(I a, I b) { return _mm256_sub_epi32(a, b); }
-  static I andi(I a, I b) { return _mm256_and_si256(a, b); }
   static I minu(I a, I b) { return _mm256_min_epu32(a, b); }
-  // per lane: a < b ? x : y (ordered: false for NaN)
-  static I select_lt_i(F a, F b, I x, I y) {
-    return _mm256_blendv_epi8(y, x, _mm256_castps_si256(_mm256_cmp_ps(a, b, _CMP_LT_OQ)));
-  }
-  static F select_lt(F a, F b, F x, F y) { return _mm256_blendv_ps(y, x, _mm256_cmp_ps(a, b, _CMP_LT_OQ)); }
-  static F floor(F a) { return _mm256_floor_ps(a); }
-  // minps: a < b ? a : b
-  static F min(F a, F b) { return _mm256_min_ps(a, b); }
+  static I andi(I a, I b) { return _mm256_and_si256(a, b); }
   static F abs(F a) { return _mm256_and_ps(a, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff))); }
-  static bool all_le(F a, F b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_LE_OQ)) == 0xff; }
-  static F load_i8(const int8_t* p) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-  }
-  static F load_u8(const uint8_t* p) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-  }
-  // c where x is not negative, -c where x < 0
-  static I neg_if_neg(I c, F x) {
-    const __m256i neg = _mm256_castps_si256(_mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ));
-    return _mm256_blendv_epi8(c, _mm256_sub_epi32(_mm256_setzero_si256(), c), neg);
-  }
-  // low bytes of the 8 lanes (values in -128..127, resp. 0..255)
-  static void store_bytes(void* p, __m256i b) {
-    const uint32_t lo = static_cast<uint32_t>(_mm_cvtsi128_si32(_mm256_castsi256_si128(b)));
-    const uint32_t hi = static_cast<uint32_t>(_mm_cvtsi128_si32(_mm256_extracti128_si256(b, 1)));
-    std::memcpy(p, &lo, 4);
-    std::memcpy(static_cast<char*>(p) + 4, &hi, 4);
-  }
-  static void store_i8(int8_t* p, I c) {
-    const __m256i w = _mm256_packs_epi32(c, c);
-    store_bytes(p, _mm256_packs_epi16(w, w));
-  }
-  static void store_u8(uint8_t* p, I c) {
-    const __m256i w = _mm256_packs_epi32(c, c);
-    store_bytes(p, _mm256_packus_epi16(w, w));
-  }
-  // statestore::float_to_bf16_sr on 8 lanes: add h >> 16, truncate; NaN -> 0x7FC0.
-  static void store_bf16_sr(uint16_t* p, F x, I h) {
-    __m256i r = _mm256_add_epi32(_mm256_castps_si256(x), _mm256_srli_epi32(h, 16));
-    r = _mm256_srli_epi32(r, 16);
-    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
-    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
-  }
 
   // ---- the moment kernels' integer-domain helpers (adam_moments_body.h)
   static I load_i8_i(const int8_t* p) {      // 8 int8 codes, sign-extended
@@ -153,14 +110,20 @@ struct Avx2Ops {
   }
   // true when a lane of a or of b is NaN
   static bool any_nan2(F a, F b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_UNORD_Q)) != 0; }
-  // NaN lanes of x -> 0x7FC0 in r (the bf16 encoders' NaN rule)
-  static I nan_to_bf16_nan(I r, F x) {
-    return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+  // NaN lanes of x -> 0x7FC0 in the high half of r (the bf16 encoders' NaN rule; VecBf16)
+  static I nan_to_bf16_nan_hi(I r, F x) {
+    return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc00000), _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
   }
-  // rm, rv: 16-bit values in the low halves of the lanes; 8 to pm, 8 to pv
-  static void store_u16_pair(uint16_t* pm, uint16_t* pv, I rm, I rv) {
-    // packus per 128-bit lane: [m0-3 v0-3 | m4-7 v4-7]; qwords 0 2 1 3: [m0-7 | v0-7]
-    const __m256i x = _mm256_permute4x64_epi64(_mm256_packus_epi32(rm, rv), 0xd8);
+  // the high halves of tm's 8 lanes to pm, of tv's to pv: one byte shuffle each puts them in
+  // the low (tm) or high (tv) 8 bytes of each 128-bit lane, a blend joins them, [m0-3 v0-3 |
+  // m4-7 v4-7], and qwords 0 2 1 3 give [m0-7 | v0-7]
+  static void store_hi16_pair(uint16_t* pm, uint16_t* pv, I tm, I tv) {
+    const __m256i im = _mm256_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1,
+                                        2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1);
+    const __m256i iv = _mm256_setr_epi8(-1, -1, -1, -1, -1, -1, -1, -1, 2, 3, 6, 7, 10, 11, 14, 15,
+                                        -1, -1, -1, -1, -1, -1, -1, -1, 2, 3, 6, 7, 10, 11, 14, 15);
+    const __m256i b = _mm256_blend_epi32(_mm256_shuffle_epi8(tm, im), _mm256_shuffle_epi8(tv, iv), 0xcc);
+    const __m256i x = _mm256_permute4x64_epi64(b, 0xd8);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(pm), _mm256_castsi256_si128(x));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(pv), _mm256_extracti128_si256(x, 1));
   }

@@ -64,41 +64,8 @@ struct Avx512Ops {
   static I subi(I a, I b) { return _mm512_sub_epi32(a, b); }
   static I andi(I a, I b) { return _mm512_and_si512(a, b); }
   static I minu(I a, I b) { return _mm512_min_epu32(a, b); }
-  // per lane: a < b ? x : y (ordered: false for NaN)
-  static I select_lt_i(F a, F b, I x, I y) {
-    return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(a, b, _CMP_LT_OQ), y, x);
-  }
-  static F select_lt(F a, F b, F x, F y) { return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_LT_OQ), y, x); }
-  static F floor(F a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
-  // vminps: a < b ? a : b
-  static F min(F a, F b) { return _mm512_min_ps(a, b); }
   static F abs(F a) {
     return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(a), _mm512_set1_epi32(0x7fffffff)));
-  }
-  static bool all_le(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_LE_OQ) == 0xffff; }
-  static F load_i8(const int8_t* p) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  }
-  static F load_u8(const uint8_t* p) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  }
-  static I neg_if_neg(I c, F x) {
-    const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
-    return _mm512_mask_sub_epi32(c, neg, _mm512_setzero_si512(), c);
-  }
-  // vpmovdb keeps each lane's low byte (values in -128..127, resp. 0..255)
-  static void store_i8(int8_t* p, I c) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(c));
-  }
-  static void store_u8(uint8_t* p, I c) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(c));
-  }
-  static void store_bf16_sr(uint16_t* p, F x, I h) {
-    __m512i r = _mm512_add_epi32(_mm512_castps_si512(x), _mm512_srli_epi32(h, 16));
-    r = _mm512_srli_epi32(r, 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    r = _mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7fc0));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
   }
 
   // ---- the moment kernels' integer-domain helpers (adam_moments_body.h)
@@ -125,12 +92,14 @@ struct Avx512Ops {
   static I mini(I a, I b) { return _mm512_min_epi32(a, b); }
   static int32_t hmini(I a) { return _mm512_reduce_min_epi32(a); }
   static bool any_nan2(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q) != 0; }
-  static I nan_to_bf16_nan(I r, F x) {
-    return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7fc0));
+  // NaN lanes of x -> 0x7FC0 in the high half of r (the bf16 encoders' NaN rule; VecBf16)
+  static I nan_to_bf16_nan_hi(I r, F x) {
+    return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7fc00000));
   }
-  static void store_u16_pair(uint16_t* pm, uint16_t* pv, I rm, I rv) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pm), _mm512_cvtepi32_epi16(rm));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pv), _mm512_cvtepi32_epi16(rv));
+  // the high halves of tm's 16 lanes to pm, of tv's to pv
+  static void store_hi16_pair(uint16_t* pm, uint16_t* pv, I tm, I tv) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pm), _mm512_cvtepi32_epi16(_mm512_srli_epi32(tm, 16)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pv), _mm512_cvtepi32_epi16(_mm512_srli_epi32(tv, 16)));
   }
   static void store_codes(int8_t* pm, uint8_t* pv, I km, I kv) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(pm), _mm512_cvtepi32_epi8(km));

@@ -43,14 +43,14 @@ struct VecHash {
     x = V::mullo(x, V::seti(0x846CA68Bu));
     return V::xori(x, V::template srli<16>(x));
   }
-  // mix without its last line (x ^= x >> 16): that line leaves the top 16 bits as they are,
-  // so mix16(w, s) >> 16 == mix(w, s) >> 16: enough for bf16's stochastic rounding
-  static I mix16(I weyl, uint32_t seed) {
+  // mix(w, s) >> 16, the 16 random bits of bf16's stochastic rounding: mix without its last
+  // line (x ^= x >> 16), which leaves the top 16 bits as they are
+  static I bits16(I weyl, uint32_t seed) {
     I x = V::addi(weyl, V::seti(seed));
     x = V::xori(x, V::template srli<16>(x));
     x = V::mullo(x, V::seti(0x7FEB352Du));
     x = V::xori(x, V::template srli<15>(x));
-    return V::mullo(x, V::seti(0x846CA68Bu));
+    return V::template srli<16>(V::mullo(x, V::seti(0x846CA68Bu)));
   }
   static I lanes(uint32_t seed, uint32_t first) { return mix(weyl(first), seed); }
   // statestore::ss_uniform
@@ -59,29 +59,31 @@ struct VecHash {
   }
 };
 
-// bf16 codes of W floats (statestore::float_to_bf16 / float_to_bf16_sr), as 16-bit values in
-// the low halves of the lanes; h: the hash, of which only the top 16 bits are read (mix16).
+// bf16 codes of W floats (statestore::float_to_bf16 / float_to_bf16_sr), in the HIGH halves of
+// the lanes: the sum before float_to_bf16's final `>> 16`, whose high half store_hi16_pair
+// stores (by a byte shuffle: no shift, and no pack of values it would have to saturate); hs:
+// the random bits (VecHash::bits16), read when stochastic.
 template <class V, bool kStoch>
 struct VecBf16 {
   using F = typename V::F;
   using I = typename V::I;
-  static I round(F x, I h) {
+  static I round(F x, I hs) {
     const I u = V::castf(x);
     if constexpr (kStoch) {
-      return V::template srli<16>(V::addi(u, V::template srli<16>(h)));
+      return V::addi(u, hs);
     } else {
       const I lsb = V::andi(V::template srli<16>(u), V::seti(1u));
-      return V::template srli<16>(V::addi(V::addi(u, V::seti(0x7fffu)), lsb));
+      return V::addi(V::addi(u, V::seti(0x7fffu)), lsb);
     }
   }
-  // m, v: new moments; hm, hv: their hashes (read when stochastic)
+  // m, v: new moments; hm, hv: their random bits (read when stochastic)
   static void store(uint16_t* pm, uint16_t* pv, F m, F v, I hm, I hv) {
     I rm = round(m, hm), rv = round(v, hv);
     if (V::any_nan2(m, v)) {       // rare: one compare for both in the common case
-      rm = V::nan_to_bf16_nan(rm, m);
-      rv = V::nan_to_bf16_nan(rv, v);
+      rm = V::nan_to_bf16_nan_hi(rm, m);
+      rv = V::nan_to_bf16_nan_hi(rv, v);
     }
-    V::store_u16_pair(pm, pv, rm, rv);
+    V::store_hi16_pair(pm, pv, rm, rv);
   }
 };
 
@@ -225,15 +227,15 @@ struct SimdMoments {
     uint16_t* const vp = static_cast<uint16_t*>(a.v);
     I weyl = VecHash<V>::weyl(static_cast<uint32_t>(a.offset + begin));
     const I step = VecHash<V>::step();
-    alignas(64) uint32_t hb[2 * kHashChunk];   // per vector: W hashes of m, then W of v
+    alignas(64) uint32_t hb[2 * kHashChunk];   // per vector: W random bits of m, then W of v
     int64_t i = begin;
     while (end - i >= W) {
       const int64_t c0 = i;
       const int64_t ce = c0 + (end - c0 < kHashChunk ? (end - c0) / W * W : kHashChunk);
       if constexpr (kStoch) {
         for (int64_t j = c0; j < ce; j += W) {
-          V::store_i(hb + 2 * (j - c0), VecHash<V>::mix16(weyl, a.seed_m));
-          V::store_i(hb + 2 * (j - c0) + W, VecHash<V>::mix16(weyl, a.seed_v));
+          V::store_i(hb + 2 * (j - c0), VecHash<V>::bits16(weyl, a.seed_m));
+          V::store_i(hb + 2 * (j - c0) + W, VecHash<V>::bits16(weyl, a.seed_v));
           weyl = V::addi(weyl, step);
         }
       }
