@@ -450,10 +450,12 @@ def cache_resident(sizes, rounds, calls):
     return slope
 
 
-def stages(n, rounds, opt="3"):
-    """Cycles per element of each stage of the compressed-moment SIMD body, cache-resident,
-    one thread: benchmarks/moment_stages.cpp, compiled here for each instruction set the
-    processor has, with the extension's flags (``opt``: the -O level; the extension's is 3)."""
+def stages(n, rounds, opt="3", threads=(1,), seconds=3.0):
+    """Cycles per element of each stage of the compressed-moment SIMD body, cache-resident:
+    benchmarks/moment_stages.cpp, compiled here for each instruction set the processor has,
+    with the extension's flags (``opt``: the -O level; the extension's is 3), run with each
+    thread count of ``threads`` (T threads: each its own arrays, at once; the machine's ns
+    per element), the rows in turn for at least ``seconds``."""
     import subprocess
     import tempfile
     from statestore.kernels import kernels_info
@@ -469,27 +471,33 @@ def stages(n, rounds, opt="3"):
         for isa in isas:
             exe = os.path.join(d, f"stages_{isa}")
             cmd = [cxx, f"-O{opt}", "-std=c++17", "-ffp-contract=off", "-fno-math-errno",
-                   "-I" + os.path.join(REPO, "csrc"), f"-DSTAGES_{isa.upper()}", src, "-o", exe]
+                   "-I" + os.path.join(REPO, "csrc"), f"-DSTAGES_{isa.upper()}", src, "-o", exe,
+                   "-lpthread"]
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:
                 sys.exit(f"--stages: {' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
-            out = subprocess.run([exe, str(n), str(rounds)], capture_output=True, text=True,
-                                 check=True).stdout
-            cols.append(isa)
-            for line in out.splitlines():
-                name, _, val = line.partition("\t")
-                if name.startswith(("stage:", "kernel:")):
-                    rows.setdefault(name, {})[isa] = float(val)
-    print(f"cpu: {_cpu_name()}; 1 thread; {n} elements, cache-resident; best of {rounds} "
-          f"rounds; cycles at the {mhz} MHz /proc/cpuinfo reports; built with -O{opt}"
+            for t in threads:
+                out = subprocess.run([exe, str(n), str(rounds), str(t), str(seconds)],
+                                     capture_output=True, text=True, check=True).stdout
+                col = (isa, t)
+                cols.append(col)
+                for line in out.splitlines():
+                    name, _, val = line.partition("\t")
+                    if name.startswith(("stage:", "kernel:")):
+                        rows.setdefault(name, {})[col] = float(val)
+    print(f"cpu: {_cpu_name()}; {n} elements a thread, cache-resident; best of {rounds} or "
+          f"more rounds (at least {seconds:g} s, rows in turn); ns per element of the machine "
+          f"(T threads at once); cycles of one core per element, at the {mhz} MHz "
+          f"/proc/cpuinfo reports; built with -O{opt}"
           + ("" if opt == "3" else " (NOT the kernel's -O3: these figures are not its speed)"))
     print()
-    head = ["stage (per element)"] + [f"{i} ns" for i in cols] + [f"{i} cycles" for i in cols]
+    head = (["stage (per element)"] + [f"{i} {t} thr ns" for i, t in cols]
+            + [f"{i} {t} thr cycles" for i, t in cols])
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for name, vals in rows.items():
-        ns = [f"{vals[i]:.3f}" if i in vals else "?" for i in cols]
-        cy = [f"{vals[i] * mhz / 1e3:.2f}" if i in vals and mhz else "?" for i in cols]
+        ns = [f"{vals[c]:.3f}" if c in vals else "?" for c in cols]
+        cy = [f"{vals[c] * c[1] * mhz / 1e3:.2f}" if c in vals and mhz else "?" for c in cols]
         print("| " + " | ".join([name] + ns + cy) + " |")
     print("\nstage: one building block of the SIMD body alone, on fp32 arrays in and out (so "
           "each includes its own loads and stores); kernel: the whole update (fp32 grads).")
@@ -527,13 +535,17 @@ def main():
                          "SIMD body (compiles benchmarks/moment_stages.cpp with $CXX)")
     ap.add_argument("--stage-elems", type=int, default=4096,
                     help="elements of --stages' arrays (cache-resident)")
+    ap.add_argument("--stage-seconds", type=float, default=3.0,
+                    help="--stages: time each thread count's rows in turn for at least this "
+                         "long (the host's slow spells last tenths of a second)")
     ap.add_argument("--stages-opt", choices=("0", "1", "2", "3"), default="3",
                     help="optimization level (-O) of --stages' build; below 3 the figures "
                          "are not the kernel's (a quicker build, to check the script runs)")
     args = ap.parse_args()
     if args.stages:
         sys.path.insert(0, REPO)
-        stages(max(args.stage_elems, 256), max(args.reps, 1) * 8, opt=args.stages_opt)
+        stages(max(args.stage_elems, 256), max(args.reps, 1) * 8, opt=args.stages_opt,
+               threads=[int(t) for t in args.threads.split(",")], seconds=args.stage_seconds)
         return
     if args.cache_resident:
         sys.path.insert(0, REPO)

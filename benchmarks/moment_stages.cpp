@@ -3,11 +3,14 @@
 // `benchmarks/adam_step.py --stages` (one binary per instruction set the processor has):
 //
 //   c++ -O3 -std=c++17 -ffp-contract=off -fno-math-errno -Icsrc -DSTAGES_AVX2
-//       benchmarks/moment_stages.cpp -o /tmp/stages && /tmp/stages 4096
+//       benchmarks/moment_stages.cpp -o /tmp/stages -lpthread && /tmp/stages 4096 60 1
 //
 // It includes the ISA file itself (csrc/adam/adam_avx2.cpp or adam_avx512.cpp), so the stages
 // are the kernel's own building blocks (VecAdam, VecHash, VecBf16, VecF8, SimdMoments),
 // compiled with the extension's flags. Prints one line per stage: name, ns per element.
+// Arguments: elements per array (4096), rounds (60), threads (1: with T, T threads run each
+// stage at once, each on arrays of its own, and the figure is the machine's ns per element),
+// seconds (3: rounds go on at least that long, to outlast the host's slow spells).
 // No torch; timing only, nothing is checked here (the tests check the bits).
 #if defined(STAGES_AVX512)
 #include "adam/adam_avx512.cpp"
@@ -20,31 +23,21 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <memory>
 #include <random>
+#include <string>
+#include <thread>
 #include <vector>
 
 
 using namespace statestore;
 using namespace statestore::cpu;
-
-// best time per element (ns) of f over n elements: rounds of enough calls for ~0.5 ms each
-static double ns_per_elem(const std::function<void()>& f, int64_t n, int rounds) {
-  const int64_t calls = std::max<int64_t>(1, 200000 / n);
-  for (int i = 0; i < 20; ++i) f();
-  double best = 1e30;
-  for (int r = 0; r < rounds; ++r) {
-    const auto t0 = std::chrono::steady_clock::now();
-    for (int64_t c = 0; c < calls; ++c) f();
-    const std::chrono::duration<double, std::nano> dt = std::chrono::steady_clock::now() - t0;
-    best = std::min(best, dt.count() / static_cast<double>(calls * n));
-  }
-  return best;
-}
 
 #pragma GCC push_options
 #if defined(STAGES_AVX512)
@@ -145,98 +138,209 @@ __attribute__((noinline)) void st_int8_encode(const AdamTensorArgs& a, const flo
 }  // namespace statestore
 #pragma GCC pop_options
 
+// An array carved from a thread's arena (below); data(), size() and [] as std::vector's.
+template <class T>
+struct Span {
+  T* p = nullptr;
+  int64_t n = 0;
+  T* data() const { return p; }
+  int64_t size() const { return n; }
+  T& operator[](int64_t i) const { return p[i]; }
+};
+
+// One thread's arrays (every thread has its own, cache-resident in its core's caches), in one
+// arena: array k starts 4 KiB-aligned plus k * 1088 bytes modulo 4 KiB, so no two streams
+// of a loop sit at the same offset within a 4 KiB page. (Separate heap arrays of 16 KiB lie
+// 16 KiB + 16 bytes apart; a load then waits on a store to another array 16 bytes away
+// modulo 4 KiB, the processor's "4K aliasing", and the figures are the layout's, not the
+// arithmetic's: fp32 moments 0.39 against 0.34 ns an element on the AVX2 host.)
+struct Bufs {
+  std::vector<char> arena;
+  size_t used = 0;
+  int k = 0;
+  template <class T>
+  Span<T> take(int64_t n, T init = T()) {
+    used = (used + 4095) / 4096 * 4096 + static_cast<size_t>(k++) * 1088 % 4096;
+    char* base = arena.data() + (4096 - reinterpret_cast<uintptr_t>(arena.data()) % 4096) % 4096;
+    Span<T> a{reinterpret_cast<T*>(base + used), n};
+    used += static_cast<size_t>(n) * sizeof(T);
+    if (used + 4096 > arena.size()) std::abort();
+    for (int64_t i = 0; i < n; ++i) a[i] = init;
+    return a;
+  }
+  Span<float> w, g, m, v, mo, vo, mt, vt, sc, sc2;
+  Span<uint16_t> mb, vb, pb;
+  Span<int8_t> mi;
+  Span<uint8_t> vi;
+  Bufs(int64_t n, unsigned seed) : arena(static_cast<size_t>(n) * 48 + 24 * 8192) {
+    w = take<float>(n), g = take<float>(n), m = take<float>(n), v = take<float>(n);
+    mo = take<float>(n), vo = take<float>(n), mt = take<float>(n), vt = take<float>(n);
+    sc = take<float>(n / kQBlock + 1, 0.01f), sc2 = take<float>(n / kQBlock + 1, 0.02f);
+    mb = take<uint16_t>(n), vb = take<uint16_t>(n), pb = take<uint16_t>(n);
+    mi = take<int8_t>(n), vi = take<uint8_t>(n);
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> nd;
+    std::uniform_real_distribution<float> ud(0.0f, 1.0f);
+    for (int64_t i = 0; i < n; ++i) {
+      w[i] = nd(rng);
+      g[i] = nd(rng) * 1e-2f;
+      m[i] = nd(rng) * 1e-3f;
+      v[i] = std::fabs(nd(rng)) * 1e-5f;
+      mb[i] = float_to_bf16(m[i]);
+      vb[i] = float_to_bf16(v[i]);
+      mi[i] = static_cast<int8_t>(static_cast<int>(rng() % 255) - 127);
+      vi[i] = static_cast<uint8_t>(rng() % 256);
+      mt[i] = m[i] * 100.0f;                 // within the scales of st_int8_encode
+      vt[i] = std::sqrt(v[i]) * 5.0f * std::pow(10.0f, -2.0f * ud(rng));
+    }
+  }
+  Bufs(const Bufs&) = delete;
+};
+
+// T threads running one job together: the caller is thread 0, the others wait spinning (a
+// round is about a millisecond: waking a sleeping thread would be part of the time).
+class Team {
+ public:
+  explicit Team(int t) : t_(t) {
+    for (int k = 1; k < t; ++k) th_.emplace_back([this, k] { loop(k); });
+  }
+  ~Team() {
+    quit_ = true;
+    gen_.fetch_add(1, std::memory_order_release);
+    for (auto& x : th_) x.join();
+  }
+  void run(const std::function<void(int)>& job) {
+    job_ = &job;
+    done_.store(0, std::memory_order_relaxed);
+    gen_.fetch_add(1, std::memory_order_release);
+    job(0);
+    while (done_.load(std::memory_order_acquire) < t_ - 1) {
+    }
+  }
+
+ private:
+  void loop(int k) {
+    uint64_t seen = 0;
+    for (;;) {
+      uint64_t g;
+      while ((g = gen_.load(std::memory_order_acquire)) == seen) {
+      }
+      seen = g;
+      if (quit_) return;
+      (*job_)(k);
+      done_.fetch_add(1, std::memory_order_release);
+    }
+  }
+  int t_;
+  std::vector<std::thread> th_;
+  std::atomic<uint64_t> gen_{0};
+  std::atomic<int> done_{0};
+  std::atomic<bool> quit_{false};
+  const std::function<void(int)>* job_ = nullptr;
+};
+
 int main(int argc, char** argv) {
   const int64_t n = argc > 1 ? std::atoll(argv[1]) / kQBlock * kQBlock : 4096;
   const int rounds = argc > 2 ? std::atoi(argv[2]) : 60;
-  std::mt19937 rng(1);
-  std::normal_distribution<float> nd;
-  std::uniform_real_distribution<float> ud(0.0f, 1.0f);
-  std::vector<float> w(n), g(n), m(n), v(n), mo(n), vo(n), mt(n), vt(n), sc(n / kQBlock + 1, 0.01f),
-      sc2(n / kQBlock + 1, 0.02f);
-  std::vector<uint16_t> mb(n), vb(n);
-  std::vector<int8_t> mi(n);
-  std::vector<uint8_t> vi(n);
-  for (int64_t i = 0; i < n; ++i) {
-    w[i] = nd(rng);
-    g[i] = nd(rng) * 1e-2f;
-    m[i] = nd(rng) * 1e-3f;
-    v[i] = std::fabs(nd(rng)) * 1e-5f;
-    mb[i] = float_to_bf16(m[i]);
-    vb[i] = float_to_bf16(v[i]);
-    mi[i] = static_cast<int8_t>(static_cast<int>(rng() % 255) - 127);
-    vi[i] = static_cast<uint8_t>(rng() % 256);
-    mt[i] = m[i] * 100.0f;                   // within the scales of st_int8_encode
-    vt[i] = std::sqrt(v[i]) * 5.0f * std::pow(10.0f, -2.0f * ud(rng));
-  }
+  const int nthreads = argc > 3 ? std::max(1, std::atoi(argv[3])) : 1;
+  const double min_seconds = argc > 4 ? std::atof(argv[4]) : 3.0;
+  std::vector<std::unique_ptr<Bufs>> bufs;
+  for (int t = 0; t < nthreads; ++t) bufs.push_back(std::make_unique<Bufs>(n, 1u + static_cast<unsigned>(t)));
   const AdamHyper hyper{1e-3, 0.9, 0.999, 1e-8, 0.01, 1.0, true, false};
   const AdamScalars s = make_adam_scalars(hyper, 1e-3 / (1 - std::pow(0.9, 5)),
                                           std::sqrt(1 - std::pow(0.999, 5)));
-  AdamTensorArgs codes{};
-  codes.m = mi.data();
-  codes.v = vi.data();
-  codes.seed_m = 1;
-  codes.seed_v = 2;
-  auto row = [&](const char* name, const std::function<void()>& f) {
-    std::printf("%s\t%.4f\n", name, ns_per_elem(f, n, rounds));
+  struct Row {
+    std::string name;
+    std::function<void(Bufs&)> f;
   };
-  std::printf("isa\t%s\nelements\t%ld\n", STAGES_KERNELS().name, static_cast<long>(n));
-  row("stage: loads and stores of an fp32 step", [&] { st_ldst(w.data(), g.data(), m.data(), v.data(), n); });
-  row("stage: sqrt and division", [&] { st_sqrtdiv(mo.data(), m.data(), v.data(), n); });
-  row("stage: update (fp32 m, v in and out)", [&] { st_update(s, w.data(), g.data(), m.data(), v.data(), n); });
-  row("stage: bf16 decode m, v", [&] { st_bf16_decode(mb.data(), vb.data(), mo.data(), vo.data(), n); });
-  row("stage: bf16 encode m, v, nearest", [&] { st_bf16_encode<false>(m.data(), v.data(), mb.data(), vb.data(), n); });
-  row("stage: random bits (two hashes)", [&] { st_hash(mo.data(), n); });
-  row("stage: bf16 encode m, v, stochastic", [&] { st_bf16_encode<true>(m.data(), v.data(), mb.data(), vb.data(), n); });
-  row("stage: int8 decode m, v", [&] { st_int8_decode(mi.data(), vi.data(), 0.01f, 0.02f, mo.data(), vo.data(), n); });
-  row("stage: int8 block max m, v", [&] { st_block_max(mt.data(), vt.data(), mo.data(), n); });
-  row("stage: int8 encode m, v, nearest", [&] { st_int8_encode<false>(codes, mt.data(), vt.data(), n); });
-  row("stage: int8 encode m, v, stochastic", [&] { st_int8_encode<true>(codes, mt.data(), vt.data(), n); });
+  std::vector<Row> rows;
+  auto row = [&](std::string name, std::function<void(Bufs&)> f) { rows.push_back({std::move(name), std::move(f)}); };
+  row("stage: loads and stores of an fp32 step", [&](Bufs& b) { st_ldst(b.w.data(), b.g.data(), b.m.data(), b.v.data(), n); });
+  row("stage: sqrt and division", [&](Bufs& b) { st_sqrtdiv(b.mo.data(), b.m.data(), b.v.data(), n); });
+  row("stage: update (fp32 m, v in and out)", [&](Bufs& b) { st_update(s, b.w.data(), b.g.data(), b.m.data(), b.v.data(), n); });
+  row("stage: bf16 decode m, v", [&](Bufs& b) { st_bf16_decode(b.mb.data(), b.vb.data(), b.mo.data(), b.vo.data(), n); });
+  row("stage: bf16 encode m, v, nearest", [&](Bufs& b) { st_bf16_encode<false>(b.m.data(), b.v.data(), b.mb.data(), b.vb.data(), n); });
+  row("stage: random bits (two hashes)", [&](Bufs& b) { st_hash(b.mo.data(), n); });
+  row("stage: bf16 encode m, v, stochastic", [&](Bufs& b) { st_bf16_encode<true>(b.m.data(), b.v.data(), b.mb.data(), b.vb.data(), n); });
+  row("stage: int8 decode m, v", [&](Bufs& b) { st_int8_decode(b.mi.data(), b.vi.data(), 0.01f, 0.02f, b.mo.data(), b.vo.data(), n); });
+  row("stage: int8 block max m, v", [&](Bufs& b) { st_block_max(b.mt.data(), b.vt.data(), b.mo.data(), n); });
+  auto codes = [](Bufs& b) {
+    AdamTensorArgs c{};
+    c.m = b.mi.data();
+    c.v = b.vi.data();
+    c.seed_m = 1;
+    c.seed_v = 2;
+    return c;
+  };
+  row("stage: int8 encode m, v, nearest", [&](Bufs& b) { st_int8_encode<false>(codes(b), b.mt.data(), b.vt.data(), n); });
+  row("stage: int8 encode m, v, stochastic", [&](Bufs& b) { st_int8_encode<true>(codes(b), b.mt.data(), b.vt.data(), n); });
   const SimdKernels& K = STAGES_KERNELS();
   for (DType pd : {DType::kNone, DType::kBF16}) {
-    std::vector<uint16_t> pb(n);
     const char* pn = pd == DType::kNone ? "fp32 params" : "bf16 params + fp32 masters";
-    AdamTensorArgs b{};
-    b.w = w.data();
-    b.g = g.data();
-    b.m = m.data();
-    b.v = v.data();
-    b.kind = MomentKind::kF32;
-    b.g_dtype = DType::kF32;
-    b.p_dtype = pd;
-    b.p_out = pd == DType::kNone ? nullptr : pb.data();
-    b.n = n;
-    b.s = s;
-    char name[160];
-    std::snprintf(name, sizeof name, "kernel: fp32 moments, %s", pn);
-    row(name, [&] { K.adam(b, 0, n); });
-    for (MomentKind k : {MomentKind::kBF16, MomentKind::kInt8}) {
+    for (MomentKind k : {MomentKind::kF32, MomentKind::kBF16, MomentKind::kInt8}) {
       for (bool st : {false, true}) {
-        AdamTensorArgs a{};
-        a.w = w.data();
-        a.g = g.data();
-        a.g_dtype = DType::kF32;
-        a.p_dtype = pd;
-        a.p_out = b.p_out;
-        a.kind = k;
-        a.stochastic = st;
-        a.seed_m = 1;
-        a.seed_v = 2;
-        a.n = n;
-        a.s = s;
-        if (k == MomentKind::kBF16) {
-          a.m = mb.data();
-          a.v = vb.data();
+        if (k == MomentKind::kF32 && st) continue;
+        auto args = [=, &s](Bufs& b) {
+          AdamTensorArgs a{};
+          a.w = b.w.data();
+          a.g = b.g.data();
+          a.g_dtype = DType::kF32;
+          a.p_dtype = pd;
+          a.p_out = pd == DType::kNone ? nullptr : b.pb.data();
+          a.kind = k;
+          a.stochastic = st;
+          a.seed_m = 1;
+          a.seed_v = 2;
+          a.n = n;
+          a.s = s;
+          if (k == MomentKind::kF32) {
+            a.m = b.m.data();
+            a.v = b.v.data();
+          } else if (k == MomentKind::kBF16) {
+            a.m = b.mb.data();
+            a.v = b.vb.data();
+          } else {
+            a.m = b.mi.data();
+            a.v = b.vi.data();
+            a.m_scale = b.sc.data();
+            a.v_scale = b.sc2.data();
+          }
+          return a;
+        };
+        char name[160];
+        if (k == MomentKind::kF32) {
+          std::snprintf(name, sizeof name, "kernel: fp32 moments, %s", pn);
         } else {
-          a.m = mi.data();
-          a.v = vi.data();
-          a.m_scale = sc.data();
-          a.v_scale = sc2.data();
+          std::snprintf(name, sizeof name, "kernel: %s moments %s, %s", k == MomentKind::kBF16 ? "bf16" : "int8",
+                        st ? "stochastic" : "nearest", pn);
         }
-        std::snprintf(name, sizeof name, "kernel: %s moments %s, %s",
-                      k == MomentKind::kBF16 ? "bf16" : "int8", st ? "stochastic" : "nearest", pn);
-        row(name, [&] { K.adam(a, 0, n); });
+        row(name, [&K, args](Bufs& b) { K.adam(args(b), 0, b.w.size()); });
       }
     }
   }
+  // Best time per element of each row, the rows taken in turn within every round (not one
+  // row's rounds back to back), for at least min_seconds: on a host whose speed changes for
+  // tenths of a second at a time (the AVX2 development host), each row's best then comes
+  // from the same fast spells. With T threads, each runs
+  // the row on its own arrays at the same time, and the time per element is the wall time
+  // over the elements of all threads (the machine's, not one core's).
+  Team team(nthreads);
+  const int64_t calls = std::max<int64_t>(1, 200000 / n);
+  std::vector<double> best(rows.size(), 1e30);
+  const auto start = std::chrono::steady_clock::now();
+  auto elapsed = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); };
+  for (int r = -2; r < rounds || elapsed() < min_seconds; ++r) {       // two rounds of warm-up
+    for (size_t k = 0; k < rows.size(); ++k) {
+      const std::function<void(int)> job = [&](int t) {
+        for (int64_t c = 0; c < calls; ++c) rows[k].f(*bufs[t]);
+      };
+      const auto t0 = std::chrono::steady_clock::now();
+      team.run(job);
+      const std::chrono::duration<double, std::nano> dt = std::chrono::steady_clock::now() - t0;
+      if (r >= 0) best[k] = std::min(best[k], dt.count() / static_cast<double>(calls * n * nthreads));
+    }
+  }
+  std::printf("isa\t%s\nelements\t%ld\nthreads\t%d\n", STAGES_KERNELS().name, static_cast<long>(n), nthreads);
+  for (size_t k = 0; k < rows.size(); ++k) std::printf("%s\t%.4f\n", rows[k].name.c_str(), best[k]);
   return 0;
 }

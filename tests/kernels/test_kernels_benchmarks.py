@@ -44,9 +44,10 @@ def test_adam_step_cache_resident_prints_every_slope():
 def test_adam_step_stages_prints_every_stage():
     # -O0: the build is most of this test's time, and the figures are not checked
     out = _run("adam_step.py", "--stages", "--stage-elems", "256", "--reps", "1",
-               "--stages-opt", "0")
+               "--stages-opt", "0", "--threads", "1,2", "--stage-seconds", "0")
     assert "built with -O0 (NOT the kernel's -O3" in out, out
-    names = re.findall(r"^\| ((?:stage|kernel): [^|]+) \| [0-9.]+ \|", out, re.M)
+    assert re.search(r"^\| stage \(per element\) \| avx[0-9]+ 1 thr ns \| avx[0-9]+ 2 thr ns \|", out, re.M), out
+    names = re.findall(r"^\| ((?:stage|kernel): [^|]+) \| [0-9.]+ \| [0-9.]+ \|", out, re.M)
     assert any(n.startswith("stage: int8 block max") for n in names), out
     assert any(n.startswith("stage: random bits") for n in names), out
     assert sum(n.startswith("kernel:") for n in names) == 10, out
