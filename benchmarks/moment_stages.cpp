@@ -85,24 +85,26 @@ __attribute__((noinline)) void st_bf16_decode(const uint16_t* m, const uint16_t*
 template <bool kStoch>
 __attribute__((noinline)) void st_bf16_encode(const float* mi, const float* vi, uint16_t* m,
                                               uint16_t* v, int64_t n) {
-  I weyl = VecHash<V>::weyl(0);
+  I wm = VecHash<V>::start(0, 1u), wv = VecHash<V>::start(0, 2u);
   const I step = VecHash<V>::step();
   for (int64_t i = 0; i + W <= n; i += W) {
     if constexpr (kStoch) {
-      VecBf16<V, true>::store(m + i, v + i, V::load(mi + i), V::load(vi + i),
-                              VecHash<V>::bits16(weyl, 1u), VecHash<V>::bits16(weyl, 2u));
-      weyl = V::addi(weyl, step);
+      VecBf16<V, true>::store(m + i, v + i, V::load(mi + i), V::load(vi + i), VecHash<V>::bits16(wm),
+                              VecHash<V>::bits16(wv));
+      wm = V::addi(wm, step);
+      wv = V::addi(wv, step);
     } else {
-      VecBf16<V, false>::store(m + i, v + i, V::load(mi + i), V::load(vi + i), weyl, weyl);
+      VecBf16<V, false>::store(m + i, v + i, V::load(mi + i), V::load(vi + i), wm, wv);
     }
   }
 }
 __attribute__((noinline)) void st_hash(float* o, int64_t n) {
-  I weyl = VecHash<V>::weyl(0);
+  I wm = VecHash<V>::start(0, 1u), wv = VecHash<V>::start(0, 2u);
   const I step = VecHash<V>::step();
   for (int64_t i = 0; i + W <= n; i += W) {
-    const I a = VecHash<V>::mix(weyl, 1u), b = VecHash<V>::mix(weyl, 2u);
-    weyl = V::addi(weyl, step);
+    const I a = VecHash<V>::mix(wm), b = VecHash<V>::mix(wv);
+    wm = V::addi(wm, step);
+    wv = V::addi(wv, step);
     V::store(o + i, V::casti(V::xori(a, b)));
   }
 }

@@ -19,7 +19,7 @@
 // the codes. So the loops keep everything else off the vector units: rounding mode and amsgrad
 // are template parameters, a block's largest magnitude is an unsigned integer max of the float
 // bits (which also flags inf and NaN), the codes stay integers (no int -> float -> int round
-// trips), the Weyl step of the hash is carried from vector to vector, both moments' codes
+// trips), the hash's first line (a Weyl step plus the seed) is carried from vector to vector, both moments' codes
 // leave in one pack, and bf16's random bits are computed a chunk ahead (run_bf16).
 
 using statestore::MomentKind;
@@ -29,30 +29,29 @@ template <class V>
 struct VecHash {
   using I = typename V::I;
   static constexpr uint32_t kWeyl = 0x9E3779B1u;
-  // (first + lane) * kWeyl (mod 2^32): the seed-free part of ss_hash32's first line for W
-  // consecutive indices; the next W indices are weyl + step() (the product distributes
-  // modulo 2^32, so carrying it gives the same bits as multiplying each index).
-  static I weyl(uint32_t first) { return V::mullo(V::addi(V::seti(first), V::iota()), V::seti(kWeyl)); }
+  // ss_hash32's first line, i * kWeyl + seed (mod 2^32), for the W consecutive indices from
+  // `first`; the next W indices' sums are these plus step(): the product distributes modulo
+  // 2^32, so the running sum (seed included) gives the same bits as computing each index's.
+  static I start(uint32_t first, uint32_t seed) {
+    return V::addi(V::mullo(V::addi(V::seti(first), V::iota()), V::seti(kWeyl)), V::seti(seed));
+  }
   static I step() { return V::seti(static_cast<uint32_t>(V::kWidth) * kWeyl); }
-  // statestore::ss_hash32(seed, i) from weyl = i * kWeyl
-  static I mix(I weyl, uint32_t seed) {
-    I x = V::addi(weyl, V::seti(seed));
+  // statestore::ss_hash32(seed, i) from x = i * kWeyl + seed
+  static I mix(I x) {
     x = V::xori(x, V::template srli<16>(x));
     x = V::mullo(x, V::seti(0x7FEB352Du));
     x = V::xori(x, V::template srli<15>(x));
     x = V::mullo(x, V::seti(0x846CA68Bu));
     return V::xori(x, V::template srli<16>(x));
   }
-  // mix(w, s) >> 16, the 16 random bits of bf16's stochastic rounding: mix without its last
-  // line (x ^= x >> 16), which leaves the top 16 bits as they are
-  static I bits16(I weyl, uint32_t seed) {
-    I x = V::addi(weyl, V::seti(seed));
+  // mix(x) >> 16, the 16 random bits of bf16's stochastic rounding: mix without its last line
+  // (x ^= x >> 16), which leaves the top 16 bits as they are
+  static I bits16(I x) {
     x = V::xori(x, V::template srli<16>(x));
     x = V::mullo(x, V::seti(0x7FEB352Du));
     x = V::xori(x, V::template srli<15>(x));
     return V::template srli<16>(V::mullo(x, V::seti(0x846CA68Bu)));
   }
-  static I lanes(uint32_t seed, uint32_t first) { return mix(weyl(first), seed); }
   // statestore::ss_uniform
   static typename V::F uniform(I h) {
     return V::mul(V::cvt_i2f(V::template srli<8>(h)), V::set1(statestore::k2m24));
@@ -225,7 +224,8 @@ struct SimdMoments {
     const VecAdam<V> c(a.s);
     uint16_t* const mp = static_cast<uint16_t*>(a.m);
     uint16_t* const vp = static_cast<uint16_t*>(a.v);
-    I weyl = VecHash<V>::weyl(static_cast<uint32_t>(a.offset + begin));
+    const uint32_t first = static_cast<uint32_t>(a.offset + begin);
+    I wm = VecHash<V>::start(first, a.seed_m), wv = VecHash<V>::start(first, a.seed_v);
     const I step = VecHash<V>::step();
     alignas(64) uint32_t hb[2 * kHashChunk];   // per vector: W random bits of m, then W of v
     int64_t i = begin;
@@ -234,9 +234,10 @@ struct SimdMoments {
       const int64_t ce = c0 + (end - c0 < kHashChunk ? (end - c0) / W * W : kHashChunk);
       if constexpr (kStoch) {
         for (int64_t j = c0; j < ce; j += W) {
-          V::store_i(hb + 2 * (j - c0), VecHash<V>::bits16(weyl, a.seed_m));
-          V::store_i(hb + 2 * (j - c0) + W, VecHash<V>::bits16(weyl, a.seed_v));
-          weyl = V::addi(weyl, step);
+          V::store_i(hb + 2 * (j - c0), VecHash<V>::bits16(wm));
+          V::store_i(hb + 2 * (j - c0) + W, VecHash<V>::bits16(wv));
+          wm = V::addi(wm, step);
+          wv = V::addi(wv, step);
         }
       }
       for (; i < ce; i += W) {
@@ -251,7 +252,7 @@ struct SimdMoments {
           const uint32_t* const h = hb + 2 * (i - c0);
           VecBf16<V, true>::store(mp + i, vp + i, m, v, V::load_i(h), V::load_i(h + W));
         } else {
-          VecBf16<V, false>::store(mp + i, vp + i, m, v, weyl, weyl);
+          VecBf16<V, false>::store(mp + i, vp + i, m, v, wm, wv);   // (not read)
         }
         if constexpr (PD != DType::kNone) VecIO<V, PD>::store(a.p_out, i, w);
       }
@@ -274,15 +275,20 @@ struct SimdMoments {
     const bool okm = statestore::encode_block_ok(qm), okv = statestore::encode_block_ok(qv);
     const F invm = V::set1(qm.inv), invv = V::set1(qv.inv);
     const I zero = V::seti(0u);
-    I weyl = VecHash<V>::weyl(static_cast<uint32_t>(a.offset + b));
+    const uint32_t first = static_cast<uint32_t>(a.offset + b);
+    I wm = kStoch ? VecHash<V>::start(first, a.seed_m) : zero;
+    I wv = kStoch ? VecHash<V>::start(first, a.seed_v) : zero;
     const I step = VecHash<V>::step();
     int64_t i = b;
     for (; i + W <= e; i += W) {
       const F m = V::load(mt + (i - b));
       const F s = V::load(vt + (i - b));     // sqrt of the new exp_avg_sq
-      const I hm = kStoch ? VecHash<V>::mix(weyl, a.seed_m) : zero;
-      const I hv = kStoch ? VecHash<V>::mix(weyl, a.seed_v) : zero;
-      if constexpr (kStoch) weyl = V::addi(weyl, step);
+      const I hm = kStoch ? VecHash<V>::mix(wm) : zero;
+      const I hv = kStoch ? VecHash<V>::mix(wv) : zero;
+      if constexpr (kStoch) {
+        wm = V::addi(wm, step);
+        wv = V::addi(wv, step);
+      }
       const F rv = V::mul(s, invv);
       I km;
       if constexpr (kMNormal && !kStoch) {
