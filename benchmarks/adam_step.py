@@ -45,8 +45,11 @@ per parameter means the kernel has compute to spare where memory is the limit.
     .venv/bin/python benchmarks/adam_step.py --cache-resident
 
 Stages (``--stages``): each building block of the compressed-moment SIMD body (decode, update,
-block maximum, encode, random bits) timed alone, cache-resident, one thread, per instruction
-set the processor has (``benchmarks/moment_stages.cpp``, compiled with ``$CXX``).
+block maximum, encode, random bits) timed alone, then the whole kernels, cache-resident, per
+instruction set the processor has and per thread count of ``--threads`` (T threads at once,
+each on arrays of its own) (``benchmarks/moment_stages.cpp``, compiled with ``$CXX``).
+Statestore's moment states are laid out as the resident stores lay out their slabs
+(``slab_states``).
 """
 from __future__ import annotations
 
