@@ -84,3 +84,27 @@ def test_optimizer_probe_layouts_prints_every_contestant_every_round():
         if k != "torch fused":
             assert re.search(re.escape(k) + r": median [0-9.]+x of torch fused, range "
                              r"[0-9.]+-[0-9.]+x over 2 rounds", out), out
+
+
+@pytest.mark.slow
+def test_kernel_ab_times_both_builds_and_catches_other_bits(tmp_path):
+    # A: a copy of the sources whose hash constant differs, so the stochastic roundings draw
+    # other bits and nothing else changes; B: the working tree. -O0: a quicker build, the
+    # figures are not checked.
+    import shutil
+    shutil.copytree(os.path.join(ROOT, "csrc"), tmp_path / "csrc")
+    body = tmp_path / "csrc" / "adam" / "adam_moments_body.h"
+    text = body.read_text()
+    assert "kWeyl = 0x9E3779B1u" in text
+    body.write_text(text.replace("kWeyl = 0x9E3779B1u", "kWeyl = 0x9E3779B3u"))
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "kernel_ab.py"), "--base", str(tmp_path),
+           "--elems", "256", "--rounds", "1", "--round-elems", "256", "--opt", "0"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=paths.env())
+    out = res.stdout
+    assert res.returncode == 1, (res.returncode, out, res.stderr[-2000:])
+    differ = set(re.findall(r"^BITS DIFFER: (.+)$", out, re.M))
+    assert {"bf16 moments, stochastic", "int8 moments, stochastic"} <= differ, out
+    assert not {d for d in differ if "nearest" in d or d.startswith("fp32")}, out
+    rows = re.findall(r"^\| ([a-z0-9, ]+) \| ([0-9.]+) \| ([0-9.]+) \| ([0-9.]+) \|$", out, re.M)
+    assert len(rows) == 11, out
+    assert "built with -O0 (NOT the kernels' -O3" in out, out
