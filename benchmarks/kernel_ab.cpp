@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "adam/adam_kernels.h"
+#include "bench_team.h"
 
 // The two builds, each compiled with its namespace renamed (statestore -> kab_a / kab_b: no
 // inline function of one build can stand in for the other's at link time) and its kernels'
@@ -135,49 +136,6 @@ AdamTensorArgs args_of(Data& d, const Config& c, const AdamScalars& s, uint32_t 
   return a;
 }
 
-// T threads running one job together (the caller is thread 0; the others spin between jobs).
-class Team {
- public:
-  explicit Team(int t) : t_(t) {
-    for (int k = 1; k < t; ++k) th_.emplace_back([this, k] { loop(k); });
-  }
-  ~Team() {
-    quit_ = true;
-    gen_.fetch_add(1, std::memory_order_release);
-    for (auto& x : th_) x.join();
-  }
-  template <class F>
-  void run(const F& job) {
-    const std::function<void(int)> f = job;
-    job_ = &f;
-    done_.store(0, std::memory_order_relaxed);
-    gen_.fetch_add(1, std::memory_order_release);
-    f(0);
-    while (done_.load(std::memory_order_acquire) < t_ - 1) {
-    }
-  }
-
- private:
-  void loop(int k) {
-    uint64_t seen = 0;
-    for (;;) {
-      uint64_t g;
-      while ((g = gen_.load(std::memory_order_acquire)) == seen) {
-      }
-      seen = g;
-      if (quit_) return;
-      (*job_)(k);
-      done_.fetch_add(1, std::memory_order_release);
-    }
-  }
-  int t_;
-  std::vector<std::thread> th_;
-  std::atomic<uint64_t> gen_{0};
-  std::atomic<int> done_{0};
-  std::atomic<bool> quit_{false};
-  const std::function<void(int)>* job_ = nullptr;
-};
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -223,7 +181,7 @@ int main(int argc, char** argv) {
   std::vector<std::unique_ptr<Data>> data;
   for (int t = 0; t < nthreads; ++t) data.push_back(std::make_unique<Data>(n, 1u + static_cast<unsigned>(t)));
   const int64_t calls = std::max<int64_t>(1, per_round / n);
-  Team team(nthreads);
+  BenchTeam team(nthreads);
   std::vector<double> best(2 * nc, 1e30);
   // rounds in turn over the configurations and the two builds: each row's best comes from the
   // same spells of the host as every other row's

@@ -22,6 +22,8 @@
 #define STAGES_KERNELS avx2_kernels
 #endif
 
+#include "bench_team.h"
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -199,48 +201,6 @@ struct Bufs {
   Bufs(const Bufs&) = delete;
 };
 
-// T threads running one job together: the caller is thread 0, the others wait spinning (a
-// round is about a millisecond: waking a sleeping thread would be part of the time).
-class Team {
- public:
-  explicit Team(int t) : t_(t) {
-    for (int k = 1; k < t; ++k) th_.emplace_back([this, k] { loop(k); });
-  }
-  ~Team() {
-    quit_ = true;
-    gen_.fetch_add(1, std::memory_order_release);
-    for (auto& x : th_) x.join();
-  }
-  void run(const std::function<void(int)>& job) {
-    job_ = &job;
-    done_.store(0, std::memory_order_relaxed);
-    gen_.fetch_add(1, std::memory_order_release);
-    job(0);
-    while (done_.load(std::memory_order_acquire) < t_ - 1) {
-    }
-  }
-
- private:
-  void loop(int k) {
-    uint64_t seen = 0;
-    for (;;) {
-      uint64_t g;
-      while ((g = gen_.load(std::memory_order_acquire)) == seen) {
-      }
-      seen = g;
-      if (quit_) return;
-      (*job_)(k);
-      done_.fetch_add(1, std::memory_order_release);
-    }
-  }
-  int t_;
-  std::vector<std::thread> th_;
-  std::atomic<uint64_t> gen_{0};
-  std::atomic<int> done_{0};
-  std::atomic<bool> quit_{false};
-  const std::function<void(int)>* job_ = nullptr;
-};
-
 int main(int argc, char** argv) {
   const int64_t n = argc > 1 ? std::atoll(argv[1]) / kQBlock * kQBlock : 4096;
   const int rounds = argc > 2 ? std::atoi(argv[2]) : 60;
@@ -326,7 +286,7 @@ int main(int argc, char** argv) {
   // from the same fast spells. With T threads, each runs
   // the row on its own arrays at the same time, and the time per element is the wall time
   // over the elements of all threads (the machine's, not one core's).
-  Team team(nthreads);
+  BenchTeam team(nthreads);
   const int64_t calls = std::max<int64_t>(1, 200000 / n);
   std::vector<double> best(rows.size(), 1e30);
   const auto start = std::chrono::steady_clock::now();
