@@ -19,8 +19,9 @@
 // the codes. So the loops keep everything else off the vector units: rounding mode and amsgrad
 // are template parameters, a block's largest magnitude is an unsigned integer max of the float
 // bits (which also flags inf and NaN), the codes stay integers (no int -> float -> int round
-// trips), the hash's first line (a Weyl step plus the seed) is carried from vector to vector, both moments' codes
-// leave in one pack, and bf16's random bits are computed a chunk ahead (run_bf16).
+// trips), the hash's first line (a Weyl step plus the seed) is carried from vector to vector,
+// both moments' codes leave in one pack, and bf16 goes a chunk at a time in three loops
+// (run_bf16).
 
 using statestore::MomentKind;
 using statestore::QScale;
