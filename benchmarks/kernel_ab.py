@@ -60,22 +60,28 @@ def source_tree(spec: str, tmp: str, name: str) -> str:
 
 def build(a_dir: str, b_dir: str, isa: str, tmp: str, opt: str = "3") -> str:
     cxx = os.environ.get("CXX", "c++")
-    objs = []
-    for tag, d in (("a", a_dir), ("b", b_dir)):
-        obj = os.path.join(tmp, f"kernels_{tag}.o")
-        cmd = [cxx, f"-O{opt}", *FLAGS, "-I" + os.path.join(d, "csrc"),
-               f"-Dstatestore=kab_{tag}", f"-D{isa}_kernels=kab_kernels", "-c",
-               os.path.join(d, "csrc", "adam", f"adam_{isa}.cpp"), "-o", obj]
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode != 0:
-            sys.exit(f"kernel_ab: {' '.join(cmd)} failed:\n{r.stderr[-3000:]}")
-        objs.append(obj)
-    exe = os.path.join(tmp, "kernel_ab")
     # each build's namespace renamed (statestore -> kab_a / kab_b), so that no inline function
     # of one stands in for the other's at link time; the driver is built against the B tree's
-    # headers (AdamTensorArgs and SimdKernels must be the same structs in both trees)
-    cmd = [cxx, f"-O{opt}", *FLAGS, "-I" + os.path.join(b_dir, "csrc"),
-           os.path.join(REPO, "benchmarks", "kernel_ab.cpp"), *objs, "-o", exe, "-lpthread"]
+    # headers (AdamTensorArgs and SimdKernels must be the same structs in both trees). The
+    # three compilations run at once.
+    cmds, objs = [], []
+    for tag, d in (("a", a_dir), ("b", b_dir)):
+        obj = os.path.join(tmp, f"kernels_{tag}.o")
+        cmds.append([cxx, f"-O{opt}", *FLAGS, "-I" + os.path.join(d, "csrc"),
+                     f"-Dstatestore=kab_{tag}", f"-D{isa}_kernels=kab_kernels", "-c",
+                     os.path.join(d, "csrc", "adam", f"adam_{isa}.cpp"), "-o", obj])
+        objs.append(obj)
+    driver = os.path.join(tmp, "driver.o")
+    cmds.append([cxx, f"-O{opt}", *FLAGS, "-I" + os.path.join(b_dir, "csrc"), "-c",
+                 os.path.join(REPO, "benchmarks", "kernel_ab.cpp"), "-o", driver])
+    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for c in cmds]
+    for c, p in zip(cmds, procs):
+        _, err = p.communicate()
+        if p.returncode != 0:
+            sys.exit(f"kernel_ab: {' '.join(c)} failed:\n{err[-3000:]}")
+    exe = os.path.join(tmp, "kernel_ab")
+    cmd = [cxx, driver, *objs, "-o", exe, "-lpthread"]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         sys.exit(f"kernel_ab: {' '.join(cmd)} failed:\n{r.stderr[-3000:]}")

@@ -10,7 +10,8 @@
 // compiled with the extension's flags. Prints one line per stage: name, ns per element.
 // Arguments: elements per array (4096), rounds (60), threads (1: with T, T threads run each
 // stage at once, each on arrays of its own, and the figure is the machine's ns per element),
-// seconds (3: rounds go on at least that long, to outlast the host's slow spells).
+// seconds (3: rounds go on at least that long, to outlast the host's slow spells), elements a
+// round and thread (200000: whole calls of the arrays).
 // No torch; timing only, nothing is checked here (the tests check the bits).
 #if defined(STAGES_AVX512)
 #include "adam/adam_avx512.cpp"
@@ -206,6 +207,7 @@ int main(int argc, char** argv) {
   const int rounds = argc > 2 ? std::atoi(argv[2]) : 60;
   const int nthreads = argc > 3 ? std::max(1, std::atoi(argv[3])) : 1;
   const double min_seconds = argc > 4 ? std::atof(argv[4]) : 3.0;
+  const int64_t round_elems = argc > 5 ? std::atoll(argv[5]) : 200000;
   std::vector<std::unique_ptr<Bufs>> bufs;
   for (int t = 0; t < nthreads; ++t) bufs.push_back(std::make_unique<Bufs>(n, 1u + static_cast<unsigned>(t)));
   const AdamHyper hyper{1e-3, 0.9, 0.999, 1e-8, 0.01, 1.0, true, false};
@@ -287,7 +289,7 @@ int main(int argc, char** argv) {
   // the row on its own arrays at the same time, and the time per element is the wall time
   // over the elements of all threads (the machine's, not one core's).
   BenchTeam team(nthreads);
-  const int64_t calls = std::max<int64_t>(1, 200000 / n);
+  const int64_t calls = std::max<int64_t>(1, round_elems / n);
   std::vector<double> best(rows.size(), 1e30);
   const auto start = std::chrono::steady_clock::now();
   auto elapsed = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); };
