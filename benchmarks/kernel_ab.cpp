@@ -24,7 +24,7 @@
 #include <vector>
 
 #include "adam/adam_kernels.h"
-#include "bench_team.h"
+#include "bench_common.h"
 
 // The two builds, each compiled with its namespace renamed (statestore -> kab_a / kab_b: no
 // inline function of one build can stand in for the other's at link time) and its kernels'
@@ -45,32 +45,15 @@ using namespace statestore::cpu;
 
 namespace {
 
-// One thread's arrays in one 2 MiB-aligned arena: array k starts 64 KiB-aligned plus k * 1088
-// bytes, so no two streams share an offset modulo 4 KiB (4K aliasing) or sit 2^k apart.
-struct Arena {
-  std::vector<char> mem;
-  size_t used = 0;
-  int k = 0;
-  explicit Arena(size_t bytes) : mem(bytes + (1u << 21)) {}
-  template <class T>
-  T* take(int64_t n) {
-    char* base = mem.data() + ((1u << 21) - reinterpret_cast<uintptr_t>(mem.data()) % (1u << 21)) % (1u << 21);
-    used = (used + 65535) / 65536 * 65536 + static_cast<size_t>(k++) * 1088 % 65536;
-    T* p = reinterpret_cast<T*>(base + used);
-    used += static_cast<size_t>(n) * sizeof(T);
-    if (used + (1u << 21) > mem.size()) std::abort();
-    return p;
-  }
-};
-
 struct Data {
   int64_t n;
-  Arena arena;
+  BenchArena arena;  // arrays 64 KiB apart plus distinct offsets
   float *w, *g, *m, *v, *sm, *sv;
   uint16_t *gb, *mb, *vb, *pb;
   int8_t* mi;
   uint8_t* vi;
-  Data(int64_t n_, unsigned seed) : n(n_), arena(static_cast<size_t>(n_) * 28 + 16 * 65536 + 8 * (n_ / 256 + 1)) {
+  Data(int64_t n_, unsigned seed)
+      : n(n_), arena(BenchArena::bytes_for(static_cast<size_t>(n_) * 28 + 8 * (n_ / 256 + 1), 12, 65536), 65536) {
     w = arena.take<float>(n), g = arena.take<float>(n), m = arena.take<float>(n), v = arena.take<float>(n);
     sm = arena.take<float>(n / kQBlock + 1), sv = arena.take<float>(n / kQBlock + 1);
     gb = arena.take<uint16_t>(n), mb = arena.take<uint16_t>(n), vb = arena.take<uint16_t>(n);

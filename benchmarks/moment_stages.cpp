@@ -23,7 +23,7 @@
 #define STAGES_KERNELS avx2_kernels
 #endif
 
-#include "bench_team.h"
+#include "bench_common.h"
 
 #include <algorithm>
 #include <atomic>
@@ -153,23 +153,13 @@ struct Span {
   T& operator[](int64_t i) const { return p[i]; }
 };
 
-// One thread's arrays (every thread has its own, cache-resident in its core's caches), in one
-// arena: array k starts 4 KiB-aligned plus k * 1088 bytes modulo 4 KiB, so no two streams
-// of a loop sit at the same offset within a 4 KiB page. (Separate heap arrays of 16 KiB lie
-// 16 KiB + 16 bytes apart; a load then waits on a store to another array 16 bytes away
-// modulo 4 KiB, the processor's "4K aliasing", and the figures are the layout's, not the
-// arithmetic's: fp32 moments 0.39 against 0.34 ns an element on the AVX2 host.)
+// One thread's arrays (every thread has its own, cache-resident in its core's caches), 4 KiB
+// apart plus distinct offsets (BenchArena).
 struct Bufs {
-  std::vector<char> arena;
-  size_t used = 0;
-  int k = 0;
+  BenchArena arena;
   template <class T>
   Span<T> take(int64_t n, T init = T()) {
-    used = (used + 4095) / 4096 * 4096 + static_cast<size_t>(k++) * 1088 % 4096;
-    char* base = arena.data() + (4096 - reinterpret_cast<uintptr_t>(arena.data()) % 4096) % 4096;
-    Span<T> a{reinterpret_cast<T*>(base + used), n};
-    used += static_cast<size_t>(n) * sizeof(T);
-    if (used + 4096 > arena.size()) std::abort();
+    Span<T> a{arena.take<T>(n), n};
     for (int64_t i = 0; i < n; ++i) a[i] = init;
     return a;
   }
@@ -177,7 +167,7 @@ struct Bufs {
   Span<uint16_t> mb, vb, pb;
   Span<int8_t> mi;
   Span<uint8_t> vi;
-  Bufs(int64_t n, unsigned seed) : arena(static_cast<size_t>(n) * 48 + 24 * 8192) {
+  Bufs(int64_t n, unsigned seed) : arena(BenchArena::bytes_for(static_cast<size_t>(n) * 48 + 8, 15, 4096), 4096) {
     w = take<float>(n), g = take<float>(n), m = take<float>(n), v = take<float>(n);
     mo = take<float>(n), vo = take<float>(n), mt = take<float>(n), vt = take<float>(n);
     sc = take<float>(n / kQBlock + 1, 0.01f), sc2 = take<float>(n / kQBlock + 1, 0.02f);
