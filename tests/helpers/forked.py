@@ -43,6 +43,17 @@ def run_as_main(fn) -> int:
         return 1
 
 
+def exit_flushed(code: int):
+    """In a child: flush stdout and stderr and end the process with ``code`` at once
+    (``os._exit``: nothing of the parent's, atexit handlers or finalizers, runs again), even
+    if flushing fails."""
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
+
+
 def redirect_output(out: str, err: str) -> None:
     """In a child: its stdout and stderr (file descriptors 1 and 2) into the files ``out``
     and ``err``."""
@@ -59,9 +70,7 @@ def _main(code: str, argv, out: str, err: str) -> None:
     try:
         rc = run_as_main(lambda: exec(compile(code, "<forked>", "exec"), {"__name__": "__main__"}))
     finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(rc)
+        exit_flushed(rc)
 
 
 def _read(path: str) -> str:

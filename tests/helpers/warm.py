@@ -26,7 +26,7 @@ import subprocess
 import sys
 from typing import Dict, Iterable, Optional
 
-from helpers.forked import Child, redirect_output, run_as_main
+from helpers.forked import Child, exit_flushed, redirect_output, run_as_main
 
 
 def _child(req: dict, out: str, err: str) -> None:
@@ -55,11 +55,7 @@ def _child(req: dict, out: str, err: str) -> None:
         threading._shutdown()           # what the interpreter's exit does, in its order
         atexit._run_exitfuncs()
     finally:
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
+        exit_flushed(code)
 
 
 def run_script(script: str, args: Iterable = (), *, timeout: float = 600.0,
