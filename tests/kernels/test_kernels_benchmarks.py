@@ -3,14 +3,12 @@ checked: timing never decides a test; that each table comes out, with a number i
 cell, is)."""
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 
 from statestore.kernels import kernels_info
 
-from helpers import paths
+from helpers import paths, warm
 
 ROOT = paths.ROOT
 
@@ -18,10 +16,14 @@ pytestmark = pytest.mark.skipif(kernels_info().get("simd") is None,
                                 reason="statestore._C_adam is not built")
 
 
+def _script(script, *args, timeout=300):
+    """``python benchmarks/SCRIPT ARGS``, forked from the forkserver that has torch loaded
+    (helpers.warm: no 3 s import per script)."""
+    return warm.run_script(os.path.join(ROOT, "benchmarks", script), args, timeout=timeout)
+
+
 def _run(script, *args):
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", script), *args]
-    env = paths.env()
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    res = _script(script, *args)
     assert res.returncode == 0, res.stderr[-2000:]
     return res.stdout
 
@@ -64,9 +66,8 @@ def test_adam_step_cpu_clock_prints_every_moment_row():
 
 
 def test_adam_step_cache_resident_rejects_bad_sizes():
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "adam_step.py"), "--cache-resident",
-           "--cr-sizes", "4096,256", "--no-peers"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    res = _script("adam_step.py", "--cache-resident", "--cr-sizes", "4096,256", "--no-peers",
+                  timeout=120)
     assert res.returncode != 0
     assert "--cr-sizes" in res.stderr
 
@@ -97,9 +98,8 @@ def test_kernel_ab_times_both_builds_and_catches_other_bits(tmp_path):
     text = body.read_text()
     assert "kWeyl = 0x9E3779B1u" in text
     body.write_text(text.replace("kWeyl = 0x9E3779B1u", "kWeyl = 0x9E3779B3u"))
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "kernel_ab.py"), "--base", str(tmp_path),
-           "--elems", "256", "--rounds", "1", "--round-elems", "256", "--opt", "0"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=paths.env())
+    res = _script("kernel_ab.py", "--base", str(tmp_path), "--elems", "256", "--rounds", "1",
+                  "--round-elems", "256", "--opt", "0")
     out = res.stdout
     assert res.returncode == 1, (res.returncode, out, res.stderr[-2000:])
     differ = set(re.findall(r"^BITS DIFFER: (.+)$", out, re.M))
