@@ -50,6 +50,13 @@ instruction set the processor has and per thread count of ``--threads`` (T threa
 each on arrays of its own) (``benchmarks/moment_stages.cpp``, compiled with ``$CXX``).
 Statestore's moment states are laid out as the resident stores lay out their slabs
 (``slab_states``).
+
+Overlap (``--overlap``): how much of a step's memory traffic one core, and T cores, hide behind
+arithmetic: the fp32 update plus K hashes a vector of independent integer work, cache-resident
+and in RAM (``--overlap-ram-m`` millions of elements a thread), rows in turn. The compressed
+moments trade memory traffic for arithmetic; they gain only as far as the two overlap.
+
+    .venv/bin/python benchmarks/adam_step.py --overlap --threads 1,2
 """
 from __future__ import annotations
 
@@ -453,12 +460,12 @@ def cache_resident(sizes, rounds, calls):
     return slope
 
 
-def stages(n, rounds, opt="3", threads=(1,), seconds=3.0):
-    """Cycles per element of each stage of the compressed-moment SIMD body, cache-resident:
-    benchmarks/moment_stages.cpp, compiled here for each instruction set the processor has,
-    with the extension's flags (``opt``: the -O level; the extension's is 3), run with each
-    thread count of ``threads`` (T threads: each its own arrays, at once; the machine's ns
-    per element), the rows in turn for at least ``seconds``."""
+def _run_stages(n, rounds, opt, threads, seconds, ram_elems=0):
+    """Build benchmarks/moment_stages.cpp for each instruction set the processor has (with the
+    extension's flags; ``opt``: the -O level, the extension's is 3) and run it with each thread
+    count of ``threads``; returns the columns ((isa, threads) pairs) and {row name: {column:
+    ns per element}}. ``ram_elems`` > 0: the overlap probe's rows (that many elements a
+    thread in RAM) instead of the stages'."""
     import subprocess
     import tempfile
     from statestore.kernels import kernels_info
@@ -467,7 +474,6 @@ def stages(n, rounds, opt="3", threads=(1,), seconds=3.0):
     if not isas:
         sys.exit("--stages: the processor has neither AVX2 nor AVX-512")
     cxx = os.environ.get("CXX", "c++")
-    mhz = _cpu_mhz()
     src = os.path.join(REPO, "benchmarks", "moment_stages.cpp")
     cols, rows = [], {}
     with tempfile.TemporaryDirectory() as d:
@@ -482,14 +488,25 @@ def stages(n, rounds, opt="3", threads=(1,), seconds=3.0):
             for t in threads:
                 # below -O3 the figures are not the kernels': one call a row and round (a check)
                 per_round = 200000 if opt == "3" else n
-                out = subprocess.run([exe, str(n), str(rounds), str(t), str(seconds), str(per_round)],
-                                     capture_output=True, text=True, check=True).stdout
+                out = subprocess.run([exe, str(n), str(rounds), str(t), str(seconds), str(per_round),
+                                      str(ram_elems)], capture_output=True, text=True, check=True).stdout
                 col = (isa, t)
                 cols.append(col)
                 for line in out.splitlines():
                     name, _, val = line.partition("\t")
-                    if name.startswith(("stage:", "kernel:")):
+                    if name.startswith(("stage:", "kernel:", "overlap:")):
                         rows.setdefault(name, {})[col] = float(val)
+    return cols, rows
+
+
+def stages(n, rounds, opt="3", threads=(1,), seconds=3.0):
+    """Cycles per element of each stage of the compressed-moment SIMD body, cache-resident:
+    benchmarks/moment_stages.cpp, compiled here for each instruction set the processor has,
+    with the extension's flags (``opt``: the -O level; the extension's is 3), run with each
+    thread count of ``threads`` (T threads: each its own arrays, at once; the machine's ns
+    per element), the rows in turn for at least ``seconds``."""
+    mhz = _cpu_mhz()
+    cols, rows = _run_stages(n, rounds, opt, threads, seconds)
     print(f"cpu: {_cpu_name()}; {n} elements a thread, cache-resident; best of {rounds} or "
           f"more rounds (at least {seconds:g} s, rows in turn); ns per element of the machine "
           f"(T threads at once); cycles of one core per element, at the {mhz} MHz "
@@ -506,6 +523,58 @@ def stages(n, rounds, opt="3", threads=(1,), seconds=3.0):
         print("| " + " | ".join([name] + ns + cy) + " |")
     print("\nstage: one building block of the SIMD body alone, on fp32 arrays in and out (so "
           "each includes its own loads and stores); kernel: the whole update (fp32 grads).")
+    return rows
+
+
+def overlap(n, ram_elems, rounds, opt="3", threads=(1, 2), seconds=3.0):
+    """How much of the memory traffic a core hides behind arithmetic: the fp32 update (with
+    the kernel's prefetches) plus K hashes a vector of integer work independent of it, timed
+    cache-resident (its arithmetic) and on arrays of ``ram_elems`` elements a thread in RAM,
+    rows in turn (benchmarks/moment_stages.cpp's overlap probe). If the core overlapped the
+    two, the RAM time would be max(arithmetic, the K = 0 step's RAM time); the last column
+    is what it costs above that."""
+    cols, rows = _run_stages(n, rounds, opt, threads, seconds, ram_elems=ram_elems)
+    print(f"cpu: {_cpu_name()}; fp32 update + K hashes a vector: {n} elements a thread "
+          f"cache-resident, {ram_elems} in RAM (4 fp32 arrays each); best of {rounds} or more "
+          f"rounds (at least {seconds:g} s, rows in turn); ns per element of the machine (T "
+          f"threads at once); built with -O{opt}"
+          + ("" if opt == "3" else " (NOT the kernel's -O3: these figures are not its speed)"))
+    print()
+    print("| ISA | threads | K hashes | cache-resident ns | RAM ns | RAM - cache-resident | "
+          "RAM - max(cache-resident, K=0 RAM) |")
+    print("|---|---|---|---|---|---|---|")
+    ks = sorted({int(name.split()[1]) for name in rows if name.startswith("overlap:")})
+    for col in cols:
+        ram0 = rows.get("overlap: 0 hashes, RAM", {}).get(col)
+        for k in ks:
+            c = rows.get(f"overlap: {k} hashes, cache", {}).get(col)
+            r = rows.get(f"overlap: {k} hashes, RAM", {}).get(col)
+            if c is None or r is None or ram0 is None:
+                continue
+            print(f"| {col[0]} | {col[1]} | {k} | {c:.3f} | {r:.3f} | {r - c:+.3f} | "
+                  f"{r - max(c, ram0):+.3f} |")
+    print("\nA core that hid its memory traffic behind its arithmetic would show about 0 in the "
+          "last column once K makes the arithmetic the longer of the two; one that did the two "
+          "one after the other would show the K = 0 step's memory time there.")
+    print()
+    print("The kernels on the same arrays (fp32 grads and params): the time their bytes would take "
+          "at the fp32 step's rate in RAM, and how far the step is above the larger of that and "
+          "its arithmetic (cache-resident).")
+    print()
+    print("| ISA | threads | moments | cache-resident ns | RAM ns | bytes at fp32's rate ns | "
+          "RAM - max(the two) | time / fp32 moments' |")
+    print("|---|---|---|---|---|---|---|---|")
+    for col in cols:
+        f32 = rows.get("kernel: fp32 moments, RAM", {}).get(col)
+        for name in [n for n in rows if n.startswith("kernel:") and n.endswith(", cache")]:
+            label = name[len("kernel: "):-len(", cache")]
+            c = rows[name].get(col)
+            r = rows.get(f"kernel: {label}, RAM", {}).get(col)
+            if c is None or r is None or f32 is None:
+                continue
+            mem = f32 * moment_bytes(label.split()[0], 4) / moment_bytes("fp32", 4)
+            print(f"| {col[0]} | {col[1]} | {label} | {c:.3f} | {r:.3f} | {mem:.3f} | "
+                  f"{r - max(c, mem):+.3f} | {r / f32:.2f} |")
     return rows
 
 
@@ -546,7 +615,18 @@ def main():
     ap.add_argument("--stages-opt", choices=("0", "1", "2", "3"), default="3",
                     help="optimization level (-O) of --stages' build; below 3 the figures "
                          "are not the kernel's (a quicker build, to check the script runs)")
+    ap.add_argument("--overlap", action="store_true",
+                    help="how much of the step's memory traffic a core hides behind arithmetic "
+                         "(the fp32 update plus independent hashes, cache-resident and in RAM)")
+    ap.add_argument("--overlap-ram-m", type=float, default=16,
+                    help="--overlap: millions (2^20) of elements a thread in RAM")
     args = ap.parse_args()
+    if args.overlap:
+        sys.path.insert(0, REPO)
+        overlap(max(args.stage_elems, 256), max(int(args.overlap_ram_m * M), 64), max(args.reps, 1),
+                opt=args.stages_opt, threads=[int(t) for t in args.threads.split(",")],
+                seconds=args.stage_seconds)
+        return
     if args.stages:
         sys.path.insert(0, REPO)
         stages(max(args.stage_elems, 256), max(args.reps, 1) * 8, opt=args.stages_opt,

@@ -138,6 +138,41 @@ __attribute__((noinline)) void st_int8_encode(const AdamTensorArgs& a, const flo
   for (int64_t b = 0; b + kQBlock <= n; b += kQBlock)
     SimdMoments<V>::encode_int8<kStoch, true, false>(a, b, b + kQBlock, mt + b, vt + b, qm, qv);
 }
+// The overlap probe: the fp32 update with the kernel's prefetches, plus K hashes a vector
+// (VecHash::bits16 of carried indices, folded into one register): integer work the update
+// does not wait for and that waits on nothing of the update's. Cache-resident, its time is
+// the arithmetic's; in RAM, with K large enough, it would be the same if the core hid its
+// memory traffic behind the arithmetic, and the fp32 step's time in RAM if it hid the
+// arithmetic behind the memory traffic.
+template <int K>
+__attribute__((noinline)) void st_update_hashes(const AdamScalars& s, float* w, const float* g, float* m,
+                                                float* v, int64_t n, uint32_t* sink) {
+  const VecAdam<V> c(s);
+  I h[K > 0 ? K : 1];
+  for (int k = 0; k < K; ++k) h[k] = VecHash<V>::start(static_cast<uint32_t>(k) << 24, 1u);
+  const I step = VecHash<V>::step();
+  I acc = V::seti(0u);
+  for (int64_t i = 0; i + W <= n; i += W) {
+    if ((i & 15) == 0 && i + kPrefetchElems < n) {
+      prefetch_ahead<4>(w, i);
+      prefetch_ahead<4>(g, i);
+      prefetch_ahead<4>(m, i);
+      prefetch_ahead<4>(v, i);
+    }
+    F wi = V::load(w + i), gi = V::load(g + i), mi = V::load(m + i), vi = V::load(v + i);
+    c.update<false>(wi, gi, mi, vi, nullptr);
+    V::store(w + i, wi);
+    V::store(m + i, mi);
+    V::store(v + i, vi);
+    for (int k = 0; k < K; ++k) {
+      acc = V::xori(acc, VecHash<V>::bits16(h[k]));
+      h[k] = V::addi(h[k], step);
+    }
+  }
+  alignas(64) uint32_t out[W];
+  V::store_i(out, acc);
+  *sink ^= out[0];
+}
 }  // namespace
 }  // namespace cpu
 }  // namespace statestore
@@ -192,32 +227,120 @@ struct Bufs {
   Bufs(const Bufs&) = delete;
 };
 
-int main(int argc, char** argv) {
-  const int64_t n = argc > 1 ? std::atoll(argv[1]) / kQBlock * kQBlock : 4096;
-  const int rounds = argc > 2 ? std::atoi(argv[2]) : 60;
-  const int nthreads = argc > 3 ? std::max(1, std::atoi(argv[3])) : 1;
-  const double min_seconds = argc > 4 ? std::atof(argv[4]) : 3.0;
-  const int64_t round_elems = argc > 5 ? std::atoll(argv[5]) : 200000;
-  std::vector<std::unique_ptr<Bufs>> bufs;
-  for (int t = 0; t < nthreads; ++t) bufs.push_back(std::make_unique<Bufs>(n, 1u + static_cast<unsigned>(t)));
+// One thread's arrays of n elements for the overlap probe and the kernels beside it (the RAM
+// ones: far larger than the caches): fp32 w, g, m, v, bf16 and int8 moments and int8 scales,
+// arranged as Bufs' (BenchArena).
+struct StepBufs {
+  BenchArena arena;
+  int64_t n;
+  float *w, *g, *m, *v, *sm, *sv;
+  uint16_t *mb, *vb;
+  int8_t* mi;
+  uint8_t* vi;
+  StepBufs(int64_t n_, unsigned seed)
+      : arena(BenchArena::bytes_for(static_cast<size_t>(n_) * 22 + static_cast<size_t>(n_ / kQBlock + 1) * 8, 10, 4096), 4096),
+        n(n_) {
+    w = arena.take<float>(n), g = arena.take<float>(n), m = arena.take<float>(n), v = arena.take<float>(n);
+    mb = arena.take<uint16_t>(n), vb = arena.take<uint16_t>(n);
+    mi = arena.take<int8_t>(n), vi = arena.take<uint8_t>(n);
+    sm = arena.take<float>(n / kQBlock + 1), sv = arena.take<float>(n / kQBlock + 1);
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> nd;
+    for (int64_t i = 0; i < n; ++i) {
+      w[i] = nd(rng);
+      g[i] = nd(rng) * 1e-2f;
+      m[i] = nd(rng) * 1e-3f;
+      v[i] = std::fabs(nd(rng)) * 1e-5f;
+      mb[i] = float_to_bf16(m[i]);
+      vb[i] = float_to_bf16(v[i]);
+      mi[i] = static_cast<int8_t>(static_cast<int>(rng() % 255) - 127);
+      vi[i] = static_cast<uint8_t>(rng() % 256);
+    }
+    for (int64_t b = 0; b <= n / kQBlock; ++b) sm[b] = 0.01f, sv[b] = 0.02f;
+  }
+  // the whole kernel's arguments for moments of kind k (fp32 grads and params)
+  AdamTensorArgs args(const AdamScalars& s, MomentKind k, bool stochastic) const {
+    AdamTensorArgs a{};
+    a.w = w;
+    a.g = g;
+    a.g_dtype = DType::kF32;
+    a.p_dtype = DType::kNone;
+    a.kind = k;
+    a.stochastic = stochastic;
+    a.seed_m = 1;
+    a.seed_v = 2;
+    a.n = n;
+    a.s = s;
+    if (k == MomentKind::kF32) {
+      a.m = m, a.v = v;
+    } else if (k == MomentKind::kBF16) {
+      a.m = mb, a.v = vb;
+    } else {
+      a.m = mi, a.v = vi, a.m_scale = sm, a.v_scale = sv;
+    }
+    return a;
+  }
+};
+
+// A row: what T threads run at once (f(t): thread t's part, `calls` calls of `elems` elements)
+struct Row {
+  std::string name;
+  std::function<void(int)> f;
+  int64_t elems;
+  int64_t calls;
+};
+
+// Best time per element of each row, the rows taken in turn within every round (not one
+// row's rounds back to back), for at least min_seconds: on a host whose speed changes for
+// tenths of a second at a time (the AVX2 development host), each row's best then comes
+// from the same fast spells. With T threads, each runs the row on its own arrays at the
+// same time, and the time per element is the wall time over the elements of all threads
+// (the machine's, not one core's).
+static std::vector<double> time_rows(const std::vector<Row>& rows, int nthreads, int rounds, double min_seconds) {
+  BenchTeam team(nthreads);
+  std::vector<double> best(rows.size(), 1e30);
+  const auto start = std::chrono::steady_clock::now();
+  auto elapsed = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); };
+  for (int r = -2; r < rounds || elapsed() < min_seconds; ++r) {       // two rounds of warm-up
+    for (size_t k = 0; k < rows.size(); ++k) {
+      const std::function<void(int)> job = [&](int t) {
+        for (int64_t c = 0; c < rows[k].calls; ++c) rows[k].f(t);
+      };
+      const auto t0 = std::chrono::steady_clock::now();
+      team.run(job);
+      const std::chrono::duration<double, std::nano> dt = std::chrono::steady_clock::now() - t0;
+      if (r >= 0) {
+        best[k] = std::min(best[k], dt.count() / static_cast<double>(rows[k].calls * rows[k].elems * nthreads));
+      }
+    }
+  }
+  return best;
+}
+
+static AdamScalars bench_scalars() {
   const AdamHyper hyper{1e-3, 0.9, 0.999, 1e-8, 0.01, 1.0, true, false};
-  const AdamScalars s = make_adam_scalars(hyper, 1e-3 / (1 - std::pow(0.9, 5)),
-                                          std::sqrt(1 - std::pow(0.999, 5)));
-  struct Row {
-    std::string name;
-    std::function<void(Bufs&)> f;
-  };
+  return make_adam_scalars(hyper, 1e-3 / (1 - std::pow(0.9, 5)), std::sqrt(1 - std::pow(0.999, 5)));
+}
+
+// The stages' and kernels' rows, each on every thread's cache-resident Bufs of n elements
+static std::vector<Row> stage_rows(int64_t n, int nthreads, int64_t round_elems) {
+  static std::vector<std::unique_ptr<Bufs>> bufs;
+  for (int t = 0; t < nthreads; ++t) bufs.push_back(std::make_unique<Bufs>(n, 1u + static_cast<unsigned>(t)));
+  static const AdamScalars s = bench_scalars();
+  const int64_t calls = std::max<int64_t>(1, round_elems / n);
   std::vector<Row> rows;
-  auto row = [&](std::string name, std::function<void(Bufs&)> f) { rows.push_back({std::move(name), std::move(f)}); };
-  row("stage: loads and stores of an fp32 step", [&](Bufs& b) { st_ldst(b.w.data(), b.g.data(), b.m.data(), b.v.data(), n); });
-  row("stage: sqrt and division", [&](Bufs& b) { st_sqrtdiv(b.mo.data(), b.m.data(), b.v.data(), n); });
-  row("stage: update (fp32 m, v in and out)", [&](Bufs& b) { st_update(s, b.w.data(), b.g.data(), b.m.data(), b.v.data(), n); });
-  row("stage: bf16 decode m, v", [&](Bufs& b) { st_bf16_decode(b.mb.data(), b.vb.data(), b.mo.data(), b.vo.data(), n); });
-  row("stage: bf16 encode m, v, nearest", [&](Bufs& b) { st_bf16_encode<false>(b.m.data(), b.v.data(), b.mb.data(), b.vb.data(), n); });
-  row("stage: random bits (two hashes)", [&](Bufs& b) { st_hash(b.mo.data(), n); });
-  row("stage: bf16 encode m, v, stochastic", [&](Bufs& b) { st_bf16_encode<true>(b.m.data(), b.v.data(), b.mb.data(), b.vb.data(), n); });
-  row("stage: int8 decode m, v", [&](Bufs& b) { st_int8_decode(b.mi.data(), b.vi.data(), 0.01f, 0.02f, b.mo.data(), b.vo.data(), n); });
-  row("stage: int8 block max m, v", [&](Bufs& b) { st_block_max(b.mt.data(), b.vt.data(), b.mo.data(), n); });
+  auto row = [&](std::string name, std::function<void(Bufs&)> f) {
+    rows.push_back({std::move(name), [f](int t) { f(*bufs[t]); }, n, calls});
+  };
+  row("stage: loads and stores of an fp32 step", [=](Bufs& b) { st_ldst(b.w.data(), b.g.data(), b.m.data(), b.v.data(), n); });
+  row("stage: sqrt and division", [=](Bufs& b) { st_sqrtdiv(b.mo.data(), b.m.data(), b.v.data(), n); });
+  row("stage: update (fp32 m, v in and out)", [=](Bufs& b) { st_update(s, b.w.data(), b.g.data(), b.m.data(), b.v.data(), n); });
+  row("stage: bf16 decode m, v", [=](Bufs& b) { st_bf16_decode(b.mb.data(), b.vb.data(), b.mo.data(), b.vo.data(), n); });
+  row("stage: bf16 encode m, v, nearest", [=](Bufs& b) { st_bf16_encode<false>(b.m.data(), b.v.data(), b.mb.data(), b.vb.data(), n); });
+  row("stage: random bits (two hashes)", [=](Bufs& b) { st_hash(b.mo.data(), n); });
+  row("stage: bf16 encode m, v, stochastic", [=](Bufs& b) { st_bf16_encode<true>(b.m.data(), b.v.data(), b.mb.data(), b.vb.data(), n); });
+  row("stage: int8 decode m, v", [=](Bufs& b) { st_int8_decode(b.mi.data(), b.vi.data(), 0.01f, 0.02f, b.mo.data(), b.vo.data(), n); });
+  row("stage: int8 block max m, v", [=](Bufs& b) { st_block_max(b.mt.data(), b.vt.data(), b.mo.data(), n); });
   auto codes = [](Bufs& b) {
     AdamTensorArgs c{};
     c.m = b.mi.data();
@@ -226,15 +349,15 @@ int main(int argc, char** argv) {
     c.seed_v = 2;
     return c;
   };
-  row("stage: int8 encode m, v, nearest", [&](Bufs& b) { st_int8_encode<false>(codes(b), b.mt.data(), b.vt.data(), n); });
-  row("stage: int8 encode m, v, stochastic", [&](Bufs& b) { st_int8_encode<true>(codes(b), b.mt.data(), b.vt.data(), n); });
-  const SimdKernels& K = STAGES_KERNELS();
+  row("stage: int8 encode m, v, nearest", [=](Bufs& b) { st_int8_encode<false>(codes(b), b.mt.data(), b.vt.data(), n); });
+  row("stage: int8 encode m, v, stochastic", [=](Bufs& b) { st_int8_encode<true>(codes(b), b.mt.data(), b.vt.data(), n); });
+  const SimdKernels* K = &STAGES_KERNELS();
   for (DType pd : {DType::kNone, DType::kBF16}) {
     const char* pn = pd == DType::kNone ? "fp32 params" : "bf16 params + fp32 masters";
     for (MomentKind k : {MomentKind::kF32, MomentKind::kBF16, MomentKind::kInt8}) {
       for (bool st : {false, true}) {
         if (k == MomentKind::kF32 && st) continue;
-        auto args = [=, &s](Bufs& b) {
+        auto args = [=](Bufs& b) {
           AdamTensorArgs a{};
           a.w = b.w.data();
           a.g = b.g.data();
@@ -268,32 +391,78 @@ int main(int argc, char** argv) {
           std::snprintf(name, sizeof name, "kernel: %s moments %s, %s", k == MomentKind::kBF16 ? "bf16" : "int8",
                         st ? "stochastic" : "nearest", pn);
         }
-        row(name, [&K, args](Bufs& b) { K.adam(args(b), 0, b.w.size()); });
+        row(name, [K, args](Bufs& b) { K->adam(args(b), 0, b.w.size()); });
       }
     }
   }
-  // Best time per element of each row, the rows taken in turn within every round (not one
-  // row's rounds back to back), for at least min_seconds: on a host whose speed changes for
-  // tenths of a second at a time (the AVX2 development host), each row's best then comes
-  // from the same fast spells. With T threads, each runs
-  // the row on its own arrays at the same time, and the time per element is the wall time
-  // over the elements of all threads (the machine's, not one core's).
-  BenchTeam team(nthreads);
-  const int64_t calls = std::max<int64_t>(1, round_elems / n);
-  std::vector<double> best(rows.size(), 1e30);
-  const auto start = std::chrono::steady_clock::now();
-  auto elapsed = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); };
-  for (int r = -2; r < rounds || elapsed() < min_seconds; ++r) {       // two rounds of warm-up
-    for (size_t k = 0; k < rows.size(); ++k) {
-      const std::function<void(int)> job = [&](int t) {
-        for (int64_t c = 0; c < calls; ++c) rows[k].f(*bufs[t]);
-      };
-      const auto t0 = std::chrono::steady_clock::now();
-      team.run(job);
-      const std::chrono::duration<double, std::nano> dt = std::chrono::steady_clock::now() - t0;
-      if (r >= 0) best[k] = std::min(best[k], dt.count() / static_cast<double>(calls * n * nthreads));
+  return rows;
+}
+
+// The overlap probe's rows: st_update_hashes<K> on each thread's cache-resident arrays (n
+// elements) and on its RAM arrays (n_ram), for K = 0, 1, 2, 4, 6, 8 hashes a vector.
+static std::vector<Row> overlap_rows(int64_t n, int64_t n_ram, int nthreads, int64_t round_elems) {
+  static const AdamScalars s = bench_scalars();
+  static std::vector<std::unique_ptr<StepBufs>> cache, ram;
+  static uint32_t sink = 0;
+  for (int t = 0; t < nthreads; ++t) {
+    cache.push_back(std::make_unique<StepBufs>(n, 1u + static_cast<unsigned>(t)));
+    ram.push_back(std::make_unique<StepBufs>(n_ram, 101u + static_cast<unsigned>(t)));
+  }
+  std::vector<Row> rows;
+  auto add = [&](int k, void (*fn)(const AdamScalars&, float*, const float*, float*, float*, int64_t, uint32_t*)) {
+    for (bool in_ram : {false, true}) {
+      char name[96];
+      std::snprintf(name, sizeof name, "overlap: %d hashes, %s", k, in_ram ? "RAM" : "cache");
+      const int64_t e = in_ram ? n_ram : n;
+      auto& set = in_ram ? ram : cache;
+      rows.push_back({name, [fn, e, &set](int t) { fn(s, set[t]->w, set[t]->g, set[t]->m, set[t]->v, e, &sink); },
+                      e, in_ram ? 1 : std::max<int64_t>(1, round_elems / n)});
+    }
+  };
+  // the whole kernels beside the probe, on the same arrays
+  const SimdKernels* kern = &STAGES_KERNELS();
+  const struct {
+    const char* name;
+    MomentKind kind;
+    bool stochastic;
+  } kernels[] = {{"fp32 moments", MomentKind::kF32, false},
+                 {"bf16 moments stochastic", MomentKind::kBF16, true},
+                 {"bf16 moments nearest", MomentKind::kBF16, false},
+                 {"int8 moments nearest", MomentKind::kInt8, false}};
+  for (const auto& kd : kernels) {
+    for (bool in_ram : {false, true}) {
+      char name[96];
+      std::snprintf(name, sizeof name, "kernel: %s, %s", kd.name, in_ram ? "RAM" : "cache");
+      auto& set = in_ram ? ram : cache;
+      const MomentKind kind = kd.kind;
+      const bool st = kd.stochastic;
+      rows.push_back({name, [kern, kind, st, &set](int t) { kern->adam(set[t]->args(s, kind, st), 0, set[t]->n); },
+                      in_ram ? n_ram : n, in_ram ? 1 : std::max<int64_t>(1, round_elems / n)});
     }
   }
+  add(0, st_update_hashes<0>);
+  add(1, st_update_hashes<1>);
+  add(2, st_update_hashes<2>);
+  add(4, st_update_hashes<4>);
+  add(6, st_update_hashes<6>);
+  add(8, st_update_hashes<8>);
+  return rows;
+}
+
+int main(int argc, char** argv) {
+  const int64_t n = argc > 1 ? std::atoll(argv[1]) / kQBlock * kQBlock : 4096;
+  const int rounds = argc > 2 ? std::atoi(argv[2]) : 60;
+  const int nthreads = argc > 3 ? std::max(1, std::atoi(argv[3])) : 1;
+  const double min_seconds = argc > 4 ? std::atof(argv[4]) : 3.0;
+  const int64_t round_elems = argc > 5 ? std::atoll(argv[5]) : 200000;
+  const int64_t n_ram = argc > 6 ? std::atoll(argv[6]) / 64 * 64 : 0;
+  std::vector<Row> rows;
+  if (n_ram > 0) {
+    rows = overlap_rows(n, n_ram, nthreads, round_elems);
+  } else {
+    rows = stage_rows(n, nthreads, round_elems);
+  }
+  const std::vector<double> best = time_rows(rows, nthreads, rounds, min_seconds);
   std::printf("isa\t%s\nelements\t%ld\nthreads\t%d\n", STAGES_KERNELS().name, static_cast<long>(n), nthreads);
   for (size_t k = 0; k < rows.size(); ++k) std::printf("%s\t%.4f\n", rows[k].name.c_str(), best[k]);
   return 0;
