@@ -178,6 +178,26 @@ __attribute__((noinline)) void st_update_hashes(const AdamScalars& s, float* w, 
 }  // namespace statestore
 #pragma GCC pop_options
 
+// Random states of n elements as the kernels take them: w ~ N(0, 1), g ~ 1e-2 N, exp_avg ~ 1e-3 N,
+// exp_avg_sq ~ 1e-5 |N| (fp32 and their bf16 encodings) and uniform int8 codes; returns the
+// generator, for what the caller draws next.
+static std::mt19937 fill_states(unsigned seed, int64_t n, float* w, float* g, float* m, float* v, uint16_t* mb,
+                                uint16_t* vb, int8_t* mi, uint8_t* vi) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd;
+  for (int64_t i = 0; i < n; ++i) {
+    w[i] = nd(rng);
+    g[i] = nd(rng) * 1e-2f;
+    m[i] = nd(rng) * 1e-3f;
+    v[i] = std::fabs(nd(rng)) * 1e-5f;
+    mb[i] = float_to_bf16(m[i]);
+    vb[i] = float_to_bf16(v[i]);
+    mi[i] = static_cast<int8_t>(static_cast<int>(rng() % 255) - 127);
+    vi[i] = static_cast<uint8_t>(rng() % 256);
+  }
+  return rng;
+}
+
 // An array carved from a thread's arena (below); data(), size() and [] as std::vector's.
 template <class T>
 struct Span {
@@ -208,18 +228,9 @@ struct Bufs {
     sc = take<float>(n / kQBlock + 1, 0.01f), sc2 = take<float>(n / kQBlock + 1, 0.02f);
     mb = take<uint16_t>(n), vb = take<uint16_t>(n), pb = take<uint16_t>(n);
     mi = take<int8_t>(n), vi = take<uint8_t>(n);
-    std::mt19937 rng(seed);
-    std::normal_distribution<float> nd;
+    std::mt19937 rng = fill_states(seed, n, w.p, g.p, m.p, v.p, mb.p, vb.p, mi.p, vi.p);
     std::uniform_real_distribution<float> ud(0.0f, 1.0f);
     for (int64_t i = 0; i < n; ++i) {
-      w[i] = nd(rng);
-      g[i] = nd(rng) * 1e-2f;
-      m[i] = nd(rng) * 1e-3f;
-      v[i] = std::fabs(nd(rng)) * 1e-5f;
-      mb[i] = float_to_bf16(m[i]);
-      vb[i] = float_to_bf16(v[i]);
-      mi[i] = static_cast<int8_t>(static_cast<int>(rng() % 255) - 127);
-      vi[i] = static_cast<uint8_t>(rng() % 256);
       mt[i] = m[i] * 100.0f;                 // within the scales of st_int8_encode
       vt[i] = std::sqrt(v[i]) * 5.0f * std::pow(10.0f, -2.0f * ud(rng));
     }
@@ -227,44 +238,23 @@ struct Bufs {
   Bufs(const Bufs&) = delete;
 };
 
-// One thread's arrays of n elements for the overlap probe and the kernels beside it (the RAM
-// ones: far larger than the caches): fp32 w, g, m, v, bf16 and int8 moments and int8 scales,
-// arranged as Bufs' (BenchArena).
-struct StepBufs {
-  BenchArena arena;
-  int64_t n;
-  float *w, *g, *m, *v, *sm, *sv;
-  uint16_t *mb, *vb;
-  int8_t* mi;
-  uint8_t* vi;
-  StepBufs(int64_t n_, unsigned seed)
-      : arena(BenchArena::bytes_for(static_cast<size_t>(n_) * 22 + static_cast<size_t>(n_ / kQBlock + 1) * 8, 10, 4096), 4096),
-        n(n_) {
-    w = arena.take<float>(n), g = arena.take<float>(n), m = arena.take<float>(n), v = arena.take<float>(n);
-    mb = arena.take<uint16_t>(n), vb = arena.take<uint16_t>(n);
-    mi = arena.take<int8_t>(n), vi = arena.take<uint8_t>(n);
-    sm = arena.take<float>(n / kQBlock + 1), sv = arena.take<float>(n / kQBlock + 1);
-    std::mt19937 rng(seed);
-    std::normal_distribution<float> nd;
-    for (int64_t i = 0; i < n; ++i) {
-      w[i] = nd(rng);
-      g[i] = nd(rng) * 1e-2f;
-      m[i] = nd(rng) * 1e-3f;
-      v[i] = std::fabs(nd(rng)) * 1e-5f;
-      mb[i] = float_to_bf16(m[i]);
-      vb[i] = float_to_bf16(v[i]);
-      mi[i] = static_cast<int8_t>(static_cast<int>(rng() % 255) - 127);
-      vi[i] = static_cast<uint8_t>(rng() % 256);
-    }
-    for (int64_t b = 0; b <= n / kQBlock; ++b) sm[b] = 0.01f, sv[b] = 0.02f;
-  }
-  // the whole kernel's arguments for moments of kind k (fp32 grads and params)
-  AdamTensorArgs args(const AdamScalars& s, MomentKind k, bool stochastic) const {
+// A thread's state arrays as the kernels take them (pointers into Bufs or StepBufs)
+struct StateArrays {
+  int64_t n = 0;
+  float *w = nullptr, *g = nullptr, *m = nullptr, *v = nullptr, *sm = nullptr, *sv = nullptr;
+  uint16_t *mb = nullptr, *vb = nullptr;
+  int8_t* mi = nullptr;
+  uint8_t* vi = nullptr;
+  // the whole kernel's arguments for moments of kind k (fp32 grads; parameters of dtype pd
+  // written to p_out besides the fp32 w)
+  AdamTensorArgs args(const AdamScalars& s, MomentKind k, bool stochastic, DType pd = DType::kNone,
+                      void* p_out = nullptr) const {
     AdamTensorArgs a{};
     a.w = w;
     a.g = g;
     a.g_dtype = DType::kF32;
-    a.p_dtype = DType::kNone;
+    a.p_dtype = pd;
+    a.p_out = p_out;
     a.kind = k;
     a.stochastic = stochastic;
     a.seed_m = 1;
@@ -279,6 +269,23 @@ struct StepBufs {
       a.m = mi, a.v = vi, a.m_scale = sm, a.v_scale = sv;
     }
     return a;
+  }
+};
+
+// One thread's arrays of n elements for the overlap probe and the kernels beside it (the RAM
+// ones: far larger than the caches): fp32 w, g, m, v, bf16 and int8 moments and int8 scales,
+// arranged as Bufs' (BenchArena).
+struct StepBufs : StateArrays {
+  BenchArena arena;
+  StepBufs(int64_t n_, unsigned seed)
+      : arena(BenchArena::bytes_for(static_cast<size_t>(n_) * 22 + static_cast<size_t>(n_ / kQBlock + 1) * 8, 10, 4096), 4096) {
+    n = n_;
+    w = arena.take<float>(n), g = arena.take<float>(n), m = arena.take<float>(n), v = arena.take<float>(n);
+    mb = arena.take<uint16_t>(n), vb = arena.take<uint16_t>(n);
+    mi = arena.take<int8_t>(n), vi = arena.take<uint8_t>(n);
+    sm = arena.take<float>(n / kQBlock + 1), sv = arena.take<float>(n / kQBlock + 1);
+    fill_states(seed, n, w, g, m, v, mb, vb, mi, vi);
+    for (int64_t b = 0; b <= n / kQBlock; ++b) sm[b] = 0.01f, sv[b] = 0.02f;
   }
 };
 
@@ -358,31 +365,12 @@ static std::vector<Row> stage_rows(int64_t n, int nthreads, int64_t round_elems)
       for (bool st : {false, true}) {
         if (k == MomentKind::kF32 && st) continue;
         auto args = [=](Bufs& b) {
-          AdamTensorArgs a{};
-          a.w = b.w.data();
-          a.g = b.g.data();
-          a.g_dtype = DType::kF32;
-          a.p_dtype = pd;
-          a.p_out = pd == DType::kNone ? nullptr : b.pb.data();
-          a.kind = k;
-          a.stochastic = st;
-          a.seed_m = 1;
-          a.seed_v = 2;
-          a.n = n;
-          a.s = s;
-          if (k == MomentKind::kF32) {
-            a.m = b.m.data();
-            a.v = b.v.data();
-          } else if (k == MomentKind::kBF16) {
-            a.m = b.mb.data();
-            a.v = b.vb.data();
-          } else {
-            a.m = b.mi.data();
-            a.v = b.vi.data();
-            a.m_scale = b.sc.data();
-            a.v_scale = b.sc2.data();
-          }
-          return a;
+          StateArrays st_arrays;
+          st_arrays.n = n;
+          st_arrays.w = b.w.p, st_arrays.g = b.g.p, st_arrays.m = b.m.p, st_arrays.v = b.v.p;
+          st_arrays.sm = b.sc.p, st_arrays.sv = b.sc2.p, st_arrays.mb = b.mb.p, st_arrays.vb = b.vb.p;
+          st_arrays.mi = b.mi.p, st_arrays.vi = b.vi.p;
+          return st_arrays.args(s, k, st, pd, pd == DType::kNone ? nullptr : b.pb.data());
         };
         char name[160];
         if (k == MomentKind::kF32) {
