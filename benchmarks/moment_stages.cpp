@@ -11,7 +11,10 @@
 // Arguments: elements per array (4096), rounds (60), threads (1: with T, T threads run each
 // stage at once, each on arrays of its own, and the figure is the machine's ns per element),
 // seconds (3: rounds go on at least that long, to outlast the host's slow spells), elements a
-// round and thread (200000: whole calls of the arrays).
+// round and thread (200000: whole calls of the arrays), and elements a thread in RAM (0: the
+// stages; N > 0: the overlap probe instead, `adam_step.py --overlap`: the fp32 update plus K
+// independent hashes a vector and the whole kernels, each on the cache-resident arrays and on
+// arrays of N elements, one call a round).
 // No torch; timing only, nothing is checked here (the tests check the bits).
 #if defined(STAGES_AVX512)
 #include "adam/adam_avx512.cpp"
