@@ -45,37 +45,9 @@ using namespace statestore::cpu;
 
 namespace {
 
-struct Data {
-  int64_t n;
-  BenchArena arena;  // arrays 64 KiB apart plus distinct offsets
-  float *w, *g, *m, *v, *sm, *sv;
-  uint16_t *gb, *mb, *vb, *pb;
-  int8_t* mi;
-  uint8_t* vi;
-  Data(int64_t n_, unsigned seed)
-      : n(n_), arena(BenchArena::bytes_for(static_cast<size_t>(n_) * 28 + 8 * (n_ / 256 + 1), 12, 65536), 65536) {
-    w = arena.take<float>(n), g = arena.take<float>(n), m = arena.take<float>(n), v = arena.take<float>(n);
-    sm = arena.take<float>(n / kQBlock + 1), sv = arena.take<float>(n / kQBlock + 1);
-    gb = arena.take<uint16_t>(n), mb = arena.take<uint16_t>(n), vb = arena.take<uint16_t>(n);
-    pb = arena.take<uint16_t>(n);
-    mi = arena.take<int8_t>(n), vi = arena.take<uint8_t>(n);
-    std::mt19937 rng(seed);
-    std::normal_distribution<float> nd;
-    for (int64_t i = 0; i < n; ++i) {
-      w[i] = nd(rng);
-      g[i] = nd(rng) * 1e-2f;
-      gb[i] = float_to_bf16(g[i]);
-      m[i] = nd(rng) * 1e-3f;
-      v[i] = std::fabs(nd(rng)) * 1e-5f;
-      mb[i] = float_to_bf16(m[i]);
-      vb[i] = float_to_bf16(v[i]);
-      pb[i] = 0;
-      mi[i] = static_cast<int8_t>(static_cast<int>(rng() % 255) - 127);
-      vi[i] = static_cast<uint8_t>(rng() % 256);
-    }
-    for (int64_t b = 0; b <= n / kQBlock; ++b) sm[b] = 0.01f, sv[b] = 0.0004f;
-  }
-  Data(const Data&) = delete;
+// One thread's states (bench_common.h), arrays 64 KiB apart plus distinct offsets
+struct Data : BenchStates {
+  Data(int64_t n_, unsigned seed) : BenchStates(n_, seed, 65536, 0.01f, 0.0004f) {}
   // every byte an update writes
   std::vector<char> outputs() const {
     std::vector<char> o;
@@ -96,27 +68,8 @@ struct Config {
   DType grads;
 };
 
-AdamTensorArgs args_of(Data& d, const Config& c, const AdamScalars& s, uint32_t seed) {
-  AdamTensorArgs a{};
-  a.w = d.w;
-  a.g = c.grads == DType::kF32 ? static_cast<const void*>(d.g) : static_cast<const void*>(d.gb);
-  a.g_dtype = c.grads;
-  a.p_dtype = c.params;
-  a.p_out = c.params == DType::kNone ? nullptr : d.pb;
-  a.kind = c.kind;
-  a.stochastic = c.stochastic;
-  a.seed_m = seed;
-  a.seed_v = ~seed;
-  a.n = d.n;
-  a.s = s;
-  if (c.kind == MomentKind::kF32) {
-    a.m = d.m, a.v = d.v;
-  } else if (c.kind == MomentKind::kBF16) {
-    a.m = d.mb, a.v = d.vb;
-  } else {
-    a.m = d.mi, a.v = d.vi, a.m_scale = d.sm, a.v_scale = d.sv;
-  }
-  return a;
+AdamTensorArgs args_of(const Data& d, const Config& c, const AdamScalars& s, uint32_t seed) {
+  return d.args(s, c.kind, c.stochastic, c.params, c.grads, seed, ~seed);
 }
 
 }  // namespace
@@ -127,8 +80,7 @@ int main(int argc, char** argv) {
   const int nthreads = argc > 3 ? std::max(std::atoi(argv[3]), 1) : 1;
   const int64_t per_round = argc > 4 ? std::atoll(argv[4]) : 400000;
   const SimdKernels* K[2] = {&kab_a::cpu::kab_kernels(), &kab_b::cpu::kab_kernels()};
-  const AdamHyper hyper{1e-3, 0.9, 0.999, 1e-8, 0.01, 1.0, true, false};
-  const AdamScalars s = make_adam_scalars(hyper, 1e-3 / (1 - std::pow(0.9, 5)), std::sqrt(1 - std::pow(0.999, 5)));
+  const AdamScalars s = bench_scalars();
   const Config configs[] = {
       {"fp32 moments", MomentKind::kF32, false, DType::kNone, DType::kF32},
       {"bf16 moments, nearest", MomentKind::kBF16, false, DType::kNone, DType::kF32},

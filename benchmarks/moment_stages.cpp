@@ -181,114 +181,19 @@ __attribute__((noinline)) void st_update_hashes(const AdamScalars& s, float* w, 
 }  // namespace statestore
 #pragma GCC pop_options
 
-// Random states of n elements as the kernels take them: w ~ N(0, 1), g ~ 1e-2 N, exp_avg ~ 1e-3 N,
-// exp_avg_sq ~ 1e-5 |N| (fp32 and their bf16 encodings) and uniform int8 codes; returns the
-// generator, for what the caller draws next.
-static std::mt19937 fill_states(unsigned seed, int64_t n, float* w, float* g, float* m, float* v, uint16_t* mb,
-                                uint16_t* vb, int8_t* mi, uint8_t* vi) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> nd;
-  for (int64_t i = 0; i < n; ++i) {
-    w[i] = nd(rng);
-    g[i] = nd(rng) * 1e-2f;
-    m[i] = nd(rng) * 1e-3f;
-    v[i] = std::fabs(nd(rng)) * 1e-5f;
-    mb[i] = float_to_bf16(m[i]);
-    vb[i] = float_to_bf16(v[i]);
-    mi[i] = static_cast<int8_t>(static_cast<int>(rng() % 255) - 127);
-    vi[i] = static_cast<uint8_t>(rng() % 256);
-  }
-  return rng;
-}
-
-// An array carved from a thread's arena (below); data(), size() and [] as std::vector's.
-template <class T>
-struct Span {
-  T* p = nullptr;
-  int64_t n = 0;
-  T* data() const { return p; }
-  int64_t size() const { return n; }
-  T& operator[](int64_t i) const { return p[i]; }
-};
-
-// One thread's arrays (every thread has its own, cache-resident in its core's caches), 4 KiB
-// apart plus distinct offsets (BenchArena).
-struct Bufs {
-  BenchArena arena;
-  template <class T>
-  Span<T> take(int64_t n, T init = T()) {
-    Span<T> a{arena.take<T>(n), n};
-    for (int64_t i = 0; i < n; ++i) a[i] = init;
-    return a;
-  }
-  Span<float> w, g, m, v, mo, vo, mt, vt, sc, sc2;
-  Span<uint16_t> mb, vb, pb;
-  Span<int8_t> mi;
-  Span<uint8_t> vi;
-  Bufs(int64_t n, unsigned seed) : arena(BenchArena::bytes_for(static_cast<size_t>(n) * 48 + 8, 15, 4096), 4096) {
-    w = take<float>(n), g = take<float>(n), m = take<float>(n), v = take<float>(n);
-    mo = take<float>(n), vo = take<float>(n), mt = take<float>(n), vt = take<float>(n);
-    sc = take<float>(n / kQBlock + 1, 0.01f), sc2 = take<float>(n / kQBlock + 1, 0.02f);
-    mb = take<uint16_t>(n), vb = take<uint16_t>(n), pb = take<uint16_t>(n);
-    mi = take<int8_t>(n), vi = take<uint8_t>(n);
-    std::mt19937 rng = fill_states(seed, n, w.p, g.p, m.p, v.p, mb.p, vb.p, mi.p, vi.p);
+// One thread's arrays (every thread has its own): its states (bench_common.h: w, g, m, v and
+// their bf16 and int8 forms, scales 0.01 and 0.02), and for the stages fp32 arrays mo, vo (a
+// stage's outputs) and mt, vt (new moments and square roots within the int8 encoder's
+// scales), all in one arena, 4 KiB apart plus distinct offsets.
+struct Bufs : BenchStates {
+  float *mo, *vo, *mt, *vt;
+  Bufs(int64_t n_, unsigned seed) : BenchStates(n_, seed, 4096, 0.01f, 0.02f, static_cast<size_t>(n_) * 16, 4) {
+    mo = arena.take<float>(n), vo = arena.take<float>(n), mt = arena.take<float>(n), vt = arena.take<float>(n);
     std::uniform_real_distribution<float> ud(0.0f, 1.0f);
     for (int64_t i = 0; i < n; ++i) {
       mt[i] = m[i] * 100.0f;                 // within the scales of st_int8_encode
       vt[i] = std::sqrt(v[i]) * 5.0f * std::pow(10.0f, -2.0f * ud(rng));
     }
-  }
-  Bufs(const Bufs&) = delete;
-};
-
-// A thread's state arrays as the kernels take them (pointers into Bufs or StepBufs)
-struct StateArrays {
-  int64_t n = 0;
-  float *w = nullptr, *g = nullptr, *m = nullptr, *v = nullptr, *sm = nullptr, *sv = nullptr;
-  uint16_t *mb = nullptr, *vb = nullptr;
-  int8_t* mi = nullptr;
-  uint8_t* vi = nullptr;
-  // the whole kernel's arguments for moments of kind k (fp32 grads; parameters of dtype pd
-  // written to p_out besides the fp32 w)
-  AdamTensorArgs args(const AdamScalars& s, MomentKind k, bool stochastic, DType pd = DType::kNone,
-                      void* p_out = nullptr) const {
-    AdamTensorArgs a{};
-    a.w = w;
-    a.g = g;
-    a.g_dtype = DType::kF32;
-    a.p_dtype = pd;
-    a.p_out = p_out;
-    a.kind = k;
-    a.stochastic = stochastic;
-    a.seed_m = 1;
-    a.seed_v = 2;
-    a.n = n;
-    a.s = s;
-    if (k == MomentKind::kF32) {
-      a.m = m, a.v = v;
-    } else if (k == MomentKind::kBF16) {
-      a.m = mb, a.v = vb;
-    } else {
-      a.m = mi, a.v = vi, a.m_scale = sm, a.v_scale = sv;
-    }
-    return a;
-  }
-};
-
-// One thread's arrays of n elements for the overlap probe and the kernels beside it (the RAM
-// ones: far larger than the caches): fp32 w, g, m, v, bf16 and int8 moments and int8 scales,
-// arranged as Bufs' (BenchArena).
-struct StepBufs : StateArrays {
-  BenchArena arena;
-  StepBufs(int64_t n_, unsigned seed)
-      : arena(BenchArena::bytes_for(static_cast<size_t>(n_) * 22 + static_cast<size_t>(n_ / kQBlock + 1) * 8, 10, 4096), 4096) {
-    n = n_;
-    w = arena.take<float>(n), g = arena.take<float>(n), m = arena.take<float>(n), v = arena.take<float>(n);
-    mb = arena.take<uint16_t>(n), vb = arena.take<uint16_t>(n);
-    mi = arena.take<int8_t>(n), vi = arena.take<uint8_t>(n);
-    sm = arena.take<float>(n / kQBlock + 1), sv = arena.take<float>(n / kQBlock + 1);
-    fill_states(seed, n, w, g, m, v, mb, vb, mi, vi);
-    for (int64_t b = 0; b <= n / kQBlock; ++b) sm[b] = 0.01f, sv[b] = 0.02f;
   }
 };
 
@@ -327,54 +232,64 @@ static std::vector<double> time_rows(const std::vector<Row>& rows, int nthreads,
   return best;
 }
 
-static AdamScalars bench_scalars() {
-  const AdamHyper hyper{1e-3, 0.9, 0.999, 1e-8, 0.01, 1.0, true, false};
-  return make_adam_scalars(hyper, 1e-3 / (1 - std::pow(0.9, 5)), std::sqrt(1 - std::pow(0.999, 5)));
+// The overlap probe's arrays: the states alone (bench_common.h), scales 0.01 and 0.02, in one
+// arena, 4 KiB apart plus distinct offsets
+struct ProbeStates : BenchStates {
+  ProbeStates(int64_t n_, unsigned seed) : BenchStates(n_, seed, 4096, 0.01f, 0.02f) {}
+};
+
+// Every thread's arrays (B: Bufs or ProbeStates) of n elements, shared by the rows that run on
+// them: each row holds a reference, so the arrays live as long as the rows
+template <class B>
+using ArraySet = std::shared_ptr<std::vector<std::unique_ptr<B>>>;
+template <class B>
+static ArraySet<B> array_set(int64_t n, int nthreads, unsigned seed) {
+  auto set = std::make_shared<std::vector<std::unique_ptr<B>>>();
+  for (int t = 0; t < nthreads; ++t) set->push_back(std::make_unique<B>(n, seed + static_cast<unsigned>(t)));
+  return set;
+}
+
+// A row of `calls` calls of f on thread t's arrays of `set`
+template <class B>
+static Row row_on(std::string name, const ArraySet<B>& set, int64_t calls, std::function<void(const B&)> f) {
+  const int64_t n = (*set)[0]->n;
+  return {std::move(name), [set, f](int t) { f(*(*set)[t]); }, n, calls};
 }
 
 // The stages' and kernels' rows, each on every thread's cache-resident Bufs of n elements
 static std::vector<Row> stage_rows(int64_t n, int nthreads, int64_t round_elems) {
-  static std::vector<std::unique_ptr<Bufs>> bufs;
-  for (int t = 0; t < nthreads; ++t) bufs.push_back(std::make_unique<Bufs>(n, 1u + static_cast<unsigned>(t)));
-  static const AdamScalars s = bench_scalars();
+  const ArraySet<Bufs> set = array_set<Bufs>(n, nthreads, 1u);
+  const AdamScalars s = bench_scalars();
   const int64_t calls = std::max<int64_t>(1, round_elems / n);
   std::vector<Row> rows;
-  auto row = [&](std::string name, std::function<void(Bufs&)> f) {
-    rows.push_back({std::move(name), [f](int t) { f(*bufs[t]); }, n, calls});
+  auto row = [&](std::string name, std::function<void(const Bufs&)> f) {
+    rows.push_back(row_on<Bufs>(std::move(name), set, calls, std::move(f)));
   };
-  row("stage: loads and stores of an fp32 step", [=](Bufs& b) { st_ldst(b.w.data(), b.g.data(), b.m.data(), b.v.data(), n); });
-  row("stage: sqrt and division", [=](Bufs& b) { st_sqrtdiv(b.mo.data(), b.m.data(), b.v.data(), n); });
-  row("stage: update (fp32 m, v in and out)", [=](Bufs& b) { st_update(s, b.w.data(), b.g.data(), b.m.data(), b.v.data(), n); });
-  row("stage: bf16 decode m, v", [=](Bufs& b) { st_bf16_decode(b.mb.data(), b.vb.data(), b.mo.data(), b.vo.data(), n); });
-  row("stage: bf16 encode m, v, nearest", [=](Bufs& b) { st_bf16_encode<false>(b.m.data(), b.v.data(), b.mb.data(), b.vb.data(), n); });
-  row("stage: random bits (two hashes)", [=](Bufs& b) { st_hash(b.mo.data(), n); });
-  row("stage: bf16 encode m, v, stochastic", [=](Bufs& b) { st_bf16_encode<true>(b.m.data(), b.v.data(), b.mb.data(), b.vb.data(), n); });
-  row("stage: int8 decode m, v", [=](Bufs& b) { st_int8_decode(b.mi.data(), b.vi.data(), 0.01f, 0.02f, b.mo.data(), b.vo.data(), n); });
-  row("stage: int8 block max m, v", [=](Bufs& b) { st_block_max(b.mt.data(), b.vt.data(), b.mo.data(), n); });
-  auto codes = [](Bufs& b) {
+  row("stage: loads and stores of an fp32 step", [](const Bufs& b) { st_ldst(b.w, b.g, b.m, b.v, b.n); });
+  row("stage: sqrt and division", [](const Bufs& b) { st_sqrtdiv(b.mo, b.m, b.v, b.n); });
+  row("stage: update (fp32 m, v in and out)", [s](const Bufs& b) { st_update(s, b.w, b.g, b.m, b.v, b.n); });
+  row("stage: bf16 decode m, v", [](const Bufs& b) { st_bf16_decode(b.mb, b.vb, b.mo, b.vo, b.n); });
+  row("stage: bf16 encode m, v, nearest", [](const Bufs& b) { st_bf16_encode<false>(b.m, b.v, b.mb, b.vb, b.n); });
+  row("stage: random bits (two hashes)", [](const Bufs& b) { st_hash(b.mo, b.n); });
+  row("stage: bf16 encode m, v, stochastic", [](const Bufs& b) { st_bf16_encode<true>(b.m, b.v, b.mb, b.vb, b.n); });
+  row("stage: int8 decode m, v", [](const Bufs& b) { st_int8_decode(b.mi, b.vi, 0.01f, 0.02f, b.mo, b.vo, b.n); });
+  row("stage: int8 block max m, v", [](const Bufs& b) { st_block_max(b.mt, b.vt, b.mo, b.n); });
+  auto codes = [](const Bufs& b) {
     AdamTensorArgs c{};
-    c.m = b.mi.data();
-    c.v = b.vi.data();
+    c.m = b.mi;
+    c.v = b.vi;
     c.seed_m = 1;
     c.seed_v = 2;
     return c;
   };
-  row("stage: int8 encode m, v, nearest", [=](Bufs& b) { st_int8_encode<false>(codes(b), b.mt.data(), b.vt.data(), n); });
-  row("stage: int8 encode m, v, stochastic", [=](Bufs& b) { st_int8_encode<true>(codes(b), b.mt.data(), b.vt.data(), n); });
+  row("stage: int8 encode m, v, nearest", [codes](const Bufs& b) { st_int8_encode<false>(codes(b), b.mt, b.vt, b.n); });
+  row("stage: int8 encode m, v, stochastic", [codes](const Bufs& b) { st_int8_encode<true>(codes(b), b.mt, b.vt, b.n); });
   const SimdKernels* K = &STAGES_KERNELS();
   for (DType pd : {DType::kNone, DType::kBF16}) {
     const char* pn = pd == DType::kNone ? "fp32 params" : "bf16 params + fp32 masters";
     for (MomentKind k : {MomentKind::kF32, MomentKind::kBF16, MomentKind::kInt8}) {
       for (bool st : {false, true}) {
         if (k == MomentKind::kF32 && st) continue;
-        auto args = [=](Bufs& b) {
-          StateArrays st_arrays;
-          st_arrays.n = n;
-          st_arrays.w = b.w.p, st_arrays.g = b.g.p, st_arrays.m = b.m.p, st_arrays.v = b.v.p;
-          st_arrays.sm = b.sc.p, st_arrays.sv = b.sc2.p, st_arrays.mb = b.mb.p, st_arrays.vb = b.vb.p;
-          st_arrays.mi = b.mi.p, st_arrays.vi = b.vi.p;
-          return st_arrays.args(s, k, st, pd, pd == DType::kNone ? nullptr : b.pb.data());
-        };
         char name[160];
         if (k == MomentKind::kF32) {
           std::snprintf(name, sizeof name, "kernel: fp32 moments, %s", pn);
@@ -382,35 +297,28 @@ static std::vector<Row> stage_rows(int64_t n, int nthreads, int64_t round_elems)
           std::snprintf(name, sizeof name, "kernel: %s moments %s, %s", k == MomentKind::kBF16 ? "bf16" : "int8",
                         st ? "stochastic" : "nearest", pn);
         }
-        row(name, [K, args](Bufs& b) { K->adam(args(b), 0, b.w.size()); });
+        row(name, [K, s, k, st, pd](const Bufs& b) { K->adam(b.args(s, k, st, pd), 0, b.n); });
       }
     }
   }
   return rows;
 }
 
-// The overlap probe's rows: st_update_hashes<K> on each thread's cache-resident arrays (n
-// elements) and on its RAM arrays (n_ram), for K = 0, 1, 2, 4, 6, 8 hashes a vector.
+// What the overlap probe writes, so that its hashes are not optimized away
+static uint32_t g_probe_sink = 0;
+
+// The overlap probe's rows: four whole kernels, then st_update_hashes<K> for K = 0, 1, 2, 4,
+// 6, 8 hashes a vector, each on every thread's cache-resident arrays (n elements) and on its
+// RAM arrays (n_ram: one call a round)
 static std::vector<Row> overlap_rows(int64_t n, int64_t n_ram, int nthreads, int64_t round_elems) {
-  static const AdamScalars s = bench_scalars();
-  static std::vector<std::unique_ptr<StepBufs>> cache, ram;
-  static uint32_t sink = 0;
-  for (int t = 0; t < nthreads; ++t) {
-    cache.push_back(std::make_unique<StepBufs>(n, 1u + static_cast<unsigned>(t)));
-    ram.push_back(std::make_unique<StepBufs>(n_ram, 101u + static_cast<unsigned>(t)));
-  }
+  const AdamScalars s = bench_scalars();
+  const ArraySet<ProbeStates> cache = array_set<ProbeStates>(n, nthreads, 1u);
+  const ArraySet<ProbeStates> ram = array_set<ProbeStates>(n_ram, nthreads, 101u);
   std::vector<Row> rows;
-  auto add = [&](int k, void (*fn)(const AdamScalars&, float*, const float*, float*, float*, int64_t, uint32_t*)) {
-    for (bool in_ram : {false, true}) {
-      char name[96];
-      std::snprintf(name, sizeof name, "overlap: %d hashes, %s", k, in_ram ? "RAM" : "cache");
-      const int64_t e = in_ram ? n_ram : n;
-      auto& set = in_ram ? ram : cache;
-      rows.push_back({name, [fn, e, &set](int t) { fn(s, set[t]->w, set[t]->g, set[t]->m, set[t]->v, e, &sink); },
-                      e, in_ram ? 1 : std::max<int64_t>(1, round_elems / n)});
-    }
+  auto both = [&](const std::string& what, const std::function<void(const ProbeStates&)>& f) {
+    rows.push_back(row_on<ProbeStates>(what + ", cache", cache, std::max<int64_t>(1, round_elems / n), f));
+    rows.push_back(row_on<ProbeStates>(what + ", RAM", ram, 1, f));
   };
-  // the whole kernels beside the probe, on the same arrays
   const SimdKernels* kern = &STAGES_KERNELS();
   const struct {
     const char* name;
@@ -421,22 +329,17 @@ static std::vector<Row> overlap_rows(int64_t n, int64_t n_ram, int nthreads, int
                  {"bf16 moments nearest", MomentKind::kBF16, false},
                  {"int8 moments nearest", MomentKind::kInt8, false}};
   for (const auto& kd : kernels) {
-    for (bool in_ram : {false, true}) {
-      char name[96];
-      std::snprintf(name, sizeof name, "kernel: %s, %s", kd.name, in_ram ? "RAM" : "cache");
-      auto& set = in_ram ? ram : cache;
-      const MomentKind kind = kd.kind;
-      const bool st = kd.stochastic;
-      rows.push_back({name, [kern, kind, st, &set](int t) { kern->adam(set[t]->args(s, kind, st), 0, set[t]->n); },
-                      in_ram ? n_ram : n, in_ram ? 1 : std::max<int64_t>(1, round_elems / n)});
-    }
+    const MomentKind kind = kd.kind;
+    const bool st = kd.stochastic;
+    both(std::string("kernel: ") + kd.name, [kern, s, kind, st](const ProbeStates& b) { kern->adam(b.args(s, kind, st), 0, b.n); });
   }
-  add(0, st_update_hashes<0>);
-  add(1, st_update_hashes<1>);
-  add(2, st_update_hashes<2>);
-  add(4, st_update_hashes<4>);
-  add(6, st_update_hashes<6>);
-  add(8, st_update_hashes<8>);
+  using Probe = void (*)(const AdamScalars&, float*, const float*, float*, float*, int64_t, uint32_t*);
+  const std::pair<int, Probe> probes[] = {{0, st_update_hashes<0>}, {1, st_update_hashes<1>}, {2, st_update_hashes<2>},
+                                          {4, st_update_hashes<4>}, {6, st_update_hashes<6>}, {8, st_update_hashes<8>}};
+  for (const auto& [k, fn] : probes) {
+    both("overlap: " + std::to_string(k) + " hashes",
+         [s, fn = fn](const ProbeStates& b) { fn(s, b.w, b.g, b.m, b.v, b.n, &g_probe_sink); });
+  }
   return rows;
 }
 
