@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 import traceback
 import warnings
 
@@ -14,6 +13,7 @@ import torch.distributed as dist
 
 import statestore as ss
 
+from helpers.forked import exit_flushed
 from helpers.ranks import free_port, run_ranks  # noqa: F401  (the FSDP2 tests start ranks here)
 
 
@@ -35,17 +35,17 @@ def _worker(fn):
 
 
 def _exit_after(body) -> None:
-    """Run ``body()``, then leave the process without interpreter finalization: status 0,
-    or 1 with the traceback on stderr if it raised (``SystemExit`` included)."""
+    """Run ``body()``, then leave the process without interpreter finalization
+    (``helpers.forked.exit_flushed``): status 0, or 1 with the traceback on stderr if it
+    raised (``SystemExit`` included)."""
+    code = 1
     try:
         body()
+        code = 0
     except BaseException:
         traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    finally:
+        exit_flushed(code)
 
 
 def run_example(rank: int, world: int, port: int, script: str, argv: list) -> None:
