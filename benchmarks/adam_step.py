@@ -534,8 +534,8 @@ def overlap(n, ram_elems, rounds, opt="3", threads=(1, 2), seconds=3.0):
     two, the RAM time would be max(arithmetic, the K = 0 step's RAM time); the last column
     is what it costs above that."""
     cols, rows = _run_stages(n, rounds, opt, threads, seconds, ram_elems=ram_elems)
-    print(f"cpu: {_cpu_name()}; fp32 update + K hashes a vector: {n} elements a thread "
-          f"cache-resident, {ram_elems} in RAM (4 fp32 arrays each); best of {rounds} or more "
+    print(f"cpu: {_cpu_name()}; fp32 update + K hashes a vector, and the moment kernels: {n} "
+          f"elements a thread cache-resident, {ram_elems} in RAM; best of {rounds} or more "
           f"rounds (at least {seconds:g} s, rows in turn); ns per element of the machine (T "
           f"threads at once); built with -O{opt}"
           + ("" if opt == "3" else " (NOT the kernel's -O3: these figures are not its speed)"))
@@ -566,7 +566,7 @@ def overlap(n, ram_elems, rounds, opt="3", threads=(1, 2), seconds=3.0):
     print("|---|---|---|---|---|---|---|---|")
     for col in cols:
         f32 = rows.get("kernel: fp32 moments, RAM", {}).get(col)
-        for name in [n for n in rows if n.startswith("kernel:") and n.endswith(", cache")]:
+        for name in [r for r in rows if r.startswith("kernel:") and r.endswith(", cache")]:
             label = name[len("kernel: "):-len(", cache")]
             c = rows[name].get(col)
             r = rows.get(f"kernel: {label}, RAM", {}).get(col)
