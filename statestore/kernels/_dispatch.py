@@ -53,8 +53,32 @@ def _warn_once(key: str, message: str) -> None:
     warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
+def _simd_ceiling() -> str:
+    """STATESTORE_SIMD's path, or "" for none/auto/an unknown name."""
+    want = os.environ.get("STATESTORE_SIMD", "").strip().lower()
+    return want if want in ("avx512", "avx2", "scalar") else ""
+
+
+def simd_supported() -> List[str]:
+    """The CPU paths this process may use, best first, always ending in ``"scalar"``.
+
+    The processor's paths, capped by ``STATESTORE_SIMD``: ``STATESTORE_SIMD=avx2`` on an
+    AVX-512 host makes the process see the host as an AVX2 host (``avx2``, ``scalar``), and
+    ``scalar`` as one without vector units. So the whole suite, benchmarks included, runs
+    on an AVX-512 host as on the others (``make test-simd``)."""
+    ext = load_extension()
+    if ext is None:
+        return []
+    paths = list(ext.simd_supported())
+    cap = _simd_ceiling()
+    if cap and cap in paths:
+        paths = paths[paths.index(cap):]
+    return paths
+
+
 def _apply_simd_env(ext) -> None:
-    """Applies STATESTORE_SIMD: a path the processor lacks is clamped to the best it has, and
+    """Applies STATESTORE_SIMD, the best path the process may use (a ceiling, see
+    :func:`simd_supported`): a path the processor lacks is clamped to the best it has, and
     an unknown name ignored, each with a warning (an environment variable shared by a
     heterogeneous cluster must not stop training)."""
     want = os.environ.get("STATESTORE_SIMD", "").strip().lower()
@@ -146,13 +170,21 @@ def load_extension():
 
 def set_simd(name: str) -> str:
     """Selects the CPU path for this process: ``"avx512"``, ``"avx2"``, ``"scalar"`` or
-    ``"auto"``. Raises :class:`RuntimeError` where the processor lacks the path or the
-    extension is missing, :class:`ValueError` for an unknown name. Returns the path now used."""
+    ``"auto"`` (the best of :func:`simd_supported`). Raises :class:`RuntimeError` where the
+    path is not in :func:`simd_supported` (the processor lacks it, or ``STATESTORE_SIMD``
+    caps the process below it) or the extension is missing, :class:`ValueError` for an
+    unknown name. Returns the path now used."""
     if name not in _SIMD_NAMES:
         raise ValueError(f"simd: unknown path {name!r}; expected one of {', '.join(_SIMD_NAMES)}")
     ext = load_extension()
     if ext is None:
         raise RuntimeError(f"simd: the C++ kernels are unavailable ({_state['reason']})")
+    allowed = simd_supported()
+    if name == "auto":
+        name = allowed[0]
+    elif name not in allowed and name in ext.simd_supported():
+        raise RuntimeError(f"set_simd: STATESTORE_SIMD={_simd_ceiling()} caps this process at "
+                           f"{', '.join(allowed)}; {name!r} is above it")
     return ext.set_simd(name)
 
 
@@ -167,7 +199,7 @@ def kernels_info() -> dict:
             "reason": _state["reason"], "simd": None, "simd_width": None, "simd_supported": []}
     if ext is not None:
         name, width = ext.simd()
-        info.update(simd=name, simd_width=width, simd_supported=list(ext.simd_supported()))
+        info.update(simd=name, simd_width=width, simd_supported=simd_supported())
     if forced:
         info["reason"] = "STATESTORE_FORCE_REFERENCE is set"
     info["cpu"] = "simd" if ext is not None and not forced else "reference"

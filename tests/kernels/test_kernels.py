@@ -23,7 +23,7 @@ from statestore.kernels._reference import adam_step_reference
 
 ext = _dispatch.load_extension()
 needs_ext = pytest.mark.skipif(ext is None, reason=f"statestore._C_adam missing: {_dispatch._state['reason']}")
-SUPPORTED = list(ext.simd_supported()) if ext is not None else []
+SUPPORTED = _dispatch.simd_supported()
 ALL_PATHS = ["avx512", "avx2", "scalar"]
 SIZES = [1, 7, 15, 16, 17, 1023, 2 ** 20 + 3]
 LOWP = [torch.float16, torch.bfloat16]
@@ -331,7 +331,7 @@ def test_set_simd_errors():
     with pytest.raises(ValueError, match="unknown path"):
         K._set_simd("sse9")
     if "avx512" not in SUPPORTED:
-        with pytest.raises(RuntimeError, match="AVX-512"):
+        with pytest.raises(RuntimeError, match="AVX-512|caps this process"):
             K._set_simd("avx512")
     assert K._set_simd("auto") == SUPPORTED[0]
 
@@ -368,10 +368,34 @@ def test_force_reference_warns_once():
 def test_simd_env_var_forces_and_clamps():
     code = "import statestore.kernels as K; print(K.kernels_info()['simd'])"
     assert _python(code, STATESTORE_SIMD="scalar").stdout.strip() == "scalar"
-    if "avx512" not in SUPPORTED:
+    host = list(ext.simd_supported())  # the processor's own, whatever caps this process
+    if "avx512" not in host:
         r = _python(code, STATESTORE_SIMD="avx512")
-        assert r.stdout.strip() == SUPPORTED[0]
+        assert r.stdout.strip() == host[0]
         assert "supports only" in r.stderr
+
+
+@needs_ext
+@pytest.mark.parametrize("cap", ["avx2", "scalar"])
+def test_simd_env_var_caps_what_the_process_sees(cap):
+    """STATESTORE_SIMD=avx2 on an AVX-512 host is an AVX2 host to the process (``make
+    test-simd`` runs the suite so): the supported list, "auto" and set_simd all stop there."""
+    host = list(ext.simd_supported())
+    if cap not in host:
+        pytest.skip(f"this processor lacks {cap} (supports {host})")
+    code = ("import statestore.kernels as K\n"
+            "i = K.kernels_info(); print(i['simd'], ','.join(i['simd_supported']))\n"
+            "print(K.set_simd('auto'))\n"
+            "try:\n    K.set_simd('avx512'); print('avx512 taken')\n"
+            "except RuntimeError as e:\n    print('refused:', e)\n")
+    out = _python(code, STATESTORE_SIMD=cap).stdout.splitlines()
+    want = host[host.index(cap):]
+    assert out[0] == f"{cap} {','.join(want)}"
+    assert out[1] == cap
+    if cap == "avx512":
+        assert out[2] == "avx512 taken"
+    else:
+        assert out[2].startswith("refused:"), out
 
 
 def test_torch_fused_fallback_matches_reference():

@@ -21,7 +21,7 @@ from statestore.kernels._moments import _unfused, adam_step_moments
 from statestore.kernels._reference import adam_step_reference
 
 ext = _dispatch.load_extension()
-SUPPORTED = list(ext.simd_supported()) if ext is not None else []
+SUPPORTED = _dispatch.simd_supported()
 PATHS = ["avx512", "avx2", "scalar"]
 SIZES = [1, 7, 15, 17, 255, 256, 257, 1000 + 3, 3 * 16384 + 5]
 HP = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, adamw_mode=True)
