@@ -101,6 +101,44 @@ def _find_ninja():
     return which("ninja")
 
 
+def _cuda_arch_list(torch):
+    """The CUDA architectures the kernels are compiled for, and where that choice came from.
+
+    ``TORCH_CUDA_ARCH_LIST`` wins; else, with GPUs visible, torch's own choice (each visible
+    card's); else (a Docker build, a CI runner: no GPU to ask) the architectures the installed
+    torch was built for, ``torch.cuda.get_arch_list()`` (``sm_90`` -> ``9.0``, ``sm_90a`` ->
+    ``9.0a``, a ``compute_XY`` entry adds ``+PTX`` to ``X.Y``), exported as
+    ``TORCH_CUDA_ARCH_LIST`` for torch's BuildExtension, which would otherwise stop with an
+    IndexError (torch >= 2.14) or guess."""
+    given = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
+    if given and given != "native":
+        return given, "TORCH_CUDA_ARCH_LIST"
+    try:
+        visible = torch.cuda.device_count()
+    except Exception:  # a driver that cannot be initialized counts as no GPU
+        visible = 0
+    if visible:
+        caps = sorted({"%d.%d" % torch.cuda.get_device_capability(i) for i in range(visible)})
+        return ";".join(caps), f"the {visible} visible GPU(s)"
+    sm, ptx = [], set()
+    for arch in torch.cuda.get_arch_list():
+        kind, _, num = arch.partition("_")
+        if not num[:2].isdigit():
+            continue
+        ver = f"{num[:-1]}.{num[-1]}" if num.isdigit() else f"{num[:-2]}.{num[-2:]}"
+        if kind == "sm":
+            sm.append(ver)
+        elif kind == "compute":
+            ptx.add(ver)
+    if not sm and not ptx:
+        _fail("no GPU is visible, TORCH_CUDA_ARCH_LIST is not set and the installed torch "
+              f"{torch.__version__} names no CUDA architectures (torch.cuda.get_arch_list() is "
+              "empty): set TORCH_CUDA_ARCH_LIST (e.g. '9.0') or STATESTORE_NO_CUDA=1")
+    archs = [v + ("+PTX" if v in ptx else "") for v in sm] + sorted(ptx - set(sm))
+    os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(archs)
+    return os.environ["TORCH_CUDA_ARCH_LIST"], "torch.cuda.get_arch_list() (no GPU visible)"
+
+
 def _extensions():
     if os.environ.get("STATESTORE_NO_EXT") == "1":
         _say("STATESTORE_NO_EXT=1: no C++ extensions (the pure-Python package)")
@@ -123,7 +161,9 @@ def _extensions():
     debug = ["-g"] if DEBUG else ["-g0"]
     link = [] if DEBUG else ["-s"]
     # -fvisibility=hidden: only PyInit_* is exported (pybind11's advice; no visibility warnings)
-    cxx = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno", "-fvisibility=hidden"] + debug
+    # No -std: torch's BuildExtension adds the standard its own headers need (C++17 headers
+    # up to torch 2.13, C++20 from 2.14: std::strong_ordering, `requires`), for g++ and nvcc.
+    cxx = ["-O3", "-fopenmp", "-fno-math-errno", "-fvisibility=hidden"] + debug
     exts = []
     only = os.environ.get("STATESTORE_EXT", "")
     # what each extension was compiled against, read back before import (_build_check.py)
@@ -133,6 +173,8 @@ def _extensions():
     cuda_src = sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
     want_cuda = (torch.version.cuda is not None and CUDA_HOME is not None
                  and os.environ.get("STATESTORE_NO_CUDA") != "1" and cuda_src)
+    want_cuda = bool(want_cuda and adam_src and only in ("", "adam"))
+    arch_list, arch_from = _cuda_arch_list(torch) if want_cuda else (None, None)
     if adam_src and only in ("", "adam"):
         # -ffp-contract=off: the kernels fuse multiply-adds only where csrc/adam_math.h says
         # so, so that SIMD bodies and scalar tails give the same bits.
@@ -145,7 +187,7 @@ def _extensions():
                 define_macros=[("STATESTORE_WITH_CUDA", "1")],
                 # no --use_fast_math: it swaps IEEE sqrt/div for approximations
                 extra_compile_args={"cxx": adam_cxx,
-                                    "nvcc": ["-O3", "-std=c++17", "--fmad=false"]
+                                    "nvcc": ["-O3", "--fmad=false"]
                                     + (["-g"] if DEBUG else [])},
                 **common))
         else:
@@ -167,13 +209,13 @@ def _extensions():
             _say("libaio not found, libaio engine disabled (apt-get install libaio-dev)")
         exts.append(CppExtension("statestore._C_io", io_src + info_src, include_dirs=[csrc],
                                  define_macros=macros, libraries=libs + ["pthread"],
-                                 extra_compile_args=["-O2", "-std=c++17",
-                                                     "-fvisibility=hidden"] + debug,
+                                 extra_compile_args=["-O2", "-fvisibility=hidden"] + debug,
                                  extra_link_args=link))
 
     ninja = _find_ninja()
     jobs = os.environ.get("MAX_JOBS") or f"ninja's default ({os.cpu_count()} cores + 2)"
-    cuda = (f"CPU and CUDA {torch.version.cuda} (nvcc in {CUDA_HOME})" if want_cuda
+    cuda = (f"CPU and CUDA {torch.version.cuda} (nvcc in {CUDA_HOME}; architectures "
+            f"{arch_list} from {arch_from})" if want_cuda
             else "CPU only" + (f" (torch has CUDA {torch.version.cuda}, but no nvcc was found: "
                                "set CUDA_HOME)" if torch.version.cuda and not CUDA_HOME else ""))
     _say(f"torch {torch.__version__} ({os.path.dirname(torch.__file__)}), {cuda}; "
