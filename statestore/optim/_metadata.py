@@ -39,7 +39,7 @@ from ..checkpoint.metadata import optimizer_metadata_problem
 from ..errors import CheckpointMismatchError, StateStoreError
 from ..offload._seam import PARAM_STATE
 from ._dtensor import local, region_of
-from ._resume_warnings import warn_replaced
+from ._resume_warnings import lrs_to_check, warn_replaced
 from ._table import ParamTable, failed_message
 
 __all__ = ["OPTIMIZER_METADATA_VERSION", "MismatchReport", "short_names", "metadata_source",
@@ -303,6 +303,8 @@ def pick_up(store, table: ParamTable, param_groups: List[dict], layout, *, owner
                       and k not in keep]:
                 del g[k]
         g.update(h)
+    if saved_groups is not None and from_ckpt and not loaded:     # the load-first order
+        table.lr_after_load = lrs_to_check(param_groups, saved_groups)
     steps = meta.get("steps", {})
     steps = steps if isinstance(steps, dict) else {}
     for name in ours:

@@ -13,15 +13,19 @@ import sys
 import warnings
 from typing import Any, Dict, Iterable, List, Sequence
 
+import torch
 from torch import Tensor
 
 from ..errors import ResumeWarning
 
-__all__ = ["warn_replaced", "replaced_hyperparameters"]
+__all__ = ["warn_replaced", "replaced_hyperparameters", "lrs_to_check", "warn_lr_reset_after_load"]
 
 #: hyperparameters a constructor takes, compared with the checkpoint's (``lr`` apart)
 _COMPARED = ("betas", "eps", "weight_decay", "amsgrad", "maximize", "adamw_mode")
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+#: torch's own frames (a no_grad decorator, an LR scheduler's wrapper of ``step``) between
+#: the caller and statestore are skipped too
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _SHOW = 3
 
 
@@ -59,9 +63,9 @@ def replaced_hyperparameters(param_groups: Sequence[Dict[str, Any]],
 
 
 def _warn(message: str) -> None:
-    """``warnings.warn`` attributed to the first caller outside statestore."""
+    """``warnings.warn`` attributed to the first caller outside statestore and torch."""
     level, f = 1, sys._getframe(0)
-    while f is not None and f.f_code.co_filename.startswith(_PACKAGE):
+    while f is not None and f.f_code.co_filename.startswith((_PACKAGE, _TORCH)):
         f, level = f.f_back, level + 1
     warnings.warn(message, ResumeWarning, stacklevel=level)
 
@@ -87,3 +91,35 @@ def warn_replaced(param_groups: Sequence[Dict[str, Any]], new_hyper: Sequence[Di
               "does): build the optimizer with the values it was saved with, or set "
               "opt.param_groups[i][...] after loading to change them on purpose; "
               + "; ".join(lines[:_SHOW]) + more)
+
+
+
+def lrs_to_check(param_groups: Sequence[Dict[str, Any]],
+                 saved_groups: Sequence[Dict[str, Any]]) -> Any:
+    """``(group, lr)`` for each group whose checkpoint was saved under an LR scheduler (it
+    carries ``initial_lr``), for :func:`warn_lr_reset_after_load`; None when there is none."""
+    pairs = [(g, _plain(g.get("lr"))) for g, sg in zip(param_groups, saved_groups)
+             if isinstance(sg, dict) and sg.get("initial_lr") is not None]
+    return pairs or None
+
+
+def warn_lr_reset_after_load(pairs, scheduled: bool) -> None:
+    """At the first step of an optimizer built on a store that had loaded a checkpoint saved
+    under an LR scheduler (the load-first order): where a scheduler now drives the optimizer
+    (``scheduled``) and changed a group's lr from the checkpoint's, warn
+    (:class:`ResumeWarning`): a scheduler built after the load re-derives the lr from
+    ``initial_lr`` at its step 0, so this step would not run at the checkpoint's lr (torch's
+    own optimizers do the same). torch's order is the one that resumes bit for bit."""
+    if not scheduled:
+        return
+    lines = [f"param group {i}: the checkpoint's lr {lr!r}, now {_plain(g.get('lr'))!r}"
+             for i, (g, lr) in enumerate(pairs) if _plain(g.get("lr")) != lr]
+    if not lines:
+        return
+    more = f"; ... and {len(lines) - _SHOW} more group(s)" if len(lines) > _SHOW else ""
+    _warn("an LR scheduler built after store.load_checkpoint (the load-first order) reset "
+          "the lr from initial_lr, so this step does not run at the checkpoint's lr (torch's "
+          "optimizers do the same; the scheduler's next step() goes on from its loaded "
+          "state). With a scheduler, resume in torch's order: build the optimizer and the "
+          "scheduler, then store.load_checkpoint(path) and scheduler.load_state_dict(...); "
+          + "; ".join(lines[:_SHOW]) + more)

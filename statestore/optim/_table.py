@@ -56,7 +56,7 @@ class ParamTable:
     """
 
     __slots__ = ("keys", "params", "stores", "steps", "next_plans", "touched", "failed",
-                 "closer", "lost", "__weakref__")
+                 "closer", "lost", "lr_after_load", "__weakref__")
 
     def __init__(self) -> None:
         self.keys: Dict[Tensor, str] = {}
@@ -72,6 +72,10 @@ class ParamTable:
         #: stores whose states a failed load_checkpoint removed (or replaced by a checkpoint
         #: that does not fit), with why: the optimizer refuses until a load succeeds
         self.lost: Dict[object, str] = {}
+        #: (group, lr) as a checkpoint saved under an LR scheduler left them when it was
+        #: loaded before the optimizer was built; checked at the first step
+        #: (:func:`~statestore.optim._resume_warnings.warn_lr_reset_after_load`), then None
+        self.lr_after_load: Optional[List[Tuple[dict, object]]] = None
 
     def set_keys(self, keys: Dict[Tensor, str], params: List[Tensor]) -> None:
         """Replace the key map and parameter list in place: the metadata source attached to

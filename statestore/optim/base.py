@@ -34,6 +34,7 @@ from ._dtensor import DTensorParams
 from ._layout import StateLayout
 from ._metadata import metadata_source, resume
 from ._plan import PlanMemo, Work, collect_work, ensure_states
+from ._resume_warnings import warn_lr_reset_after_load
 from ._shared import attach, check_keys, share_of
 from ._sharding import Sharding, check_not_partial, refuse_partial, shard_state_dict
 from ._state import OptimizerState
@@ -311,6 +312,10 @@ class StateStoreOptimizer(torch.optim.Optimizer):
         (:meth:`ParamTable.check_usable`); ``end_open_step``: a call reading states whole
         ends a step left open first."""
         self._table.check_usable(type(self).__name__, end_open_step=end_open_step)
+        pairs = self._table.lr_after_load
+        if pairs is not None and not end_open_step:      # the first step after a load-first
+            self._table.lr_after_load = None
+            warn_lr_reset_after_load(pairs, hasattr(self.step, "_wrapped_by_lr_sched"))
 
     def _forget_pending(self) -> None:
         """States were replaced (a load, ``load_state_dict``): drop what the class kept of a
