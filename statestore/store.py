@@ -129,6 +129,11 @@ class StateStore(ABC):
     def __len__(self) -> int:
         return len(self._specs)
 
+    def __bool__(self) -> bool:
+        """Always True: ``if store:`` means "a store was given", whatever it holds (without
+        this, ``__len__`` would make an empty store falsy); ``len(store)`` counts states."""
+        return True
+
     def spec(self, key) -> StateSpec:
         """Shape and dtype of a state.
 

@@ -57,13 +57,11 @@ class NVMeStore(StreamingStore):
             :meth:`close` and at interpreter exit.
         engine: ``"auto"``, ``"io_uring"``, ``"libaio"``, ``"threads"``, an
             :class:`~statestore.io.IOEngine` instance that writes in place (not closed by the
-            store). ``"tensornvme"`` (TensorNVMe, when installed): TensorNVMe keeps keyed
-            bytes in a file of its own and cannot write these files in place, so
-            ``NVMeStore(dir, engine="tensornvme", ...)`` is a factory call that returns a
-            :class:`~statestore.TensorNVMeStore`, TensorNVMe's own store, built by
-            :func:`statestore.backends.nvme_store` from these arguments (``direct=True`` and
-            ``keep_files=True`` refused). Any other engine with ``writes_in_place=False`` is
-            refused.
+            store). ``"tensornvme"`` raises :class:`StateStoreValueError` naming
+            ``TensorNVMeStore(dir)``: TensorNVMe keeps keyed bytes in a file of its own and
+            cannot write these files in place, so it has a store of its own,
+            :class:`~statestore.TensorNVMeStore` (which is no ``NVMeStore``). Any other
+            engine with ``writes_in_place=False`` is refused too.
         budget_bytes: RAM for the pipeline's host buffers (read-ahead, compute, write-behind);
             default 256 MiB. Nothing else of the states is held in RAM.
         queue_depth, block_size, io_threads: engine settings (requests in flight, bytes per
@@ -81,20 +79,6 @@ class NVMeStore(StreamingStore):
     alignment = ALIGN
     transfer_alignment = MAX_DATA_ALIGN
 
-    def __new__(cls, dir: Optional[str] = None, engine: Any = "auto", *,
-                budget_bytes: Optional[int] = None, queue_depth: int = 32,
-                block_size: int = 8 << 20, io_threads: int = 8, pinned: bool = True,
-                direct: Optional[bool] = None, keep_files: bool = False):
-        # The engine names in DESIGN's table include TensorNVMe: for it, the constructor is
-        # a documented factory call returning TensorNVMe's own store (Python then skips
-        # __init__, the result being no NVMeStore). Every other engine builds this class.
-        if cls is NVMeStore and isinstance(engine, str) and engine == "tensornvme":
-            from .registry import nvme_store
-            return nvme_store(dir, engine, budget_bytes=budget_bytes, queue_depth=queue_depth,
-                              block_size=block_size, io_threads=io_threads, pinned=pinned,
-                              direct=direct, keep_files=keep_files)
-        return super().__new__(cls)
-
     def __init__(self, dir: Optional[str] = None, engine: Any = "auto", *,
                  budget_bytes: Optional[int] = None, queue_depth: int = 32,
                  block_size: int = 8 << 20, io_threads: int = 8, pinned: bool = True,
@@ -106,11 +90,11 @@ class NVMeStore(StreamingStore):
         if direct not in (None, True, False):
             raise StateStoreValueError(f"NVMeStore: direct must be None, True or False, got {direct!r}")
         if isinstance(engine, str) and engine == "tensornvme":
-            # Only a subclass gets here (NVMeStore itself returned a TensorNVMeStore above).
             raise StateStoreValueError(
                 f"{type(self).__name__}: engine 'tensornvme' cannot write NVMeStore's files "
-                "in place (TensorNVMe keeps keyed bytes in a file of its own); use "
-                "statestore.TensorNVMeStore(dir, ...) or NVMeStore(dir, engine='tensornvme')")
+                "in place (TensorNVMe keeps keyed bytes in a file of its own): use TensorNVMe's "
+                "own store, statestore.TensorNVMeStore(dir) (or statestore.backends."
+                "nvme_store(dir, engine='tensornvme'), which builds one)")
         if not getattr(engine, "writes_in_place", True):
             # Its reads of slices and hard links of named files need every write to land at
             # the (file, offset) asked: a keyed engine would leave the files unwritten.

@@ -326,6 +326,14 @@ class TestLifetime:
 
 
 # ============================================================================== errors
+def test_a_store_is_always_truthy(store):
+    """``if store:`` means "a store was given": an empty store is truthy too (``__len__``
+    alone would make it falsy), and ``len`` still counts states."""
+    assert len(store) == 0 and bool(store) is True
+    store.create("w/exp_avg", (3,), torch.float32)
+    assert len(store) == 1 and bool(store) is True
+
+
 def test_unknown_key(store):
     store.create("a/m", (2,))
     for op in (lambda: store.get("b/m"), lambda: store.put("b/m", torch.zeros(2)),

@@ -358,15 +358,16 @@ def test_nvme_store_refuses_engines_that_do_not_write_in_place(tmp_path):
 
 @needs
 def test_engine_name_builds_a_tensornvme_store(tmp_path):
-    """TensorNVMeStore is its own store; NVMeStore(engine="tensornvme") (the engine DESIGN's
-    table names) is the documented factory call that builds it, as nvme_store does."""
+    """TensorNVMeStore is its own store: NVMeStore(engine="tensornvme") refuses, naming it
+    (an NVMeStore call never returns another class); nvme_store, make_store and the tiered
+    store's factory build it."""
     from statestore.backends import make_store, nvme_store
-    with ss.NVMeStore(str(tmp_path / "n"), engine="tensornvme", budget_bytes=1 << 20) as s:
-        assert type(s) is ss.TensorNVMeStore and s.stats()["engine"] == "tensornvme"
+    with pytest.raises(ss.StateStoreValueError, match=r"TensorNVMeStore\(dir\)"):
+        ss.NVMeStore(str(tmp_path / "n"), engine="tensornvme", budget_bytes=1 << 20)
+    assert not os.path.exists(tmp_path / "n") or not os.listdir(tmp_path / "n")
+    with ss.TensorNVMeStore(str(tmp_path / "t0"), budget_bytes=1 << 20) as s:
         s.create("w/exp_avg", (10,), torch.float32, torch.ones(10))
         assert torch.equal(s.get("w/exp_avg"), torch.ones(10))
-    with pytest.raises(ss.StateStoreValueError, match="keep_files"):
-        ss.NVMeStore(str(tmp_path / "nk"), engine="tensornvme", keep_files=True)
     with nvme_store(str(tmp_path / "s"), engine="tensornvme", budget_bytes=1 << 20) as s:
         assert isinstance(s, ss.TensorNVMeStore) and not isinstance(s, ss.NVMeStore)
         assert s.block_bytes == 256 << 10 and s.stats()["engine"] == "tensornvme"
