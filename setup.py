@@ -101,6 +101,38 @@ def _find_ninja():
     return which("ninja")
 
 
+def _toolkit(home):
+    """True when ``home`` is a CUDA toolkit: ``bin/nvcc`` and ``include/cuda_runtime_api.h``."""
+    return bool(home) and os.access(os.path.join(home, "bin", "nvcc"), os.X_OK) and \
+        os.path.isfile(os.path.join(home, "include", "cuda_runtime_api.h"))
+
+
+def _cuda_home(found):
+    """The CUDA toolkit to build with: torch's choice (``CUDA_HOME``, ``CUDA_PATH``, the
+    ``nvcc`` on PATH, ``/usr/local/cuda``) where it is one; else the toolkit the ``nvcc`` on
+    PATH belongs to, which it names itself (``nvcc --dryrun``: ``TOP=``) when it is a wrapper
+    script or a link outside the toolkit (``/usr/local/bin/nvcc`` -> ``exec
+    /usr/local/cuda-X/bin/nvcc``: torch takes ``/usr/local`` and finds no CUDA headers)."""
+    if found is None or _toolkit(found):
+        return found
+    from shutil import which
+    nvcc = which("nvcc")
+    if nvcc:
+        r = subprocess.run([nvcc, "--dryrun", "-c", "-x", "cu", os.devnull, "-o", os.devnull],
+                           capture_output=True, text=True)
+        for line in (r.stdout + r.stderr).splitlines():
+            if line.startswith("#$ TOP="):
+                top = os.path.realpath(line.split("=", 1)[1].strip())
+                if _toolkit(top):
+                    return top
+    for home in ("/usr/local/cuda",):
+        if _toolkit(home):
+            return home
+    _fail(f"CUDA_HOME {found} is not a CUDA toolkit (no bin/nvcc and include/"
+          f"cuda_runtime_api.h there), and no other was found: set CUDA_HOME to one, or "
+          f"STATESTORE_NO_CUDA=1 for the CPU kernels only")
+
+
 def _cuda_arch_list(torch):
     """The CUDA architectures the kernels are compiled for, and where that choice came from.
 
@@ -171,6 +203,14 @@ def _extensions():
 
     adam_src = sorted(glob.glob(os.path.join("csrc", "adam", "*.cpp")))
     cuda_src = sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
+    if torch.version.cuda is not None and CUDA_HOME is not None \
+            and os.environ.get("STATESTORE_NO_CUDA") != "1":
+        home = _cuda_home(CUDA_HOME)
+        if home != CUDA_HOME:   # torch's include and library paths follow its module global
+            _say(f"CUDA toolkit: {home} (torch guessed {CUDA_HOME}, which has no CUDA headers)")
+            import torch.utils.cpp_extension as cpp_ext
+            cpp_ext.CUDA_HOME = CUDA_HOME = home
+            os.environ["CUDA_HOME"] = home
     want_cuda = (torch.version.cuda is not None and CUDA_HOME is not None
                  and os.environ.get("STATESTORE_NO_CUDA") != "1" and cuda_src)
     want_cuda = bool(want_cuda and adam_src and only in ("", "adam"))
