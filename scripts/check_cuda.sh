@@ -31,7 +31,7 @@ echo "check_cuda: $("$NVCC" --version | tail -1)"
 for src in "${sources[@]}"; do
   obj="$out/$(basename "${src%.cu}").o"
   # the flags setup.py gives nvcc, plus warnings as errors
-  if ! "$NVCC" -O3 -std=c++17 --fmad=false -Icsrc "${gencode[@]}" \
+  if ! "$NVCC" -O3 -std=c++20 --fmad=false -Icsrc "${gencode[@]}" \
        -Xcompiler -Wall -Werror all-warnings -c "$src" -o "$obj"; then
     echo "check_cuda: FAILED: $src" >&2
     exit 1
@@ -39,7 +39,7 @@ for src in "${sources[@]}"; do
   echo "check_cuda: ok $src (archs: $ARCHS)"
 done
 # the header shared with the CPU kernels must also compile as plain C++ without CUDA
-if ! echo '#include "adam_math.h"' | "${CXX:-c++}" -std=c++17 -fsyntax-only -Wall -Werror -Icsrc -x c++ -; then
+if ! echo '#include "adam_math.h"' | "${CXX:-c++}" -std=c++20 -fsyntax-only -Wall -Werror -Icsrc -x c++ -; then
   echo "check_cuda: FAILED: csrc/adam_math.h as plain C++" >&2
   exit 1
 fi
@@ -63,7 +63,7 @@ if [[ -x "$PY" ]] && incs="$("$PY" -c 'from torch.utils.cpp_extension import inc
   echo '#pragma once' >"$stub/c10/cuda/impl/cuda_cmake_macros.h"
   for src in csrc/cuda/*.cpp; do
     # shellcheck disable=SC2086
-    if ! "${CXX:-c++}" -std=c++17 -fsyntax-only -DSTATESTORE_WITH_CUDA=1 -Icsrc $incs \
+    if ! "${CXX:-c++}" -std=c++20 -fsyntax-only -DSTATESTORE_WITH_CUDA=1 -Icsrc $incs \
          -I"$cuda_inc" -idirafter "$stub" -w "$src"; then
       echo "check_cuda: FAILED: $src (syntax against torch headers)" >&2
       exit 1

@@ -3,15 +3,15 @@
 # short GPU benchmark (benchmarks/gpu_step.py --quick) on a machine with an NVIDIA GPU.
 #
 # It never touches .venv or the extensions `make test` builds in the source tree:
-#   * Python: $GPU_PYTHON when set (an interpreter whose torch is a CUDA build of 2.13.0);
-#     otherwise .venv-gpu/ (created on first use; torch==2.13.0 from PyPI, whose Linux x86-64
+#   * Python: $GPU_PYTHON when set (an interpreter whose torch is a CUDA build of the project's torch);
+#     otherwise .venv-gpu/ (created on first use; the Makefile's TORCH from PyPI, whose Linux x86-64
 #     wheel is the CUDA build, or from $GPU_TORCH_INDEX, e.g.
 #     https://download.pytorch.org/whl/cu128). Machines without internet: set GPU_PYTHON.
 #   * Build: the sources are copied to build/gpu/src and the extensions built there in place
 #     (nvcc from $CUDA_HOME, PATH or /usr/local/cuda; its major version must be torch's);
 #     later runs rebuild only what changed.
 #   * Tests run with STATESTORE_REQUIRE_CUDA=1: without a usable GPU they fail, never skip.
-#   * torch must be 2.13.0, the project's pin. GPU_TORCH_VERSION=any accepts another CUDA build
+#   * torch must be the Makefile's TORCH, the project's pin. GPU_TORCH_VERSION=any accepts another CUDA build
 #     of torch, said loudly in the output (a machine whose image has only another version, e.g.
 #     GPU_PYTHON=python3 GPU_TORCH_VERSION=any make gpu-test).
 # Environment: GPU_PYTHON, GPU_VENV (default .venv-gpu), GPU_TORCH_INDEX, GPU_TORCH_VERSION,
@@ -21,12 +21,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT="$PWD"
-TORCH_VERSION=2.13.0
+# the project's torch (the Makefile's TORCH, exported by make; read from the Makefile otherwise)
+TORCH_VERSION="${TORCH:-$(sed -n 's/^TORCH *:= *//p' Makefile)}"
+[[ -n "$TORCH_VERSION" ]] || { echo "gpu-test: FAILED: no TORCH in the Makefile" >&2; exit 1; }
 WANT_TORCH="${GPU_TORCH_VERSION:-$TORCH_VERSION}"
 say() { echo "gpu-test: $*"; }
 die() { echo "gpu-test: FAILED: $*" >&2; exit 1; }
 
-# ---- 1. an interpreter with a CUDA build of torch 2.13.0
+# ---- 1. an interpreter with a CUDA build of the project's torch
 if [[ -n "${GPU_PYTHON:-}" ]]; then
   PY="$GPU_PYTHON"
   [[ -x "$PY" ]] || die "GPU_PYTHON=$PY is not an executable"

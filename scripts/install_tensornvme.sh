@@ -7,7 +7,7 @@
 # backend. Any failure stops the set-up with the reason (exit status 1) and the build log's
 # end. docs/nvme.md ("TensorNVMe") says what the steps are for.
 #
-#   * --no-build-isolation: its setup.py imports torch (the environment's, which stays 2.13.0:
+#   * --no-build-isolation: its setup.py imports torch (the environment's, which stays as is:
 #     pip runs with a constraint pinning it, and the wheel is installed with --no-deps);
 #   * WITH_ROOT=1 (as root) keeps its setup.py from appending to ~/.bashrc and installing
 #     under ~/.tensornvme; without root, HOME points at a scratch directory instead;
@@ -18,7 +18,10 @@ set -euo pipefail
 
 PY=${1:-.venv/bin/python}
 VERSION=0.1.0
-TORCH_PIN=torch==2.13.0
+# the environment's torch release (the Makefile's TORCH in .venv): pinned while building
+TORCH_RELEASE="$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null)" \
+    || { echo "statestore setup: building tensornvme FAILED: $PY has no torch" >&2; exit 1; }
+TORCH_PIN="torch==$TORCH_RELEASE"
 
 say() { echo "statestore setup: $*" >&2; }
 fail() { say "building tensornvme $VERSION FAILED: $*"; exit 1; }
@@ -72,10 +75,11 @@ LIBRARY_PATH="$libdir${LIBRARY_PATH:+:$LIBRARY_PATH}" \
 pip install -q --no-deps "$work"/wheel/tensornvme-*.whl >>"$log" 2>&1 \
     || { tail -n 20 "$log" >&2; fail "installing the built wheel failed (see above)"; }
 
-"$PY" - <<'EOF' || fail "tensornvme was installed but does not work (see above)"
+TORCH_RELEASE="$TORCH_RELEASE" "$PY" - <<'EOF' || fail "tensornvme was installed but does not work (see above)"
+import os
 import torch
 from tensornvme._C import get_backends, probe_backend
-assert torch.__version__.startswith("2.13.0"), f"torch changed to {torch.__version__}"
+assert torch.__version__.split("+")[0] == os.environ["TORCH_RELEASE"], f"torch changed to {torch.__version__}"
 backends = get_backends()
 assert backends, "tensornvme was built with neither io_uring nor libaio"
 working = sorted(b for b in backends if probe_backend(b))

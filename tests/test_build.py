@@ -4,6 +4,7 @@ releases and the rebuild command, nothing loaded), the version is written once."
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from importlib.machinery import EXTENSION_SUFFIXES
@@ -14,6 +15,8 @@ import torch
 
 from statestore._build_check import build_info, check_extensions, extension_files
 from statestore.errors import ExtensionMismatchError, StateStoreError
+
+from helpers import paths
 
 ROOT = Path(__file__).resolve().parent.parent
 RELEASE = torch.__version__.split("+")[0]
@@ -44,8 +47,9 @@ def test_import_under_another_torch_is_one_clear_error():
     # a fake version bump: installing a second torch costs gigabytes
     code = ("import torch; torch.__version__ = '2.99.1+cpu'\n"
             "import statestore\n")
+    # the statestore under test: the checkout's (make test) or an installed one (make test-torch)
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                       timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                       timeout=120, env={**os.environ, "PYTHONPATH": paths.SOURCE})
     assert r.returncode != 0
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("statestore.errors.ExtensionMismatchError: "), r.stderr[-2000:]
@@ -112,3 +116,21 @@ def test_one_version_string():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert "version" not in project and "version" in project["dynamic"]
     assert statestore.__version__ == __version__
+
+
+def test_one_torch_pin_policy():
+    """The Makefile names the torch releases (TORCH: make test's and the build pin;
+    TORCH_NEWEST: make test-torch's); pyproject's build pin follows TORCH, and the scripts
+    read it rather than repeat it, so a new release is a one-line change there."""
+    tomllib = pytest.importorskip("tomllib")
+    make = (ROOT / "Makefile").read_text()
+    pins = dict(re.findall(r"^(TORCH|TORCH_NEWEST)\s*:=\s*(\S+)\s*$", make, re.M))
+    assert set(pins) == {"TORCH", "TORCH_NEWEST"}, pins
+    build = tomllib.loads((ROOT / "pyproject.toml").read_text())["build-system"]["requires"]
+    assert f"torch=={pins['TORCH']}" in build
+    for script in ("gpu_test.sh", "install_tensornvme.sh", "test_torch.sh"):
+        text = (ROOT / "scripts" / script).read_text()
+        assert not re.search(r"torch==\d", text), f"scripts/{script} repeats a torch pin"
+    readme = (ROOT / "README.md").read_text()
+    for v in pins.values():
+        assert v in readme, f"README.md does not name torch {v}"
