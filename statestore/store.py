@@ -1,9 +1,8 @@
-"""``StateStore``: the base every store is an instance of, and everything written once on
-top of the backend primitives: the catalogue, ``get``/``put``, the pipeline and ``stream``,
-prefetch, ``sync``, metadata, checkpoints, stats and lifetime. Backends subclass
-``ResidentStore`` or ``StreamingStore`` (``statestore/backends/base.py``; the primitives and
-their call order: docs/architecture.md, "Stores" and "Adding a backend"). Stores are not
-thread-safe: one thread drives a store (its own background I/O aside).
+"""``StateStore``: the base of every store, and what is written once over the backend
+primitives: catalogue, ``get``/``put``, pipeline and ``stream``, prefetch, ``sync``, metadata,
+checkpoints, stats, lifetime. Backends subclass ``ResidentStore`` or ``StreamingStore``
+(``backends/base.py``; the primitives and their call order: docs/architecture.md, "Stores" and
+"Adding a backend"). Not thread-safe: one thread drives a store (its own background I/O aside).
 """
 from __future__ import annotations
 
@@ -28,8 +27,7 @@ from .pipeline import StatePipeline
 
 __all__ = ["StateStore", "DEFAULT_BUDGET_BYTES", "CHUNK_BYTES", "LinkableFile"]
 
-#: Default RAM budget of streaming (disk) stores: buffers for read-ahead, compute and
-#: write-behind, and for checkpoint streaming, never exceed it.
+#: Default RAM budget of streaming stores' buffers (read-ahead, compute, write-behind, saves).
 DEFAULT_BUDGET_BYTES = 256 * 1024 * 1024
 
 
@@ -129,9 +127,7 @@ class StateStore(ABC):
     def __len__(self) -> int:
         return len(self._specs)
 
-    def __bool__(self) -> bool:
-        """Always True: ``if store:`` means "a store was given", whatever it holds (without
-        this, ``__len__`` would make an empty store falsy); ``len(store)`` counts states."""
+    def __bool__(self) -> bool:     # ``if store:`` is "a store was given"; len() counts states
         return True
 
     def spec(self, key) -> StateSpec:
