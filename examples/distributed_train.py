@@ -1,5 +1,7 @@
 """Sharded CPUAdam/HybridAdam under torchrun, with states on a per-rank NVMe store and one
-checkpoint for all ranks that resumes at any world size.
+checkpoint for all ranks that resumes at any world size. ``torchrun`` below is the one of the
+environment statestore is installed in (``.venv/bin/torchrun`` after ``make setup``, or that
+environment's ``python -m torch.distributed.run``).
 
     torchrun --nproc_per_node 2 examples/distributed_train.py --dir /tmp/run --steps 20
     torchrun --nproc_per_node 3 examples/distributed_train.py --dir /tmp/run --steps 40 --resume

@@ -1,5 +1,7 @@
 """FSDP2 (``fully_shard``) with HybridAdam: each rank's optimizer states on its own store (NVMe
-by default), one checkpoint of all ranks that resumes at any world size.
+by default), one checkpoint of all ranks that resumes at any world size. ``torchrun`` below
+is the one of the environment statestore is installed in (``.venv/bin/torchrun`` after ``make
+setup``, or that environment's ``python -m torch.distributed.run``).
 
     torchrun --nproc_per_node 2 examples/fsdp2_train.py --dir /tmp/fsdp2 --steps 20
     torchrun --nproc_per_node 3 examples/fsdp2_train.py --dir /tmp/fsdp2 --steps 40 --resume
