@@ -47,14 +47,18 @@ def test_import_under_another_torch_is_one_clear_error():
     # a fake version bump: installing a second torch costs gigabytes
     code = ("import torch; torch.__version__ = '2.99.1+cpu'\n"
             "import statestore\n")
-    # the statestore under test: the checkout's (make test) or an installed one (make test-torch)
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                       timeout=120, env={**os.environ, "PYTHONPATH": paths.SOURCE})
+    # the statestore under test: the checkout's (make test) or an installed one (make test-torch;
+    # cwd elsewhere than the checkout, whose sources `python -c` would import first)
+    r = subprocess.run([sys.executable, "-c", code], cwd=paths.SOURCE, capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "PYTHONPATH": paths.SOURCE})
     assert r.returncode != 0
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("statestore.errors.ExtensionMismatchError: "), r.stderr[-2000:]
     assert f"built against torch {RELEASE}, but torch 2.99.1+cpu is installed" in last
-    assert "setup.py build_ext --inplace" in last and f"pip install torch=={RELEASE}" in last
+    # the rebuild command of a checkout, or of an installed package
+    assert ("setup.py build_ext --inplace" in last
+            or "pip install --no-build-isolation --force-reinstall" in last), last
+    assert f"pip install torch=={RELEASE}" in last
     # the fix comes before the list of files
     assert last.index("Rebuild") < last.index("_C_")
     # refused before anything was loaded: no extension in the process
