@@ -59,6 +59,11 @@ def build_info(path: str) -> Optional[Dict[str, str]]:
     return dict(kv.split("=", 1) for kv in text.split(";") if "=" in kv)
 
 
+def _cuda_major(version) -> str:
+    """"13.2" -> "13"; None (a torch without CUDA) stays None."""
+    return None if version is None else str(version).split(".")[0]
+
+
 def _cuda_name(cudart: str) -> str:
     """CUDART_VERSION ("12080") as torch.version.cuda writes it ("12.8")."""
     try:
@@ -113,7 +118,9 @@ def check_extensions(package_dir: str = _PACKAGE) -> None:
         if info["torch"] != running:
             bad.append(f"{rel} was built against {what}")
             built.add(info["torch"])
-        elif cuda != "none" and _cuda_name(cuda) != running_cuda:
+        elif cuda != "none" and _cuda_major(_cuda_name(cuda)) != _cuda_major(running_cuda):
+            # CUDA's minor-version compatibility: kernels built with toolkit 13.0 run on
+            # torch's 13.2 runtime; another major version does not
             bad.append(f"{rel} was built against {what}, and this torch has "
                        + (f"CUDA {running_cuda}" if running_cuda else "no CUDA"))
             built.add(None)

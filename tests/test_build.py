@@ -81,6 +81,8 @@ def test_records_are_compared_by_release_and_cuda(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.version, "cuda", None)
     with pytest.raises(ExtensionMismatchError, match=r"with CUDA 12\.8, and this torch has no CUDA"):
         check_extensions(str(tmp_path))
+    monkeypatch.setattr(torch.version, "cuda", "12.9")     # the same major version: it loads
+    check_extensions(str(tmp_path))                         # (CUDA's minor compatibility)
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     with pytest.raises(ExtensionMismatchError, match=r"this torch has CUDA 13\.0"):
         check_extensions(str(tmp_path))
