@@ -3,7 +3,9 @@
 A :class:`Region` is a box of a tensor of ``global_shape``: elements ``[offsets, offsets +
 shape)`` in every dimension, kept row-major (C order) on its own, as a DTensor's local shard is.
 FSDP2 (``fully_shard``) shards a parameter along one dimension of a 1-D mesh, so the local
-tensor of rank ``r`` is :func:`chunk_region` of the parameter, and its optimizer states are
+tensor of rank ``r`` is :func:`chunk_region` of the parameter; on a 2-D mesh (HSDP, FSDP x
+tensor parallel) it is a box cut along one or two dimensions, held by one rank or, along
+``Replicate()`` mesh dimensions, by several (replicas). A parameter's optimizer states are
 the same region of states of the parameter's global shape. Stores record the regions their
 states hold (:meth:`statestore.StateStore.record_regions`); checkpoints record each tensor's
 region in their manifest (``docs/checkpoint-format.md``); a load copies any region out of

@@ -140,14 +140,19 @@ def _save_collective_locked(store, path: str, comm, error, fs, root, shard_bytes
                               f"{early[0][0]}: {early[0][1]}; nothing was written")
     save_id = first_round[0][0]
     # A state held by several ranks (replicated, not sharded) is written once, by the lowest;
-    # a state held as a region by every rank holding it (empty regions write nothing).
+    # a state held as a region by the lowest rank holding that region (replicas of a shard,
+    # HSDP's, write it once; empty regions write nothing).
     first: Dict[str, int] = {}
+    holder: Dict[tuple, int] = {}
     for r, (_, ks, _, regs) in enumerate(first_round):
         for k in ks:
             if k.rpartition("/")[0] not in regs:
                 first.setdefault(k, r)
-    keys = [k for k in store.keys() if (regions[k.param].numel > 0 if k.param in regions
-                                        else first[str(k)] == comm.rank)]
+        for name, reg in regs.items():
+            holder.setdefault((name, reg), r)
+    keys = [k for k in store.keys()
+            if (regions[k.param].numel > 0 and holder[(k.param, regions[k.param])] == comm.rank
+                if k.param in regions else first[str(k)] == comm.rank)]
     written: List[str] = []
     bar = save_progress(store, keys, root, progress)
     rows: List[ManifestRow] = []

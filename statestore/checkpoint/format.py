@@ -12,6 +12,8 @@ version 1, as before.
 """
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -224,11 +226,46 @@ def columns(rows: Sequence[ManifestRow]) -> Dict[str, list]:
     return out
 
 
+def _grid_problem(rows: Sequence[ManifestRow]) -> Optional[str]:
+    """What keeps ``rows`` (regions of one tensor cut along several dimensions) from tiling
+    it, or None. The boundaries of the regions along each dimension make a grid; every
+    non-empty region must cover whole cells, and every cell must be covered once. A 2-D
+    mesh's shards (``Shard`` x ``Shard``, FSDP x TP's strided shards) are such grids, of
+    about as many cells as regions; a manifest whose grid would have more than 64 cells per
+    region is refused rather than checked."""
+    first = rows[0]
+    glob = first.global_shape
+    live = [r for r in rows if r.spec.numel]
+    cuts = [sorted({0, g} | {r.offsets[d] for r in live} | {r.offsets[d] + r.shape[d]
+                                                          for r in live})
+            for d, g in enumerate(glob)]
+    if any(c[-1] > g for c, g in zip(cuts, glob)):
+        return "a region ends past the tensor"
+    cells = math.prod(len(c) - 1 for c in cuts)
+    if cells > 64 * max(1, len(rows)):
+        return f"its {len(rows)} regions do not form a grid of boxes"
+    index = [{b: i for i, b in enumerate(c)} for c in cuts]
+    seen = bytearray(cells)
+    steps = [math.prod(len(c) - 1 for c in cuts[d + 1:]) for d in range(len(cuts))]
+    for r in live:
+        spans = [range(index[d][o], index[d][o + n])
+                 for d, (o, n) in enumerate(zip(r.offsets, r.shape))]
+        for cell in itertools.product(*spans):
+            i = sum(c * s for c, s in zip(cell, steps))
+            if seen[i]:
+                return f"region {r.region.describe()} overlaps another"
+            seen[i] = 1
+    if not all(seen) and math.prod(glob):
+        return f"its regions leave a gap in {list(glob)}"
+    return None
+
+
 def tiling_problems(rows: Sequence[ManifestRow]) -> Iterator[str]:
     """What is wrong with the regions of ``rows`` (a manifest's rows): the rows of one key
-    must be one whole tensor, or regions of one global shape and dtype, each cut along the
-    same single dimension, that together cover the tensor exactly (no gap, no overlap).
-    Yields one message per key at fault (``"tensor 'k': ..."``)."""
+    must be one whole tensor, or regions of one global shape and dtype that together cover
+    the tensor exactly (no gap, no overlap): each cut along the same single dimension (a 1-D
+    mesh's shards), or boxes of a grid (a 2-D mesh's: :func:`_grid_problem`). Yields one
+    message per key at fault (``"tensor 'k': ..."``)."""
     by_key: Dict[str, List[ManifestRow]] = {}
     for r in rows:
         by_key.setdefault(r.key, []).append(r)
@@ -241,7 +278,9 @@ def tiling_problems(rows: Sequence[ManifestRow]) -> Iterator[str]:
             continue
         dims = {r.region.split_dim() for r in rs} - {None}
         if -1 in dims or len(dims) > 1:
-            yield f"tensor {key!r}: its regions are not cut along one dimension"
+            problem = _grid_problem(rs)
+            if problem is not None:
+                yield f"tensor {key!r}: {problem}"
             continue
         full = [r for r in rs if r.region.is_whole]
         if full or not dims:

@@ -46,12 +46,14 @@ def blockwise_states(metadata: dict) -> Dict[str, str]:
 
 
 def _saved_dim(rows: Sequence[ManifestRow]) -> Optional[int]:
-    """The dimension the rows of one parameter's (first elementwise) state were cut along."""
+    """The dimension the rows of one parameter's (first elementwise) state were cut along;
+    the lowest one where they were cut along several (a 2-D mesh's: FSDP's dimension, which
+    a load at another mesh most likely cuts too)."""
+    dims = set()
     for r in rows:
-        d = r.region.split_dim()
-        if d is not None and d >= 0 and len(r.global_shape) == len(r.shape):
-            return d
-    return None
+        if r.spec.numel and len(r.global_shape) == len(r.shape):
+            dims.update(d for d, (g, s) in enumerate(zip(r.global_shape, r.shape)) if s != g)
+    return min(dims) if dims else None
 
 
 def plan_regions(m: Manifest, rank: int, world: int,

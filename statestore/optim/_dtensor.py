@@ -12,12 +12,19 @@ group its checkpoints are collective over; :func:`as_param_layout` wraps a local
 DTensor of the parameter's mesh and placements, and :func:`local_state` takes the local part
 of a state given in torch's format (a DTensor of any placements, or a whole tensor).
 
-Supported: a 1-D mesh with ``Shard(d)`` (any ``d``, uneven and empty shards included) or
-``Replicate()``. Refused, naming the parameter and its placements: meshes of more than one
-dimension (HSDP, FSDP with tensor parallelism), ``Partial`` and strided shards.
+Supported: meshes of any number of dimensions whose placements are ``Shard(d)`` (any ``d``,
+uneven and empty shards included), ``Replicate()``, or FSDP2's ``_StridedShard`` where the
+local shard is a box of the parameter (FSDP over tensor parallelism sharding one dimension
+twice): 1-D FSDP2, HSDP (``Replicate()`` x ``Shard(d)``) and FSDP x TP (``Shard`` x ``Shard``).
+Ranks whose coordinates differ only along ``Replicate()`` dimensions hold the same region (a
+replica): they step it identically from identical gradients, and a checkpoint writes it once.
+Refused, naming the parameter and its placements: ``Partial``, and strided shards whose
+local tensor is not one box of the parameter.
 """
 from __future__ import annotations
 
+import functools
+import itertools
 import sys
 from typing import Dict, List, Optional, Sequence
 
@@ -58,14 +65,22 @@ def local_shape(p: Tensor) -> tuple:
     return tuple(local(p).shape)
 
 
-def sharded_over_ranks(p: Tensor) -> bool:
-    """Whether ``p`` is a DTensor cut over several ranks (``Shard(d)`` on a mesh of more than
-    one): each rank then updates a part of it. The same answer on every rank (an empty or
-    whole local shard included), so that a refusal based on it happens on all of them."""
-    if not is_dtensor(p) or p.device_mesh.size() <= 1:
-        return False
+def _is_shard(pl) -> bool:
+    """``Shard(d)`` or ``_StridedShard(d, ...)`` (not a subclass of ``Shard`` in every torch
+    release)."""
     from torch.distributed.tensor import Shard
-    return any(isinstance(pl, Shard) for pl in p.placements)
+    return isinstance(pl, Shard) or type(pl).__name__ == "_StridedShard"
+
+
+def sharded_over_ranks(p: Tensor) -> bool:
+    """Whether ``p`` is a DTensor cut over several ranks (a shard placement on a mesh
+    dimension of more than one rank): each rank then updates a part of it. The same answer
+    on every rank (an empty or whole local shard included), so that a refusal based on it
+    happens on all of them."""
+    if not is_dtensor(p):
+        return False
+    mesh = p.device_mesh
+    return any(_is_shard(pl) and mesh.size(i) > 1 for i, pl in enumerate(p.placements))
 
 
 def local_grad(p: Tensor, g: Tensor) -> Tensor:
@@ -82,33 +97,92 @@ def local_grad(p: Tensor, g: Tensor) -> Tensor:
 
 def region_of(p: Tensor) -> Optional[Region]:
     """The region of ``p``'s global tensor its local shard holds (None: the whole tensor,
-    or not a DTensor). ``Shard(d)`` on a 1-D mesh: :func:`statestore._regions.chunk_region`
-    at the rank's coordinate (checked against the local tensor's shape)."""
+    or not a DTensor): the box torch's ``compute_local_shape_and_global_offset`` gives at
+    this rank's mesh coordinate (on a 1-D mesh, ``Shard(d)`` is
+    :func:`statestore._regions.chunk_region`), checked against the local tensor's shape."""
     if not is_dtensor(p):
         return None
-    from torch.distributed.tensor import Shard
-    pl = p.placements[0]
-    if type(pl) is not Shard:
+    if not any(_is_shard(pl) for pl in p.placements):
         return None
-    mesh = p.device_mesh
-    r = chunk_region(p.shape, pl.dim, mesh.get_local_rank(), mesh.size())
-    if tuple(local(p).shape) != r.shape:
-        raise StateStoreError(f"DTensor parameter of shape {tuple(p.shape)} placed {pl}: its "
-                              f"local shard has shape {tuple(local(p).shape)}, not the "
-                              f"{r.shape} torch.chunk gives this rank")
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    shape, offsets = compute_local_shape_and_global_offset(p.shape, p.device_mesh,
+                                                           p.placements)
+    r = Region.of(p.shape, offsets, shape)
+    if tuple(local(p).shape) != r.shape or r.problem() is not None:
+        raise StateStoreError(f"DTensor parameter of shape {tuple(p.shape)} placed "
+                              f"{tuple(p.placements)}: its local shard has shape "
+                              f"{tuple(local(p).shape)}, not the {r.shape} at offsets "
+                              f"{r.offsets} torch computes for this rank")
     return None if r.is_whole else r
+
+
+@functools.lru_cache(maxsize=256)
+def _boxes_tile(global_shape: tuple, mesh_shape: tuple, placements: tuple) -> bool:
+    """Whether, at every mesh coordinate, the local shard of a DTensor of ``global_shape``
+    placed ``placements`` is the box torch reports (first offset and local shape per
+    dimension). Per tensor dimension, the index sets of the coordinates partition the
+    dimension; their boxes ``[first, first + size)`` then partition it too exactly when
+    every set is contiguous (sorted by first index, each box must start where the previous
+    ended), so it suffices to check that the distinct non-empty boxes tile the dimension.
+    Only the mesh dimensions that shard some tensor dimension are walked."""
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+    cut = [i for i, pl in enumerate(placements) if _is_shard(pl)]
+    spans = [set() for _ in global_shape]
+    for coords in itertools.product(*(range(mesh_shape[i]) for i in cut)):
+        coord = [0] * len(mesh_shape)
+        for i, c in zip(cut, coords):
+            coord[i] = c
+        shape, offs = _compute_local_shape_and_global_offset(global_shape, mesh_shape, coord,
+                                                              placements)
+        for d, (o, n) in enumerate(zip(offs, shape)):
+            if n:
+                spans[d].add((int(o), int(n)))
+    for d, n in enumerate(global_shape):
+        at = 0
+        for o, k in sorted(spans[d]):
+            if o != at:
+                return False
+            at = o + k
+        if n and at != n:
+            return False
+    return True
 
 
 def _placement_problem(p: Tensor) -> Optional[str]:
     from torch.distributed.tensor import Replicate, Shard
     mesh = p.device_mesh
-    if mesh.ndim != 1:
-        return (f"a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)} with placements "
-                f"{tuple(p.placements)}")
-    pl = p.placements[0]
-    if type(pl) in (Shard, Replicate):
-        return None
-    return f"a 1-D mesh with placement {pl!r}"
+    where = (f"a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)} with placements "
+             f"{tuple(p.placements)}")
+    for pl in p.placements:
+        if type(pl) not in (Shard, Replicate) and not _is_shard(pl):
+            return (f"a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)} with placement "
+                    f"{pl!r} (placements {tuple(p.placements)})")
+    if any(type(pl).__name__ == "_StridedShard" for pl in p.placements):
+        try:
+            ok = _boxes_tile(tuple(p.shape), tuple(mesh.shape), tuple(p.placements))
+        except Exception:           # a torch whose helpers differ: not a box we can prove
+            ok = False
+        if not ok:
+            return f"{where}, whose local shards are not boxes of the parameter"
+    return None
+
+
+def _mesh_group(mesh):
+    """The process group over every rank of ``mesh``: its own group on a 1-D mesh, the
+    default group when the mesh holds every rank, else the group of the mesh flattened
+    (torch's ``DeviceMesh._flatten``, created once per mesh)."""
+    if mesh.ndim == 1:
+        return mesh.get_group()
+    import torch.distributed as dist
+    if mesh.size() == dist.get_world_size():
+        return dist.group.WORLD
+    try:
+        return mesh._flatten().get_group()
+    except Exception as e:
+        raise StateStoreValueError(
+            f"a {mesh.ndim}-D mesh of {mesh.size()} of the {dist.get_world_size()} ranks: "
+            f"its ranks' process group could not be made ({e}); build the mesh over every "
+            f"rank") from e
 
 
 _UNSET = object()
@@ -131,9 +205,9 @@ class DTensorParams:
             more than one rank, else None.
 
     Raises:
-        StateStoreValueError: a DTensor parameter on a mesh of more than one dimension, or
-            with a placement other than ``Shard(d)``/``Replicate()``; DTensor parameters on
-            meshes of different process groups; DTensor parameters with a
+        StateStoreValueError: a DTensor parameter with a placement other than
+            ``Shard(d)``/``Replicate()`` (or a strided shard that is not a box); DTensor
+            parameters on meshes of different process groups; DTensor parameters with a
             ``process_group``; parameters added on another mesh than ``group``.
     """
 
@@ -154,11 +228,12 @@ class DTensorParams:
             if problem is not None:
                 raise StateStoreValueError(
                     f"parameter {keys[p]!r} is a DTensor on {problem}: statestore optimizers "
-                    f"take DTensor parameters sharded (Shard(d)) or replicated (Replicate()) "
-                    f"over a 1-D mesh, as FSDP2's fully_shard makes them; meshes of several "
-                    f"dimensions (HSDP, FSDP with tensor parallelism) and Partial or strided "
-                    f"placements are not supported")
-            groups.append(p.device_mesh.get_group())
+                    f"take DTensor parameters sharded (Shard(d), or FSDP x TP's strided shards "
+                    f"of one box) or replicated (Replicate()) over each mesh dimension, as "
+                    f"fully_shard (1-D, HSDP) and parallelize_module make them; Partial "
+                    f"placements, and strided shards whose local tensor is not one box of the "
+                    f"parameter, are not supported")
+            groups.append(_mesh_group(p.device_mesh))
         if any(g is not groups[0] for g in groups):
             raise StateStoreValueError(
                 "the optimizer's DTensor parameters are on meshes of different process groups; "

@@ -1,0 +1,73 @@
+"""FSDP2 on 2-D meshes (``docs/distributed.md``, "FSDP2", "2-D meshes"): HSDP and FSDP x
+tensor parallel at 4 gloo ranks, their checkpoints resumed on a 1-D mesh of 2 and in one
+process (``helpers.mesh2d_worker``; every join bounded)."""
+from __future__ import annotations
+
+import torch
+
+import statestore as ss
+from statestore.checkpoint import read_manifest, verify_checkpoint
+
+from helpers import mesh2d_worker as M
+from helpers.ranks import run_ranks
+
+
+def _same(got: dict, want: dict, exact: bool = True, what: str = "") -> None:
+    assert set(got) == set(want), set(got) ^ set(want)
+    for k in want:
+        if exact:
+            assert torch.equal(got[k], want[k]), f"{what} {k}"
+        else:       # another mesh reduces the gradients in another order: float32 rounding
+            torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{what} {k}: {m}")
+
+
+def _one_process(kind: str, path: str) -> dict:
+    """The states a single process (no FSDP2) resumes from checkpoint ``path``, by
+    ``name/state``."""
+    model = M.make(kind)
+    store = ss.DeviceStore("cpu")
+    store.load_checkpoint(path, progress=False)
+    opt = M.hybrid(model, store)
+    names = [n for n, _ in model.named_parameters()]
+    return {f"{names[i]}/{k}": v.float() if k != "step" else v
+            for i, st in opt.state_dict()["state"].items() for k, v in st.items()}
+
+
+def test_hsdp_and_fsdp_tp_match_torch_and_reshard(tmp_path):
+    """At 4 ranks on a 2x2 mesh, HSDP (Replicate x Shard, uneven and empty shards) and
+    FSDP x TP (ColwiseParallel/RowwiseParallel + fully_shard: strided and 2-D boxes, a bias
+    replicated over TP): HybridAdam (NVMeStore per rank) agrees with torch's AdamW to
+    float32 rounding at every step, StoreOptimizer(AdamW) bit for bit; replicas of a shard
+    hold equal states and the checkpoint holds each region once; DCP's full state dict
+    equals torch's AdamW's to float32 rounding. Each 2x2 checkpoint loads bit for bit on a
+    1-D mesh of 2 (store before or after the optimizer) and in one process, and the 1-D run
+    trained on agrees with the 2x2 run; its checkpoint loads in one process bit for bit; the
+    2x2 DCP checkpoint loads at 1-D 2. Partial placements and strided shards that are not
+    boxes are refused."""
+    out = str(tmp_path)
+    run_ranks(M.mesh2x2, 4, out)
+    run_ranks(M.mesh1d, 2, out)
+    for kind in ("hsdp", "tp"):
+        ckpt = f"{out}/{kind}-ckpt"
+        assert verify_checkpoint(ckpt) == []
+        m = read_manifest(ckpt)
+        w = M.make(kind)
+        first = next(n for n, _ in w.named_parameters())
+        rows = [r for r in m.rows if r.key == f"{first}/exp_avg"]
+        # each region once (HSDP's replicas wrote it once), tiling the parameter
+        assert len(rows) == len({(r.offsets, r.shape) for r in rows}) > 1, rows
+        assert sum(r.spec.numel for r in rows) == dict(w.named_parameters())[first].numel()
+        k_states = torch.load(f"{out}/{kind}-states_k.pt")
+        _same(torch.load(f"{out}/{kind}-torch_states_k.pt"), k_states, exact=False,
+              what=f"{kind} DCP view against torch's AdamW")
+        _same(_one_process(kind, ckpt), k_states, what=f"{kind} 2x2 -> 1 process")
+        _same(torch.load(f"{out}/{kind}-1d-states_k.pt"), k_states, what=f"{kind} 2x2 -> 1-D 2")
+        _same(torch.load(f"{out}/{kind}-1d-dcp_states_k.pt"), k_states,
+              what=f"{kind} 2x2 DCP -> 1-D 2")
+        final, final1d = torch.load(f"{out}/{kind}-final.pt"), torch.load(f"{out}/{kind}-1d-final.pt")
+        _same(final["states"], final["torch"], exact=False, what=f"{kind} final against torch")
+        _same(final1d["params"], final["params"], exact=False, what=f"{kind} 1-D 2 params")
+        _same(final1d["states"], final["states"], exact=False, what=f"{kind} 1-D 2 states")
+        _same(_one_process(kind, f"{out}/{kind}-ckpt1d"), final1d["states"],
+              what=f"{kind} 1-D 2 -> 1 process")

@@ -1,0 +1,190 @@
+"""Workers of the 2-D mesh tests (``tests/distributed/test_fsdp2_2d.py``): HSDP (``Replicate``
+x ``Shard``) and FSDP x tensor parallel (``parallelize_module`` + ``fully_shard``) on a 2x2
+mesh of 4 gloo ranks, then the checkpoints resumed on a 1-D mesh of 2. Each rank is started by
+:func:`helpers.ranks.run_ranks`; rank 0 writes what the test checks into the output
+directory."""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+import statestore as ss
+
+from helpers import fsdp2_worker as W
+from helpers.fsdp2_worker import _worker, full_params, full_states, write
+
+K, N = 2, 4         # save at step K, train to step N
+ADAMW = dict(lr=1e-2, weight_decay=0.05, amsgrad=True)
+
+
+class TPNet(torch.nn.Module):
+    """Column- then row-parallel linear layers (even tensor-parallel cuts, as DTensor's
+    matmuls need; FSDP's cut of ``l1.weight``'s 3 rows is uneven)."""
+
+    def __init__(self):
+        super().__init__()
+        self.l0 = torch.nn.Linear(5, 8)
+        self.l1 = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.l1(torch.tanh(self.l0(x)))
+
+
+def make(kind: str, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return W.Net().float() if kind == "hsdp" else TPNet()
+
+
+def shard_2d(kind: str, model: torch.nn.Module, mesh) -> torch.nn.Module:
+    """HSDP over ``mesh`` (replicate x shard), or TP over its "tp" dimension and FSDP over
+    its "dp" one."""
+    from torch.distributed.fsdp import fully_shard
+    if kind == "hsdp":
+        fully_shard(model, mesh=mesh)
+        return model
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+    parallelize_module(model, mesh["tp"], {"l0": ColwiseParallel(), "l1": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    return model
+
+
+def hybrid(model, store, **kw):
+    from statestore.optim import HybridAdam
+    return HybridAdam(model.named_parameters(), **ADAMW, state_store=store, **kw)
+
+
+def store_adamw(model, store):
+    from statestore.optim import StoreOptimizer
+    return StoreOptimizer(torch.optim.AdamW, model.named_parameters(), **ADAMW,
+                          state_store=store)
+
+
+def torch_adamw(model):
+    return torch.optim.AdamW(model.named_parameters(), **ADAMW, foreach=False)
+
+
+def locals_of(model) -> dict:
+    return {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
+
+
+def _close(a: dict, b: dict, what: str) -> None:
+    for n in b:
+        torch.testing.assert_close(a[n], b[n], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"{what} {n}: {m}")
+
+
+def refusals(mesh) -> None:
+    """A Partial placement, and a strided shard that is not one box of the parameter, are
+    refused naming the parameter and its placements."""
+    import re
+    from torch.distributed.tensor import DTensor, Partial, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+    from statestore.optim import HybridAdam
+    pp = torch.nn.Parameter(DTensor.from_local(torch.zeros(2, 3), mesh, [Partial(), Shard(0)]))
+    ps = torch.nn.Parameter(DTensor.from_local(torch.zeros(2, 3), mesh,
+                                               [_StridedShard(0, split_factor=2), Shard(1)],
+                                               shape=(4, 6), stride=(6, 1)))
+    for name, p, match in (("sum.w", pp, r"'sum.w' is a DTensor on a 2-D mesh .*Partial"),
+                           ("s.w", ps, r"'s.w' .* not boxes of the parameter")):
+        try:
+            HybridAdam([(name, p)])
+        except ss.StateStoreValueError as e:
+            assert re.search(match, str(e)), str(e)
+        else:
+            raise AssertionError(f"not refused: {match}")
+
+
+def _train_beside_torch(kind: str, mesh, out: str, rank: int) -> None:
+    """``kind`` on the 2x2 mesh: HybridAdam on an NVMeStore per rank and StoreOptimizer(AdamW)
+    beside torch's AdamW, the same batches; the store saved collectively at K (and the DCP
+    checkpoint of ``get_optimizer_state_dict``); HybridAdam agrees with torch's AdamW to
+    float32 rounding at every step, StoreOptimizer bit for bit; replicas of a shard hold the
+    same states."""
+    import torch.distributed.checkpoint as dcp
+    ours = shard_2d(kind, make(kind), mesh)
+    so = shard_2d(kind, make(kind), mesh)
+    theirs = shard_2d(kind, make(kind), mesh)
+    store = ss.NVMeStore(os.path.join(out, f"{kind}-store{rank}"))
+    opt, sopt, topt = hybrid(ours, store), store_adamw(so, ss.DeviceStore("cpu")), \
+        torch_adamw(theirs)
+    for step in range(N):
+        for m, o in ((ours, opt), (so, sopt), (theirs, topt)):
+            W.forward(m, step).backward()
+            o.step()
+            o.zero_grad()
+        want = locals_of(theirs)
+        _close(locals_of(ours), want, f"{kind} HybridAdam step {step}")
+        got = locals_of(so)
+        for n in want:
+            assert torch.equal(got[n], want[n]), f"{kind} StoreOptimizer step {step} {n}"
+        if step == K - 1:
+            store.save_checkpoint(os.path.join(out, f"{kind}-ckpt"), progress=False)
+            dcp.save({"optim": W.dcp_optim(ours, opt)},
+                     checkpoint_id=os.path.join(out, f"{kind}-dcp"))
+            write(out, f"{kind}-weights_k.pt", full_params(ours))
+            write(out, f"{kind}-states_k.pt", full_states(ours, opt))
+            write(out, f"{kind}-torch_states_k.pt", full_states(theirs, topt))
+    # replicas of one shard (equal regions on several ranks) hold equal states
+    from statestore.optim._dtensor import region_of
+    mine = {(n, region_of(p)): {k: v.to_local().clone() for k, v in opt.state[p].items()
+                                if hasattr(v, "to_local")}
+            for n, p in ours.named_parameters()}
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    for other in every:
+        for key, st in other.items():
+            if key in mine:
+                for s, v in st.items():
+                    assert torch.equal(v, mine[key][s]), (key, s)
+    write(out, f"{kind}-final.pt", {"params": full_params(ours),
+                                    "states": full_states(ours, opt),
+                                    "torch": full_states(theirs, topt)})
+    store.close()
+
+
+@_worker
+def mesh2x2(rank: int, world: int, out: str) -> None:
+    """At 4 ranks: the refusals, then HSDP and FSDP x TP beside torch's AdamW
+    (:func:`_train_beside_torch`)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    refusals(init_device_mesh("cpu", (2, 2)))
+    _train_beside_torch("hsdp", init_device_mesh("cpu", (2, 2),
+                                                 mesh_dim_names=("replicate", "shard")),
+                        out, rank)
+    _train_beside_torch("tp", init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")),
+                        out, rank)
+
+
+@_worker
+def mesh1d(rank: int, world: int, out: str) -> None:
+    """At 2 ranks, a 1-D mesh (plain FSDP2): each 2x2 checkpoint resumed (the store loaded
+    before the optimizer exists for HSDP, after it for FSDP x TP), its states at K equal to
+    the 2x2 run's; trained on to N and saved again; the DCP checkpoint of the 2x2 run
+    resumed into a HybridAdam."""
+    from torch.distributed.fsdp import fully_shard
+    for kind in ("hsdp", "tp"):
+        model = make(kind)
+        model.load_state_dict(torch.load(os.path.join(out, f"{kind}-weights_k.pt")))
+        fully_shard(model)
+        store = ss.NVMeStore(os.path.join(out, f"{kind}-1d-{rank}"))
+        path = os.path.join(out, f"{kind}-ckpt")
+        if kind == "hsdp":
+            store.load_checkpoint(path, progress=False)
+            opt = hybrid(model, store)
+        else:
+            opt = hybrid(model, store)
+            store.load_checkpoint(path, progress=False)
+        write(out, f"{kind}-1d-states_k.pt", full_states(model, opt))
+        W.train(model, opt, K, N)
+        store.save_checkpoint(os.path.join(out, f"{kind}-ckpt1d"), progress=False)
+        write(out, f"{kind}-1d-final.pt", {"params": full_params(model),
+                                          "states": full_states(model, opt)})
+        store.close()
+        model = make(kind)
+        fully_shard(model)
+        opt = hybrid(model, ss.DeviceStore("cpu"))
+        W.dcp_load_optim(model, opt, os.path.join(out, f"{kind}-dcp"))
+        write(out, f"{kind}-1d-dcp_states_k.pt", full_states(model, opt))
