@@ -1,6 +1,7 @@
 """What an update-in-backward step learns from outside the stepper: whether a backward it saw
-failed (:class:`BackwardWatch`), and the messages of a loop that misuses the mode (gradients
-changed or accumulated between backward and ``step()``)."""
+failed (:class:`BackwardWatch`), whether a gradient changed after its hook saw it
+(:class:`GradMark`), and the messages of a loop that misuses the mode (gradients changed or
+accumulated between backward and ``step()``)."""
 from __future__ import annotations
 
 import threading
@@ -12,7 +13,7 @@ import torch
 from .._signals import deferred_signals
 from ._metadata import short_names
 
-__all__ = ["BackwardWatch", "misuse_reason", "refused_message", "mixed_message"]
+__all__ = ["BackwardWatch", "GradMark", "misuse_reason", "refused_message", "mixed_message"]
 
 _RULE = ("with update_in_backward=True each gradient is applied as soon as backward produces "
          "it, so gradients must reach step() unchanged: no clipping or unscaling between "
@@ -45,6 +46,52 @@ def mixed_message(reason: str, early: Sequence[str]) -> str:
             f"parameter made this step once, not all from the same gradients. {_RULE}: remove "
             f"that from the training loop, or set optimizer.update_in_backward = False; the "
             f"next step() works either way")
+
+
+def _fingerprint(t: torch.Tensor):
+    """A digest of ``t``'s values: xxh3-64 of its bytes on the CPU; elsewhere the sum, in
+    int64, of its elements' bit patterns (a 0-d tensor on its device, so that no hook waits
+    for the device; compared in ``step()``)."""
+    t = t.detach()
+    if t.device.type == "cpu":
+        import xxhash
+        raw = t.contiguous().reshape(-1).view(torch.uint8).numpy()
+        return xxhash.xxh3_64_intdigest(memoryview(raw))
+    bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return t.reshape(-1).view(bits).sum(dtype=torch.int64)
+
+
+class GradMark:
+    """A gradient as a hook saw it: the tensor, its version and a digest of its values.
+
+    The version counter misses some in-place changes: ``torch._foreach_*_`` ops on DTensor
+    gradients (what ``clip_grad_norm_``'s default foreach path does under FSDP2) bump neither
+    the DTensor's counter nor its local tensor's, and ``grad.data.mul_()`` bumps another
+    counter than ``grad``'s. The digest sees them: :meth:`changed` compares the values too,
+    so whether a change is noticed does not depend on how it was made (a change that
+    keeps every bit, or on a GPU one that keeps the sum of the bit patterns, is not one).
+    Costs one read of the gradient in the hook and one in ``step()``.
+    """
+
+    __slots__ = ("grad", "version", "digest")
+
+    def __init__(self, grad: torch.Tensor):
+        from ._dtensor import local
+        self.grad, self.version = grad, grad._version
+        with torch.no_grad():
+            self.digest = _fingerprint(local(grad))
+
+    def changed(self, grad: Optional[torch.Tensor]) -> bool:
+        """Whether ``grad`` (the parameter's gradient now) is not the gradient marked, with
+        the same values."""
+        if grad is not self.grad or grad._version != self.version:
+            return True
+        from ._dtensor import local
+        with torch.no_grad():
+            now = _fingerprint(local(grad))
+        if isinstance(now, torch.Tensor):
+            return not bool(torch.equal(now, self.digest))
+        return now != self.digest
 
 
 def _graph_task_id() -> Optional[int]:

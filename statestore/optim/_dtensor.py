@@ -35,7 +35,7 @@ from .._regions import Region, chunk_region
 from ..errors import StateStoreError, StateStoreValueError
 
 __all__ = ["is_dtensor", "local", "local_shape", "local_grad", "DTensorParams", "as_param_layout",
-           "local_state", "region_of", "sharded_over_ranks"]
+           "local_state", "region_of", "sharded_over_ranks", "any_rank"]
 
 
 def _dtensor_type():
@@ -272,6 +272,19 @@ class DTensorParams:
         flag = torch.tensor([1 if finite else 0], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
         return bool(flag.item())
+
+
+def any_rank(params: Sequence[Tensor], flags: Sequence[bool]) -> List[bool]:
+    """Each of ``flags`` or-ed over every rank of the mesh of the first DTensor parameter of
+    ``params`` sharded over several ranks (one all-reduce, on that parameter's device: every
+    rank must call it); ``flags`` as they are when there is none."""
+    p = next((q for q in params if sharded_over_ranks(q)), None)
+    if p is None or not flags:
+        return list(flags)
+    import torch.distributed as dist
+    t = torch.tensor([int(bool(f)) for f in flags], dtype=torch.int32, device=local(p).device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_mesh_group(p.device_mesh))
+    return [bool(v) for v in t.tolist()]
 
 
 def as_param_layout(p: Tensor, t: Tensor) -> Tensor:

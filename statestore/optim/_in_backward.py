@@ -9,8 +9,9 @@ states than the store's budget.
 
 The gradient must reach ``step()`` unchanged (no clipping, unscaling or accumulation over
 several backward calls). The optimizer
-records each gradient (tensor and version) when its hook fires; ``step()`` compares, and a
-second hook call for one parameter before ``step()`` marks accumulation. Backward is never
+records each gradient (tensor, version and a digest of its values:
+:class:`~statestore.optim._backward_watch.GradMark`) when its hook fires; ``step()``
+compares, and a second hook call for one parameter before ``step()`` marks accumulation. Backward is never
 interrupted: the misuse is explained at ``step()``:
 
 * when nothing was updated yet (the first step: no plan to update during backward exists yet,
@@ -50,8 +51,9 @@ from torch import Tensor
 
 from .._signals import deferred_signals
 from ..errors import StateStoreError
-from ._backward_watch import BackwardWatch, mixed_message, misuse_reason, refused_message
-from ._dtensor import local
+from ._backward_watch import (BackwardWatch, GradMark, mixed_message, misuse_reason,
+                              refused_message)
+from ._dtensor import any_rank, local
 from ._plan import checked_grad
 from ._table import ParamTable
 
@@ -110,9 +112,9 @@ class BackwardStepper:
         self.release_grads = release_grads
         self.ready: Dict[Tensor, int] = {}
         #: parameters whose hook fired twice before step() (accumulation), and each
-        #: gradient as its hook saw it (tensor, version): step() checks them
+        #: gradient as its hook saw it (tensor, version, digest): step() checks them
         self.second_grad: Dict[Tensor, None] = {}
-        self.seen: Dict[Tensor, Tuple[Tensor, int]] = {}
+        self.seen: Dict[Tensor, GradMark] = {}
         self.released: Set[Tensor] = set()
         #: bytes of gradients backward has finished but not yet applied (release_grads)
         self.held_grad_bytes = 0
@@ -180,7 +182,7 @@ class BackwardStepper:
             return
         self.ready[p] = len(self.ready)
         if p.grad is not None:
-            self.seen[p] = (p.grad, p.grad._version)
+            self.seen[p] = GradMark(p.grad)
             if self.release_grads:
                 self.held_grad_bytes += local(p.grad).numel() * p.grad.element_size()
         table = self.table
@@ -485,10 +487,18 @@ class BackwardStepper:
                 the step, and the error says which from which gradients).
         """
         table, keys = self.table, self.table.keys
-        changed = [keys[p] for p, (g, version) in self.seen.items()
-                   if p not in self.released and (p.grad is not g or g._version != version)]
+        changed = [keys[p] for p, mark in self.seen.items()
+                   if p not in self.released and mark.changed(p.grad)]
         reason = misuse_reason([keys[p] for p in self.second_grad], changed)
-        if reason and not self.early_done and not table.touched:
+        # DTensor parameters: every rank of their mesh takes the same branch (a rank whose
+        # shards are empty sees no change; another rank's hooks may have updated more)
+        elsewhere, updated = any_rank(table.params, [bool(reason),
+                                                     bool(self.early_done or table.touched)])
+        if elsewhere and not reason:
+            reason = ("the gradients changed after backward produced them on another rank of "
+                      "the parameters' mesh (clipping, unscaling or scaling gradients between "
+                      "backward and step(), or accumulation)")
+        if reason and not updated:
             self.reset()            # nothing changed: the step can be made again
             raise StateStoreError(refused_message(reason))
         whole = deferred_signals()  # entered once the last unit is done, left at the end

@@ -145,12 +145,41 @@ def _train_beside_torch(kind: str, mesh, out: str, rank: int) -> None:
     store.close()
 
 
+def clipping_refused(mesh) -> None:
+    """``update_in_backward`` under HSDP: ``clip_grad_norm_`` (foreach, torch's default: its
+    in-place ops on DTensor gradients bump no version counter) is refused at the first step
+    with nothing updated, and, once backward updates parameters, at a later step after every
+    parameter made it; on every rank (a rank whose shards are empty included)."""
+    model = shard_2d("hsdp", make("hsdp"), mesh)
+    opt = hybrid(model, ss.DeviceStore("cpu"), update_in_backward=True)
+    for step in range(3):
+        W.forward(model, step).backward()
+        if step != 1:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            want = "Nothing was updated" if step == 0 else "every parameter made this step"
+            try:
+                opt.step()
+            except ss.StateStoreError as e:
+                assert "changed after backward" in str(e) and want in str(e), str(e)
+            else:
+                raise AssertionError(f"step {step}: clipping after backward not refused")
+            if step == 0:
+                opt.update_in_backward = False
+                opt.step()
+                opt.update_in_backward = True
+        else:
+            opt.step()
+        opt.zero_grad()
+
+
 @_worker
 def mesh2x2(rank: int, world: int, out: str) -> None:
-    """At 4 ranks: the refusals, then HSDP and FSDP x TP beside torch's AdamW
+    """At 4 ranks: the refusals, clipping refused with ``update_in_backward``
+    (:func:`clipping_refused`), then HSDP and FSDP x TP beside torch's AdamW
     (:func:`_train_beside_torch`)."""
     from torch.distributed.device_mesh import init_device_mesh
     refusals(init_device_mesh("cpu", (2, 2)))
+    clipping_refused(init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
     _train_beside_torch("hsdp", init_device_mesh("cpu", (2, 2),
                                                  mesh_dim_names=("replicate", "shard")),
                         out, rank)

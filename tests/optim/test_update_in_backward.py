@@ -151,6 +151,34 @@ def test_a_gradient_changed_after_backward_raises(tmp_path):
     assert steps == {3.0}
 
 
+@pytest.mark.parametrize("how", ["data", "foreach_data"])
+def test_changes_the_version_counter_misses_are_refused(how):
+    """Changes that bump no version counter of the gradient (``grad.data.mul_()``, a foreach
+    op on ``.data``; under FSDP2, foreach ops on DTensor gradients:
+    ``tests/distributed/test_fsdp2_2d.py``) are refused as clipping is, after backward
+    updated some parameters as before it did."""
+    model = TiedNet()
+    opt = CPUAdam(model.named_parameters(), lr=1e-2, update_in_backward=True)
+    for step in range(3):
+        _backward(model, step)
+        if step == 0:
+            opt.step()                  # plans the next steps: backward updates from then on
+            opt.zero_grad()
+            continue
+        grads = [p.grad.data for p in model.parameters() if p.grad is not None]
+        if step == 2:
+            if how == "data":
+                for g in grads:
+                    g.mul_(0.5)
+            else:
+                torch._foreach_mul_(grads, 0.5)
+            with pytest.raises(ss.StateStoreError, match="changed after backward"):
+                opt.step()
+        else:
+            opt.step()
+        opt.zero_grad()
+
+
 @pytest.mark.parametrize("misuse", ["clip", "accumulate"])
 @pytest.mark.parametrize("backend", BACKEND_NAMES)
 def test_misuse_is_refused_at_the_first_step_and_recoverable(backend, misuse, tmp_path):
