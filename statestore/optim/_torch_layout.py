@@ -268,14 +268,15 @@ class TorchLayout(StateLayout):
                 f"({tuple(p.placements)})"
         fix = ("give this optimizer parameters that are not sharded (leave their module out "
                "of fully_shard, or Replicate() placements)")
-        if not self.elementwise:
-            raise StateStoreValueError(
-                f"{where}, and {self.name}'s update needs the whole tensor: each rank would "
-                f"update its shard alone, not what {self.name} computes. {fix[0].upper()}"
-                f"{fix[1:]}, or use an element-wise class on sharded ones")
         shard = tuple(local(p).shape)
         scalars = [n for n, (shape, _, _) in self.probe(p, group).specs.items()
                    if tuple(shape) != shard]
+        if not self.elementwise and scalars:
+            raise StateStoreValueError(
+                f"{where}, and {self.name}'s update needs the whole tensor, which statestore "
+                f"gathers for classes whose states are all shaped like the parameter (Muon); "
+                f"{self.name} keeps {scalars}, states not shaped like it. {fix[0].upper()}"
+                f"{fix[1:]}, or use an element-wise class on sharded ones")
         if scalars:
             raise StateStoreValueError(
                 f"{where}, and {self.name} keeps {scalars} for it, states not shaped like the "

@@ -29,6 +29,7 @@ from ..store import StateStore
 from ._dtensor import local, local_grad
 from ._torch_layout import (ELEMENTWISE, WHOLE, TorchLayout, check_class, class_name,
                             ctor_kwargs, make_step)
+from ._whole import WholeUpdates
 from .base import StateStoreOptimizer
 
 __all__ = ["StoreOptimizer"]
@@ -89,8 +90,12 @@ class StoreOptimizer(StateStoreOptimizer):
         #: unit updated them, for its later units
         self._scalars: Dict[str, Dict[str, Tensor]] = {}
         layout = TorchLayout(optimizer_cls, kwargs, elementwise)
+        #: sharded DTensor parameters a class needing the whole tensor updates gathered
+        self._whole = WholeUpdates(())
         super().__init__(params, dict(template.defaults), layout, state_store=state_store,
                          process_group=process_group)
+        if not elementwise:
+            self._whole.add(self._params)
 
     def _collect(self, released=(), contiguous: bool = True, fp64: bool = False):
         return super()._collect(released, contiguous=True, fp64=True)
@@ -117,7 +122,10 @@ class StoreOptimizer(StateStoreOptimizer):
         for p, a, b, names in entries:
             ts = tensors[pos:pos + len(names)]
             pos += len(names)
-            proxy, writeback = self._proxy(p, a, b, grads[p])
+            if self._whole.covers(p):       # all-gathered (_whole.py)
+                proxy, writeback = self._whole.proxy(p, grads[p]), None
+            else:
+                proxy, writeback = self._proxy(p, a, b, grads[p])
             if writeback is not None:
                 back.append(writeback)
             proxies.append(proxy)
@@ -128,6 +136,8 @@ class StoreOptimizer(StateStoreOptimizer):
                 given.append((p, key, names, ts, {}, []))
                 continue
             state, moved = self._given_state(p, key, a, names, ts, w_dev=proxy.device)
+            if self._whole.covers(p):
+                state = self._whole.gather_states(p, state)
             kind = layout.step_kind()
             if kind is not None:
                 state["step"] = make_step(kind, count, proxy.device)
@@ -144,7 +154,10 @@ class StoreOptimizer(StateStoreOptimizer):
         self._touch()
         worker.step()
         for proxy, (p, key, names, ts, state, moved) in zip(proxies, given):
-            self._take_states(worker.state.get(proxy, {}), p, key, names, ts, state, moved)
+            after = worker.state.get(proxy, {})
+            if self._whole.covers(p):       # this rank's region of the parameter and states
+                after = self._whole.finish(p, proxy, after)
+            self._take_states(after, p, key, names, ts, state, moved)
         for p, (a, flat) in back:       # a non-contiguous parameter's range, computed apart
             w = local(p).detach()
             full = w.reshape(-1).clone()

@@ -44,10 +44,12 @@ def test_hsdp_and_fsdp_tp_match_torch_and_reshard(tmp_path):
     1-D mesh of 2 (store before or after the optimizer) and in one process, and the 1-D run
     trained on agrees with the 2x2 run; its checkpoint loads in one process bit for bit; the
     2x2 DCP checkpoint loads at 1-D 2. Partial placements and strided shards that are not
-    boxes are refused."""
+    boxes are refused. Clipping with ``update_in_backward`` is refused under HSDP. Muon over
+    2 ranks: :func:`_check_muon`."""
     out = str(tmp_path)
     run_ranks(M.mesh2x2, 4, out)
     run_ranks(M.mesh1d, 2, out)
+    _check_muon(out)
     for kind in ("hsdp", "tp"):
         ckpt = f"{out}/{kind}-ckpt"
         assert verify_checkpoint(ckpt) == []
@@ -71,3 +73,41 @@ def test_hsdp_and_fsdp_tp_match_torch_and_reshard(tmp_path):
         _same(final1d["states"], final["states"], exact=False, what=f"{kind} 1-D 2 states")
         _same(_one_process(kind, f"{out}/{kind}-ckpt1d"), final1d["states"],
               what=f"{kind} 1-D 2 -> 1 process")
+
+
+def _muon_reference(first: int, last: int, model=None, opt=None):
+    """torch's Muon on the unsharded model, the same batches, one thread (as each rank)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = model or M.make("muon")
+        opt = opt or torch.optim.Muon(model.parameters(), **M.MUON)
+        M.W.train(model, opt, first, last)
+    finally:
+        torch.set_num_threads(threads)
+    return model, opt
+
+
+def _check_muon(out: str) -> None:
+    """StoreOptimizer(Muon) over 2 ranks' shards (uneven, empty) computes what torch's Muon
+    computes on the unsharded model, bit for bit; its 2-rank checkpoint resumes in one
+    process bit for bit."""
+    got = torch.load(f"{out}/muon-final.pt")
+    model, opt = _muon_reference(0, M.N)
+    _same(got["params"], {n: p.detach() for n, p in model.named_parameters()}, what="Muon")
+    names = [n for n, _ in model.named_parameters()]
+    _same({k: v for k, v in got["states"].items() if not k.endswith("/step")},
+          {f"{names[i]}/{k}": v for i, st in opt.state_dict()["state"].items()
+           for k, v in st.items()}, what="Muon states")
+    resumed = M.make("muon")
+    resumed.load_state_dict(torch.load(f"{out}/muon-weights_k.pt"))
+    store = ss.DeviceStore("cpu")
+    store.load_checkpoint(f"{out}/muon-ckpt", progress=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        M.W.train(resumed, M.store_muon(resumed, store), M.K, M.N)
+    finally:
+        torch.set_num_threads(threads)
+    _same({n: p.detach() for n, p in resumed.named_parameters()}, got["params"],
+          what="Muon resumed")

@@ -329,13 +329,13 @@ def store_optimizer_part(rank: int, world: int, out: str) -> None:
     """At 2 ranks: StoreOptimizer(RMSprop, centered, momentum) over FSDP2's DTensor
     parameters on an NVMeStore per rank, trained to K, saved collectively, trained on to N;
     the states through DCP's ``get_optimizer_state_dict``. Classes whose update needs the
-    whole tensor (Adafactor, Muon), or that keep a per-parameter scalar state (NAdam's
-    ``mu_product``), refuse sharded parameters at construction, naming one."""
+    whole tensor and keep states not shaped like the parameter (Adafactor), or that keep a
+    per-parameter scalar state (NAdam's ``mu_product``), refuse sharded parameters at
+    construction, naming one (Muon: ``helpers.mesh2d_worker.muon``)."""
     from statestore.optim import StoreOptimizer
     model = shard(make_model())
     matrices = [(n, p) for n, p in model.named_parameters() if p.ndim == 2]
     for cls, params, why in ((torch.optim.Adafactor, matrices, "needs the whole tensor"),
-                             (torch.optim.Muon, matrices, "needs the whole tensor"),
                              (torch.optim.NAdam, matrices, "keeps ['mu_product']")):
         try:
             StoreOptimizer(cls, params, state_store=ss.DeviceStore("cpu"))

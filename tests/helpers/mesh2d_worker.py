@@ -32,9 +32,31 @@ class TPNet(torch.nn.Module):
         return self.l1(torch.tanh(self.l0(x)))
 
 
+class Matrices(torch.nn.Module):
+    """Matrices only (Muon's parameters): uneven shards at 2 ranks (7 rows) and an empty one
+    (1 row)."""
+
+    def __init__(self):
+        super().__init__()
+        self.l0 = torch.nn.Linear(5, 7, bias=False)
+        self.l1 = torch.nn.Linear(7, 9, bias=False)
+        self.l2 = torch.nn.Linear(9, 1, bias=False)
+
+    def forward(self, x):
+        return self.l2(torch.tanh(self.l1(torch.tanh(self.l0(x)))))
+
+
+MUON = dict(lr=2e-2, weight_decay=0.05, momentum=0.9)
+
+
 def make(kind: str, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return W.Net().float() if kind == "hsdp" else TPNet()
+    return {"hsdp": lambda: W.Net().float(), "tp": TPNet, "muon": Matrices}[kind]()
+
+
+def store_muon(model, store):
+    from statestore.optim import StoreOptimizer
+    return StoreOptimizer(torch.optim.Muon, model.named_parameters(), **MUON, state_store=store)
 
 
 def shard_2d(kind: str, model: torch.nn.Module, mesh) -> torch.nn.Module:
@@ -217,3 +239,21 @@ def mesh1d(rank: int, world: int, out: str) -> None:
         opt = hybrid(model, ss.DeviceStore("cpu"))
         W.dcp_load_optim(model, opt, os.path.join(out, f"{kind}-dcp"))
         write(out, f"{kind}-1d-dcp_states_k.pt", full_states(model, opt))
+    muon(rank, out)
+
+
+def muon(rank: int, out: str) -> None:
+    """StoreOptimizer(torch.optim.Muon) over FSDP2's sharded matrices (uneven and empty
+    shards; NVMeStore per rank): trained to K, saved collectively, trained on to N."""
+    from torch.distributed.fsdp import fully_shard
+    model = make("muon")
+    fully_shard(model)
+    store = ss.NVMeStore(os.path.join(out, f"muon-{rank}"))
+    opt = store_muon(model, store)
+    W.train(model, opt, 0, K)
+    store.save_checkpoint(os.path.join(out, "muon-ckpt"), progress=False)
+    write(out, "muon-weights_k.pt", full_params(model))
+    W.train(model, opt, K, N)
+    write(out, "muon-final.pt", {"params": full_params(model),
+                                 "states": full_states(model, opt)})
+    store.close()

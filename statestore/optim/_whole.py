@@ -1,0 +1,99 @@
+"""Updates that need the whole tensor (Muon's Newton-Schulz orthogonalization, Adafactor's
+norms) over DTensor parameters sharded across ranks (FSDP2, HSDP, FSDP x TP):
+:class:`WholeUpdates`, used by :class:`~statestore.optim.StoreOptimizer`
+(``docs/distributed.md``, "Optimizers whose update needs the whole tensor").
+
+Each rank keeps the states of its shard in its own store, as for an element-wise class. To
+update a parameter, every rank all-gathers, over the parameter's mesh, the parameter, its
+gradient and each of its states into whole tensors (``DTensor.full_tensor()``: uneven,
+empty, 2-D and strided shards included), runs the class's own ``step()`` on them, exactly as
+the class does on the unsharded parameter, and keeps its region of the results: the updated
+parameter shard and the states' shards. One parameter at a time, in the optimizer's order
+(the same on every rank: every rank steps every parameter, its shard empty or not), so a
+rank holds at most one whole parameter, gradient and state set beyond its shards.
+
+A class works this way when every state it keeps is shaped like the parameter (Muon's
+``momentum_buffer``); one keeping others (Adafactor's row and column variances, NAdam's
+``mu_product``) is refused over sharded parameters at construction, naming the states.
+"""
+from __future__ import annotations
+
+from typing import Dict, Sequence
+
+import torch
+from torch import Tensor
+
+from .._regions import Region
+from ._dtensor import local, region_of, sharded_over_ranks
+
+__all__ = ["WholeUpdates"]
+
+
+def _contiguous_strides(shape) -> tuple:
+    out, acc = [], 1
+    for s in reversed(tuple(shape)):
+        out.append(acc)
+        acc *= s
+    return tuple(reversed(out))
+
+
+class WholeUpdates:
+    """The sharded parameters of one optimizer whose class updates whole tensors.
+
+    Args:
+        params: every parameter of the optimizer; those sharded over several ranks
+            (:func:`~statestore.optim._dtensor.sharded_over_ranks`) are updated whole.
+
+    Every method that gathers is a collective over the parameter's mesh: every rank calls
+    it, for the same parameters in the same order.
+    """
+
+    def __init__(self, params: Sequence[Tensor]):
+        self._sharded = {p for p in params if sharded_over_ranks(p)}
+
+    def __bool__(self) -> bool:
+        return bool(self._sharded)
+
+    def add(self, params: Sequence[Tensor]) -> None:
+        """Parameters of a group added later."""
+        self._sharded.update(p for p in params if sharded_over_ranks(p))
+
+    def covers(self, p: Tensor) -> bool:
+        """Whether ``p`` is updated whole (gathered) rather than on its shard."""
+        return p in self._sharded
+
+    def gather(self, p: Tensor, t: Tensor) -> Tensor:
+        """The whole tensor of which ``t`` (shaped like ``p``'s local shard) is this rank's
+        shard: an all-gather over ``p``'s mesh."""
+        from torch.distributed.tensor import DTensor
+        shard = t.detach().reshape(local(p).shape)
+        d = DTensor.from_local(shard, p.device_mesh, p.placements, run_check=False,
+                               shape=p.shape, stride=_contiguous_strides(p.shape))
+        return d.full_tensor()
+
+    def proxy(self, p: Tensor, grad: Tensor) -> Tensor:
+        """The whole parameter the class updates in place of ``p``: its shards gathered, with
+        the gathered gradient (``grad``: the local part of ``p``'s gradient)."""
+        w = self.gather(p, local(p))
+        w.grad = self.gather(p, grad)
+        return w
+
+    def gather_states(self, p: Tensor, state: Dict[str, Tensor]) -> Dict[str, Tensor]:
+        """``state`` (tensors shaped like ``p``'s shard) as whole tensors."""
+        return {name: self.gather(p, t) for name, t in state.items()}
+
+    def mine(self, p: Tensor, whole: Tensor) -> Tensor:
+        """This rank's region of ``whole`` (a tensor of ``p``'s global shape): always a new
+        view, never ``whole`` itself (a state the class updated in place is then still told
+        apart from the tensor given, and copied into the store's)."""
+        r = region_of(p) or Region.whole(p.shape)
+        return whole[tuple(slice(o, o + n) for o, n in zip(r.offsets, r.shape))]
+
+    def finish(self, p: Tensor, proxy: Tensor, after: Dict[str, object]) -> Dict[str, object]:
+        """After the class's step on ``proxy``: this rank's region of the updated parameter
+        copied into ``p``'s shard; ``after`` (the class's states for ``proxy``) with each
+        tensor state cut to this rank's region (other entries, ``"step"``, as they are)."""
+        with torch.no_grad():
+            local(p).copy_(self.mine(p, proxy))
+        return {k: self.mine(p, v) if isinstance(v, Tensor) and tuple(v.shape) == tuple(p.shape)
+                else v for k, v in after.items()}
