@@ -1,11 +1,20 @@
 """FSDP2 (``fully_shard``) with HybridAdam: each rank's optimizer states on its own store (NVMe
-by default), one checkpoint of all ranks that resumes at any world size. ``torchrun`` below
-is the one of the environment statestore is installed in (``.venv/bin/torchrun`` after ``make
-setup``, or that environment's ``python -m torch.distributed.run``).
+by default), one checkpoint of all ranks that resumes at any world size and mesh.
+``torchrun`` below is the one of the environment statestore is installed in
+(``.venv/bin/torchrun`` after ``make setup``, or that environment's ``python -m
+torch.distributed.run``).
 
     torchrun --nproc_per_node 2 examples/fsdp2_train.py --dir /tmp/fsdp2 --steps 20
     torchrun --nproc_per_node 3 examples/fsdp2_train.py --dir /tmp/fsdp2 --steps 40 --resume
     torchrun --nproc_per_node 1 examples/fsdp2_train.py --dir /tmp/fsdp2 --steps 60 --resume
+
+On a 2-D mesh (HSDP: ``--mesh 2x2`` replicates over 2 groups of 2 ranks that each shard the
+model; on a cluster, the nodes x the GPUs of a node), resumed on another mesh:
+
+    torchrun --nproc_per_node 4 examples/fsdp2_train.py --dir /tmp/hsdp --mesh 2x2 --steps 20
+    torchrun --nproc_per_node 2 examples/fsdp2_train.py --dir /tmp/hsdp --steps 40 --resume
+    torchrun --nproc_per_node 4 examples/fsdp2_train.py --dir /tmp/hsdp --mesh 4x1 --steps 60 \
+        --resume
 
 Two nodes (here two agents on one host; on a cluster the first node's address):
 
@@ -32,6 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import statestore as ss
@@ -76,6 +86,8 @@ def main(argv=None) -> None:
     ap.add_argument("--resume", action="store_true", help="resume from <dir>/ckpt")
     ap.add_argument("--save-every", type=int, default=0, help="also save every N steps")
     ap.add_argument("--store", choices=["nvme", "ram"], default="nvme")
+    ap.add_argument("--mesh", help="RxS: HSDP over a 2-D mesh, R replicas of S-way sharding "
+                    "(R*S ranks); default: a 1-D mesh of every rank")
     ap.add_argument("--losses", help="rank 0 appends 'step loss' lines to this file")
     a = ap.parse_args(argv)
 
@@ -89,11 +101,18 @@ def main(argv=None) -> None:
     if cuda:
         torch.cuda.set_device(device)
 
+    mesh = None
+    if a.mesh:
+        shape = tuple(int(x) for x in a.mesh.lower().split("x"))
+        if len(shape) != 2 or shape[0] * shape[1] != world:
+            raise SystemExit(f"--mesh {a.mesh}: expected RxS with R*S = {world} ranks")
+        mesh = init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
+
     torch.manual_seed(0)                     # every rank builds the same model
     model = TinyLM().to(device)
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)                       # parameters are now DTensors, Shard(0)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)            # DTensors: Shard(0), or (Replicate(), Shard(0))
     ckpt = os.path.join(a.dir, "ckpt")
 
     def weights(step: int) -> str:                  # the model's DCP checkpoint of a step
@@ -117,7 +136,8 @@ def main(argv=None) -> None:
         store.save_checkpoint(ckpt)          # a collective: one checkpoint of every rank
         dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=weights(step))
         if rank == 0:
-            print(f"saved step {step} to {ckpt} ({world} ranks)", flush=True)
+            print(f"saved step {step} to {ckpt} ({world} ranks, mesh "
+                  f"{a.mesh or world})", flush=True)
 
     for step in range(first, a.steps):
         tokens = batch(step, rank, world, device)
@@ -140,7 +160,7 @@ def main(argv=None) -> None:
             save(step + 1)
     save(a.steps)
     if rank == 0:
-        print(json.dumps({"world": world, "steps": a.steps,
+        print(json.dumps({"world": world, "mesh": a.mesh or str(world), "steps": a.steps,
                           "states_bytes_rank0": store.stats()["nbytes"]}), flush=True)
     store.close()
     dist.barrier()

@@ -111,3 +111,21 @@ def _check_muon(out: str) -> None:
         torch.set_num_threads(threads)
     _same({n: p.detach() for n, p in resumed.named_parameters()}, got["params"],
           what="Muon resumed")
+
+
+def test_example_trains_on_a_2d_mesh_and_resumes_on_another(tmp_path):
+    """``examples/fsdp2_train.py --mesh 2x2`` (HSDP, states on an NVMeStore per rank) at 4
+    ranks, resumed on a 1-D mesh of 2: the run picks up at the step saved, and the checkpoint
+    of the 2-D run holds each region once."""
+    from helpers import fsdp2_worker as W
+    from helpers import paths
+    script = f"{paths.ROOT}/examples/fsdp2_train.py"
+    out, losses = str(tmp_path / "run"), str(tmp_path / "losses.txt")
+    base = ["--dir", out, "--losses", losses]
+    run_ranks(W.run_example, 4, script, base + ["--mesh", "2x2", "--steps", "2"])
+    rows = [r for r in read_manifest(f"{out}/ckpt").rows if r.key == "embed.weight/exp_avg"]
+    assert sorted(r.offsets for r in rows) == [(0, 0), (129, 0)], rows     # 2 regions, once
+    run_ranks(W.run_example, 2, script, base + ["--steps", "3", "--resume"])
+    steps = [int(line.split()[0]) for line in open(losses)]
+    assert steps == [1, 2, 3], steps
+    assert read_manifest(f"{out}/ckpt").metadata["steps"]["embed.weight"] == 3
