@@ -28,6 +28,10 @@ states (the issue's target: 90%).
 
     .venv/bin/python benchmarks/fsdp2.py                     # 106M params, 2 ranks
     .venv/bin/python benchmarks/fsdp2.py --layers 2 --vocab 4000 --steps 2 --rounds 1
+    .venv/bin/python benchmarks/fsdp2.py --ranks 4 --mesh 2x2   # HSDP on a 2-D mesh
+
+``--mesh RxS`` shards over a 2-D mesh (HSDP: R replicas of S-way sharding, R*S ranks); a rank
+then holds 1/S of the states.
 """
 from __future__ import annotations
 
@@ -105,10 +109,15 @@ def _worker(rank: int, world: int, port: int, a: dict, config: str, out: str) ->
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    mesh = None
+    if a.get("mesh"):
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh("cpu", tuple(int(x) for x in a["mesh"].split("x")),
+                                mesh_dim_names=("replicate", "shard"))
     model = _model(a)
     for blk in model.blocks:
-        fully_shard(blk)
-    fully_shard(model)
+        fully_shard(blk, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     store = None
     if config == "torch+mallopt":
         from statestore._malloc import fix_mmap_threshold
@@ -184,14 +193,19 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=32, help="NVMeStore RAM budget, MiB/rank")
     ap.add_argument("--configs", default="torch,torch+mallopt,nvme,nvme+ib")
     ap.add_argument("--dir", default=None, help="directory for the stores (a local disk)")
+    ap.add_argument("--mesh", default=None, help="RxS: HSDP over a 2-D mesh (R*S = --ranks)")
     ns = ap.parse_args()
+    if ns.mesh and len(ns.mesh.split("x")) == 2 and \
+            int(ns.mesh.split("x")[0]) * int(ns.mesh.split("x")[1]) != ns.ranks:
+        ap.error(f"--mesh {ns.mesh} does not have --ranks {ns.ranks} ranks")
     from _common import probe_disk
     directory = ns.dir or tempfile.mkdtemp(prefix="fsdp2-bench-", dir=os.getcwd())
     a = dict(vars(ns), dir=directory)
     n = sum(p.numel() for p in _model(a).parameters())
     configs = ns.configs.split(",")
     print(f"# {n / 1e6:.1f}M fp32 params ({ns.layers} layers x {ns.width}, vocab {ns.vocab}), "
-          f"{ns.ranks} ranks (gloo, this host), {ns.tokens} tokens/rank/step, "
+          f"{ns.ranks} ranks (gloo, this host{', mesh ' + ns.mesh if ns.mesh else ''}), "
+          f"{ns.tokens} tokens/rank/step, "
           f"{os.cpu_count()} cores, steps={ns.steps}, rounds={ns.rounds}, NVMe budget "
           f"{ns.budget} MiB/rank")
     results = {c: [] for c in configs}

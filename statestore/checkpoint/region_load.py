@@ -10,9 +10,14 @@ overlap it (:func:`load_assembled`): each of those rows is read once, in order, 
 checksum, and the bytes that fall in the region are copied into the store's state as it is
 written front to back, so RAM stays within the store's pipeline budget plus one read buffer.
 
-Blockwise states (int8 moments' ``*_scale``, one scale per 256 elements of a rank's shard)
-cannot be cut elsewhere than where they were saved: they load only into the regions they were
-saved with (:class:`CheckpointMismatchError` otherwise, naming the way through DCP).
+Blockwise states (int8 moments, with their ``*_scale``: one scale per 256 elements of a
+rank's shard) cannot be cut elsewhere than where they were saved. Loaded into the regions they
+were saved with, they are taken as saved (bit for bit); into any other region (another world
+size or mesh, one process) they are re-quantized (:func:`_requantize`): the saved blocks that
+overlap the region are decoded to fp32 one saved region at a time, the region assembled in
+fp32 and encoded anew in blocks of the region (round to nearest), as
+``set_optimizer_state_dict`` does through DCP. RAM: the region in fp32 plus one saved region
+(codes and fp32) at a time.
 """
 from __future__ import annotations
 
@@ -22,12 +27,18 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import xxhash
 
 from .._regions import Region, chunk_region, runs
+from ..kernels._quant import BLOCK, INT8_ENCODING
 from .._types import StateKey, StateSpec
 from ..errors import CheckpointCorruptError, CheckpointMismatchError
 from .filesystem import join
 from .format import Manifest, ManifestRow
 from .reader import READ_PIECE, ShardReader
 from .stream import write_state
+
+def nblocks(n: int) -> int:
+    """Blocks of int8 moments (one scale each) of ``n`` elements."""
+    return -(-n // BLOCK)
+
 
 __all__ = ["Assembly", "plan_regions", "split_rows", "load_assembled", "blockwise_states"]
 
@@ -126,7 +137,17 @@ def split_rows(m: Manifest, targets: Dict[str, Region]
                 assembled.append((skey, Region.whole((0,)), by_key[skey][0], []))
             continue
         elif k.state in blockwise:
-            raise CheckpointMismatchError(_blockwise_message(k, rs, want))
+            if _requant_problem(m, k) is not None:
+                raise CheckpointMismatchError(_blockwise_message(k, rs, want)
+                                              + f" ({_requant_problem(m, k)})")
+            srows = by_key.get(skey, [])
+            if len(srows) != len(rs):
+                raise CheckpointCorruptError(f"{m.root}: tensor {str(skey)!r}: {len(srows)} "
+                                             f"regions for the {len(rs)} of {str(k)!r}")
+            # re-quantized in blocks of ``want`` (load_assembled): the moment, then its scales
+            assembled.append((k, want, rs[0], list(rs) + list(srows)))
+            assembled.append((skey, Region.whole((nblocks(want.numel),)), srows[0], []))
+            continue
         else:
             assembled.append((k, want, rs[0], rs))
         if k.state in blockwise:           # its scales: the row saved with this region
@@ -138,6 +159,23 @@ def split_rows(m: Manifest, targets: Dict[str, Region]
                                              f"regions for the {len(mrows)} of {str(k)!r}")
             direct.append(srows[i])
     return direct, assembled, regions
+
+
+def _requant_problem(m: Manifest, k: StateKey) -> Optional[str]:
+    """Why int8 state ``k`` of checkpoint ``m`` cannot be re-quantized into another region
+    (None: it can): another encoding version than this release's, or not an Adam moment."""
+    enc = m.metadata.get("moment_encoding") if isinstance(m.metadata, dict) else None
+    version = enc.get("version", 1) if isinstance(enc, dict) else None
+    if m.metadata.get("moment_dtype") != "int8" or version != INT8_ENCODING["version"]:
+        return f"int8 encoding version {version!r}, this release re-quantizes version " \
+               f"{INT8_ENCODING['version']}"
+    if k.state not in _WHICH:
+        return f"state {k.state!r} is not an Adam moment"
+    return None
+
+
+#: which moment each int8 state is (statestore.kernels._quant's ``which``)
+_WHICH = {"exp_avg": 0, "exp_avg_sq": 1}
 
 
 def _blockwise_message(k: StateKey, rows: Sequence[ManifestRow], want: Region) -> str:
@@ -152,9 +190,17 @@ def load_assembled(store, m: Manifest, items: Sequence[Assembly], pool, bar) -> 
     """Write each state of ``items`` (already created in ``store``) from the saved rows that
     overlap its region, verifying each row's checksum over all of its bytes."""
     readers: Dict[str, ShardReader] = {}
+    blockwise = blockwise_states(m.metadata)
+    scale_keys = {StateKey(key.param, blockwise[key.state]) for key, _, _, rows in items
+                  if key.state in blockwise and rows}
     try:
         for key, want, first, rows in items:
-            _assemble(store, m, key, want, first, rows, readers, pool, bar)
+            if key in scale_keys:
+                continue                    # written with its moment
+            if key.state in blockwise and rows:
+                _requantize(store, m, key, want, rows, readers, pool, bar)
+            else:
+                _assemble(store, m, key, want, first, rows, readers, pool, bar)
     finally:
         for f in readers.values():
             f.close()
@@ -224,3 +270,59 @@ def _assemble(store, m: Manifest, key: StateKey, want: Region, first: ManifestRo
             raise CheckpointCorruptError(f"{join(m.root, r.file)}: checksum mismatch in tensor "
                                          f"{r.key!r} (the file was altered or damaged)")
 
+
+
+def _read_row(m: Manifest, r: ManifestRow, readers: Dict[str, ShardReader], pool) -> bytearray:
+    """All of row ``r``'s bytes, its checksum verified."""
+    if r.file not in readers:
+        readers[r.file] = ShardReader(m.fs, join(m.root, r.file), pool)
+    buf = bytearray(r.nbytes)
+    h = xxhash.xxh3_64()
+    view = memoryview(buf)
+    for off in range(0, r.nbytes, READ_PIECE):
+        piece = view[off:off + READ_PIECE]
+        readers[r.file].read(piece, r.offset + off, r.key, h.update)
+    if h.hexdigest() != r.checksum:
+        raise CheckpointCorruptError(f"{join(m.root, r.file)}: checksum mismatch in tensor "
+                                     f"{r.key!r} (the file was altered or damaged)")
+    return buf
+
+
+def _requantize(store, m: Manifest, key: StateKey, want: Region, rows: Sequence[ManifestRow],
+                readers: Dict[str, ShardReader], pool, bar) -> None:
+    """Write int8 moment ``key`` and its scales (both created in ``store``) for region
+    ``want``: the saved regions of ``rows`` (the moment's rows, then its scale rows, in the
+    order of their regions) that overlap ``want`` decoded, the region encoded anew."""
+    import torch
+    from ..kernels._quant import decode, encode
+    which = _WHICH[key.state]
+    half = len(rows) // 2
+    mrows = sorted(rows[:half], key=lambda r: r.offsets)
+    srows = sorted(rows[half:], key=lambda r: r.offsets)
+    code_dtype = mrows[0].spec.dtype
+    out = torch.zeros(want.numel, dtype=torch.float32)
+    for mr, sr in zip(mrows, srows):
+        if not mr.spec.numel or mr.region.intersect(want) is None:
+            continue
+        codes = torch.frombuffer(_read_row(m, mr, readers, pool), dtype=code_dtype)
+        scales = torch.frombuffer(_read_row(m, sr, readers, pool), dtype=torch.float32)
+        if scales.numel() != nblocks(mr.spec.numel):
+            raise CheckpointCorruptError(f"{m.root}: tensor {sr.key!r} region "
+                                         f"{sr.region.describe()}: {scales.numel()} scales for "
+                                         f"the {mr.spec.numel} elements of {mr.key!r} "
+                                         f"{mr.region.describe()}")
+        vals = decode("int8", which, codes, scales)
+        for a, b, n in runs(mr.region, want):
+            out[b:b + n] = vals[a:a + n]
+        bar.update(mr.nbytes + sr.nbytes)
+    new_codes, new_scales = encode("int8", which, out, rounding="nearest")
+    skey = StateKey(key.param, blockwise_states(m.metadata)[key.state])
+    for k, t in ((key, new_codes.to(code_dtype)), (skey, new_scales.to(torch.float32))):
+        raw = memoryview(t.contiguous().view(torch.uint8).numpy())
+        pos = [0]
+
+        def fill(view: memoryview, raw=raw, pos=pos) -> None:
+            view[:] = raw[pos[0]:pos[0] + len(view)]
+            pos[0] += len(view)
+        write_state(store, k, StateSpec(tuple(want.shape) if k == key else (t.numel(),),
+                                        t.dtype), fill)

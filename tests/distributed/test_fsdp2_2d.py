@@ -44,12 +44,14 @@ def test_hsdp_and_fsdp_tp_match_torch_and_reshard(tmp_path):
     1-D mesh of 2 (store before or after the optimizer) and in one process, and the 1-D run
     trained on agrees with the 2x2 run; its checkpoint loads in one process bit for bit; the
     2x2 DCP checkpoint loads at 1-D 2. Partial placements and strided shards that are not
-    boxes are refused. Clipping with ``update_in_backward`` is refused under HSDP. Muon over
-    2 ranks: :func:`_check_muon`."""
+    boxes are refused. Clipping with ``update_in_backward`` is refused under HSDP. int8
+    moments saved at 2x2 load at 1-D 2 (re-quantized). Muon over 2 ranks:
+    :func:`_check_muon`."""
     out = str(tmp_path)
     run_ranks(M.mesh2x2, 4, out)
     run_ranks(M.mesh1d, 2, out)
     _check_muon(out)
+    M.int8_close(torch.load(f"{out}/hsdp8-1d-states_k.pt"), torch.load(f"{out}/hsdp8-states_k.pt"))
     for kind in ("hsdp", "tp"):
         ckpt = f"{out}/{kind}-ckpt"
         assert verify_checkpoint(ckpt) == []

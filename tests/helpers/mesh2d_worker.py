@@ -98,6 +98,20 @@ def _close(a: dict, b: dict, what: str) -> None:
                                    msg=lambda m: f"{what} {n}: {m}")
 
 
+def int8_close(got: dict, want: dict) -> None:
+    """int8 moments re-quantized in other blocks against the saved ones: each value within
+    one code step (3 mantissa bits: 1/16 relative to round) of the value, or of the new
+    block's range floor (2**-14 of its largest, here 2**-12 of the tensor's largest)."""
+    assert set(got) == set(want), set(got) ^ set(want)
+    for k in want:
+        a, b = got[k].float(), want[k].float()
+        if k.endswith(("/exp_avg", "/exp_avg_sq")):
+            tol = 0.07 * b.abs() + 2.0 ** -12 * b.abs().max()
+            assert bool(((a - b).abs() <= tol).all()), (k, (a - b).abs().max())
+        else:
+            assert torch.equal(a, b), k
+
+
 def refusals(mesh) -> None:
     """A Partial placement, and a strided shard that is not one box of the parameter, are
     refused naming the parameter and its placements."""
@@ -194,6 +208,16 @@ def clipping_refused(mesh) -> None:
         opt.zero_grad()
 
 
+def int8_saved(mesh, out: str) -> None:
+    """HSDP with int8 moments trained to K and saved collectively (resharded in
+    :func:`mesh1d`)."""
+    model = shard_2d("hsdp", make("hsdp"), mesh)
+    opt = hybrid(model, ss.DeviceStore("cpu"), moment_dtype="int8")
+    W.train(model, opt, 0, K)
+    opt.state_store.save_checkpoint(os.path.join(out, "hsdp8-ckpt"), progress=False)
+    write(out, "hsdp8-states_k.pt", full_states(model, opt))
+
+
 @_worker
 def mesh2x2(rank: int, world: int, out: str) -> None:
     """At 4 ranks: the refusals, clipping refused with ``update_in_backward``
@@ -202,9 +226,9 @@ def mesh2x2(rank: int, world: int, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     refusals(init_device_mesh("cpu", (2, 2)))
     clipping_refused(init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
-    _train_beside_torch("hsdp", init_device_mesh("cpu", (2, 2),
-                                                 mesh_dim_names=("replicate", "shard")),
-                        out, rank)
+    hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    _train_beside_torch("hsdp", hsdp, out, rank)
+    int8_saved(hsdp, out)
     _train_beside_torch("tp", init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")),
                         out, rank)
 
@@ -239,6 +263,12 @@ def mesh1d(rank: int, world: int, out: str) -> None:
         opt = hybrid(model, ss.DeviceStore("cpu"))
         W.dcp_load_optim(model, opt, os.path.join(out, f"{kind}-dcp"))
         write(out, f"{kind}-1d-dcp_states_k.pt", full_states(model, opt))
+    model = make("hsdp")                # the 2x2 int8 checkpoint, re-quantized at 1-D 2
+    fully_shard(model)
+    store = ss.DeviceStore("cpu")
+    store.load_checkpoint(os.path.join(out, "hsdp8-ckpt"), progress=False)
+    write(out, "hsdp8-1d-states_k.pt", full_states(model, hybrid(model, store,
+                                                                  moment_dtype="int8")))
     muon(rank, out)
 
 
