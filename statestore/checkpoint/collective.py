@@ -49,9 +49,10 @@ def merge_metadata(metas: List[str], rows: List[List[ManifestRow]]) -> str:
 
 
 def region_rows(rows: List[ManifestRow], regions: Dict[str, Region],
-                blockwise: Set[str]) -> List[ManifestRow]:
+                blockwise: Set[str], whole: Set[str] = frozenset()) -> List[ManifestRow]:
     """``rows`` with the region each holds: the states of ``regions``' parameters but the
-    ``blockwise`` ones (int8 scales: theirs come from :func:`merge_rows`).
+    ``blockwise`` ones (int8 scales: theirs come from :func:`merge_rows`) and the ``whole``
+    keys (states not shaped like the parameter, kept whole by every rank: saved once).
 
     Raises:
         CheckpointError: a state of a sharded parameter without the shape of its region.
@@ -59,7 +60,7 @@ def region_rows(rows: List[ManifestRow], regions: Dict[str, Region],
     out = []
     for r in rows:
         reg = regions.get(r.param)
-        if reg is not None and r.state not in blockwise:
+        if reg is not None and r.state not in blockwise and r.key not in whole:
             if r.shape != reg.shape:
                 raise CheckpointError(f"state {r.key!r} has shape {list(r.shape)}, but this "
                                       f"rank holds {reg.describe()} of its parameter")
@@ -69,22 +70,24 @@ def region_rows(rows: List[ManifestRow], regions: Dict[str, Region],
 
 
 def merge_rows(gathered: List[List[ManifestRow]],
-               regions: List[Dict[str, Region]]) -> List[ManifestRow]:
+               regions: List[Dict[str, Region]],
+               blockwise: Optional[Set[str]] = None) -> List[ManifestRow]:
     """Every rank's rows (``gathered``, in rank order) as one manifest's: the blockwise rows
-    of parameters held as regions become regions of a 1-D tensor, in the order of the ranks'
-    regions of their parameter.
+    (states named in ``blockwise``; None: every whole row) of parameters held as regions
+    become regions of a 1-D tensor, in the order of the ranks' regions of their parameter.
 
     Raises:
         CheckpointError: the rows do not tile their tensors (ranks disagree on a shape).
     """
-    blockwise: Dict[str, List[tuple]] = {}
+    scaled: Dict[str, List[tuple]] = {}
     for rank, rows in enumerate(gathered):
         reg = regions[rank]
         for i, r in enumerate(rows):
-            if r.param in reg and r.region.is_whole:
-                blockwise.setdefault(r.key, []).append((reg[r.param].offsets, rank, i))
+            if r.param in reg and r.region.is_whole and (blockwise is None
+                                                         or r.state in blockwise):
+                scaled.setdefault(r.key, []).append((reg[r.param].offsets, rank, i))
     fixed = [list(rows) for rows in gathered]
-    for key, owners in blockwise.items():
+    for key, owners in scaled.items():
         total = sum(gathered[rank][i].shape[0] if len(gathered[rank][i].shape) == 1 else -1
                     for _, rank, i in owners)
         start = 0
@@ -142,25 +145,30 @@ def _save_collective_locked(store, path: str, comm, error, fs, root, shard_bytes
     # A state held by several ranks (replicated, not sharded) is written once, by the lowest;
     # a state held as a region by the lowest rank holding that region (replicas of a shard,
     # HSDP's, write it once; empty regions write nothing).
+    # A state of a sharded parameter not shaped like its region (NAdam's mu_product,
+    # Adafactor's row and column variances; not int8 scales) is held whole, the same on every
+    # rank: written once, by the lowest rank.
+    blockwise = set(blockwise_states(json.loads(meta_json)).values())
+    whole = {str(k) for k in store.keys() if k.param in regions and k.state not in blockwise
+             and tuple(store.spec(k).shape) != regions[k.param].shape}
     first: Dict[str, int] = {}
     holder: Dict[tuple, int] = {}
     for r, (_, ks, _, regs) in enumerate(first_round):
         for k in ks:
-            if k.rpartition("/")[0] not in regs:
-                first.setdefault(k, r)
+            first.setdefault(k, r)
         for name, reg in regs.items():
             holder.setdefault((name, reg), r)
     keys = [k for k in store.keys()
             if (regions[k.param].numel > 0 and holder[(k.param, regions[k.param])] == comm.rank
-                if k.param in regions else first[str(k)] == comm.rank)]
+                if k.param in regions and str(k) not in whole
+                else first[str(k)] == comm.rank)]
     written: List[str] = []
     bar = save_progress(store, keys, root, progress)
     rows: List[ManifestRow] = []
     try:
         rows = region_rows(write_shards(store, fs, root, keys,
                                         f"shard-{save_id}-r{comm.rank:05d}", shard_bytes,
-                                        bar, written, link), regions,
-                           set(blockwise_states(json.loads(meta_json)).values()))
+                                        bar, written, link), regions, blockwise, whole)
     except Exception as e:
         error = e
     finally:
@@ -170,7 +178,8 @@ def _save_collective_locked(store, path: str, comm, error, fs, root, shard_bytes
     status, committed = None, False
     if not failed and comm.rank == 0:
         try:
-            all_rows = merge_rows([g[0] for g in gathered], [f[3] for f in first_round])
+            all_rows = merge_rows([g[0] for g in gathered], [f[3] for f in first_round],
+                                  blockwise)
             merged = merge_metadata([g[1] for g in gathered], [g[0] for g in gathered])
             write_manifest(fs, root, all_rows, merged, save_id, written,
                            world_size=comm.world)

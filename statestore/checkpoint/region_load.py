@@ -88,7 +88,10 @@ def plan_regions(m: Manifest, rank: int, world: int,
         return None
     out: Dict[str, Region] = {}
     for p, rs in by_param.items():
-        glob = rs[0].global_shape
+        # the parameter's shape: its cut states' (a state kept whole, NAdam's mu_product or
+        # Adafactor's row variances, has another), else the first state's
+        glob = next((r.global_shape for r in rs if r.global_shape != r.shape),
+                    rs[0].global_shape)
         if p in known:
             out[p] = known[p]
         elif world > 1 and cut[p] is not None:

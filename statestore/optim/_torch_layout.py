@@ -122,8 +122,9 @@ class Probe:
     __slots__ = ("names", "specs", "step")
 
     def __init__(self, cls: type, kwargs: Dict[str, Any], group: Dict[str, Any], p: Tensor,
-                 key: str):
-        twin = meta_twin(p)
+                 key: str, shape: Optional[Tuple[int, ...]] = None):
+        twin = meta_twin(p) if shape is None else \
+            torch.empty(shape, dtype=local(p).dtype, device="meta")
         hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
         inner = cls([dict(hyper, params=[twin])], **kwargs)
         twin.grad = torch.empty_like(twin)
@@ -189,11 +190,18 @@ class TorchLayout(StateLayout):
         if group is None:
             group = next((g for g in self._groups if any(q is p for q in g["params"])), {})
         w = local(p)
-        key = (tuple(w.shape), w.dtype, _hyper_key(group))
+        # a class needing the whole tensor, over a sharded parameter: the states of the whole
+        # parameter, those shaped like it kept as the shard's (optim/_whole.py)
+        whole = tuple(p.shape) if not self.elementwise and sharded_over_ranks(p) else None
+        key = (tuple(w.shape), w.dtype, _hyper_key(group), whole)
         pr = self._probes.get(key)
         if pr is None:
             pr = self._probes[key] = Probe(self.cls, self.kwargs, group, p,
-                                           self._keys.get(p, "?"))
+                                           self._keys.get(p, "?"), shape=whole)
+            if whole is not None:
+                for n, (shape, dtype, on_dev) in pr.specs.items():
+                    if tuple(shape) == whole:
+                        pr.specs[n] = (tuple(w.shape), dtype, on_dev)
         self._last[p] = pr
         if self._step is None and pr.step is not None:
             self._step = pr.step
@@ -247,9 +255,8 @@ class TorchLayout(StateLayout):
     # ------------------------------------------------------------------ hyperparameters
     def check_group(self, group: Dict[str, Any]) -> None:
         """The class's own constructor checks (torch's messages), over meta copies of the
-        group's parameters; a class whose update needs the whole tensor refuses a DTensor
-        parameter sharded over several ranks (its update on each rank's shard would not be
-        the class's update of the parameter)."""
+        group's parameters; the states of each DTensor parameter sharded over several ranks
+        probed (:meth:`_check_sharded`)."""
         names = group.get("param_names") or []
         for i, p in enumerate(group.get("params", ())):
             if isinstance(p, Tensor) and sharded_over_ranks(p):
@@ -261,28 +268,13 @@ class TorchLayout(StateLayout):
             self.cls([dict(hyper, params=params)], **self.kwargs)
 
     def _check_sharded(self, p: Tensor, name: str, group: Dict[str, Any]) -> None:
-        """Refuse DTensor parameter ``p`` (sharded over several ranks, each updating its local
-        shard) where that is not the class's update or its states cannot be saved: a class
-        needing the whole tensor, or one keeping a per-parameter scalar state."""
-        where = f"parameter {name!r} is a DTensor sharded over {p.device_mesh.size()} ranks " \
-                f"({tuple(p.placements)})"
-        fix = ("give this optimizer parameters that are not sharded (leave their module out "
-               "of fully_shard, or Replicate() placements)")
-        shard = tuple(local(p).shape)
-        scalars = [n for n, (shape, _, _) in self.probe(p, group).specs.items()
-                   if tuple(shape) != shard]
-        if not self.elementwise and scalars:
-            raise StateStoreValueError(
-                f"{where}, and {self.name}'s update needs the whole tensor, which statestore "
-                f"gathers for classes whose states are all shaped like the parameter (Muon); "
-                f"{self.name} keeps {scalars}, states not shaped like it. {fix[0].upper()}"
-                f"{fix[1:]}, or use an element-wise class on sharded ones")
-        if scalars:
-            raise StateStoreValueError(
-                f"{where}, and {self.name} keeps {scalars} for it, states not shaped like the "
-                f"parameter (one per parameter, not per element), which a sharded checkpoint "
-                f"cannot hold as regions of the parameter: {fix}, or use a class whose "
-                f"states are all shaped like the parameter (SGD, Adam, RMSprop...)")
+        """A DTensor parameter ``p`` sharded over several ranks: each rank keeps its shard of
+        the states shaped like the parameter and, whole, the others (per-parameter scalars
+        such as NAdam's ``mu_product``, Adafactor's row and column variances: the same on
+        every rank, saved once); a class needing the whole tensor updates it gathered
+        (optim/_whole.py). Probing here makes a class whose states cannot be learnt fail at
+        construction."""
+        self.probe(p, group)
 
     def metadata(self) -> Dict[str, Any]:
         return {"optimizer_class": self.name, "step_format": _step_format(self._step)}

@@ -12,9 +12,10 @@ parameter shard and the states' shards. One parameter at a time, in the optimize
 (the same on every rank: every rank steps every parameter, its shard empty or not), so a
 rank holds at most one whole parameter, gradient and state set beyond its shards.
 
-A class works this way when every state it keeps is shaped like the parameter (Muon's
-``momentum_buffer``); one keeping others (Adafactor's row and column variances, NAdam's
-``mu_product``) is refused over sharded parameters at construction, naming the states.
+States shaped like the parameter (Muon's ``momentum_buffer``) are kept as the rank's shard;
+the others (Adafactor's row and column variances) are kept whole by every rank: the class
+computes them from the gathered tensors, identically on every rank, and a checkpoint holds
+them once.
 """
 from __future__ import annotations
 
@@ -79,8 +80,11 @@ class WholeUpdates:
         return w
 
     def gather_states(self, p: Tensor, state: Dict[str, Tensor]) -> Dict[str, Tensor]:
-        """``state`` (tensors shaped like ``p``'s shard) as whole tensors."""
-        return {name: self.gather(p, t) for name, t in state.items()}
+        """``state`` with each tensor shaped like ``p``'s shard gathered whole; the others
+        (Adafactor's row and column variances, scalars) are whole on every rank already."""
+        shard = tuple(local(p).shape)
+        return {name: self.gather(p, t) if tuple(t.shape) == shard else t
+                for name, t in state.items()}
 
     def mine(self, p: Tensor, whole: Tensor) -> Tensor:
         """This rank's region of ``whole`` (a tensor of ``p``'s global shape): always a new

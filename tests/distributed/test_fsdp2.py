@@ -233,8 +233,8 @@ def _check_store_optimizer(tmp_path) -> None:
     shards, a bf16 layer): each rank updates its local shards, states keyed by the
     parameters' names; bit for bit torch's RMSprop(foreach=False) in one process, parameters
     and the states DCP's ``get_optimizer_state_dict`` gathers. The 2-rank checkpoint resumes
-    in one plain process bit for bit. Adafactor, Muon and NAdam refuse sharded parameters
-    (in the worker)."""
+    in one plain process bit for bit. Muon, NAdam, ASGD and Adafactor over sharded parameters:
+    ``tests/distributed/test_fsdp2_2d.py``."""
     model = W.make_model()
     opt = torch.optim.RMSprop(model.named_parameters(), **W.RMSPROP, foreach=False)
     W.train(model, opt, 0, W.K)

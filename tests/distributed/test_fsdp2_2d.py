@@ -93,7 +93,8 @@ def _muon_reference(first: int, last: int, model=None, opt=None):
 def _check_muon(out: str) -> None:
     """StoreOptimizer(Muon) over 2 ranks' shards (uneven, empty) computes what torch's Muon
     computes on the unsharded model, bit for bit; its 2-rank checkpoint resumes in one
-    process bit for bit."""
+    process bit for bit. The same for NAdam and ASGD (per-parameter scalar states, kept whole
+    by each rank) and Adafactor (gathered; its row and column variances kept whole)."""
     got = torch.load(f"{out}/muon-final.pt")
     model, opt = _muon_reference(0, M.N)
     _same(got["params"], {n: p.detach() for n, p in model.named_parameters()}, what="Muon")
@@ -113,6 +114,24 @@ def _check_muon(out: str) -> None:
         torch.set_num_threads(threads)
     _same({n: p.detach() for n, p in resumed.named_parameters()}, got["params"],
           what="Muon resumed")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for name, kw in M.OTHERS.items():
+            model = M.make("muon")
+            M.W.train(model, getattr(torch.optim, name)(model.parameters(), **kw,
+                                                         foreach=False), 0, M.N)
+            got = torch.load(f"{out}/{name}-final.pt")
+            _same(got, {n: p.detach() for n, p in model.named_parameters()}, what=name)
+            resumed = M.make("muon")
+            resumed.load_state_dict(torch.load(f"{out}/{name}-weights_k.pt"))
+            store = ss.DeviceStore("cpu")
+            store.load_checkpoint(f"{out}/{name}-ckpt", progress=False)
+            M.W.train(resumed, M.store_other(name, resumed, store), M.K, M.N)
+            _same({n: p.detach() for n, p in resumed.named_parameters()}, got,
+                  what=f"{name} resumed")
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_example_trains_on_a_2d_mesh_and_resumes_on_another(tmp_path):

@@ -54,6 +54,19 @@ def make(kind: str, seed: int = 0) -> torch.nn.Module:
     return {"hsdp": lambda: W.Net().float(), "tp": TPNet, "muon": Matrices}[kind]()
 
 
+#: classes keeping states not shaped like the parameter (per-parameter scalars, Adafactor's
+#: row and column variances), over sharded matrices
+OTHERS = {"NAdam": dict(lr=1e-2, weight_decay=0.05),
+          "ASGD": dict(lr=1e-2, t0=2.0, weight_decay=0.05),
+          "Adafactor": dict(lr=1e-2)}
+
+
+def store_other(name: str, model, store):
+    from statestore.optim import StoreOptimizer
+    return StoreOptimizer(getattr(torch.optim, name), model.named_parameters(), **OTHERS[name],
+                          state_store=store)
+
+
 def store_muon(model, store):
     from statestore.optim import StoreOptimizer
     return StoreOptimizer(torch.optim.Muon, model.named_parameters(), **MUON, state_store=store)
@@ -274,7 +287,8 @@ def mesh1d(rank: int, world: int, out: str) -> None:
 
 def muon(rank: int, out: str) -> None:
     """StoreOptimizer(torch.optim.Muon) over FSDP2's sharded matrices (uneven and empty
-    shards; NVMeStore per rank): trained to K, saved collectively, trained on to N."""
+    shards; NVMeStore per rank): trained to K, saved collectively, trained on to N; the same
+    for NAdam, ASGD and Adafactor (:data:`OTHERS`)."""
     from torch.distributed.fsdp import fully_shard
     model = make("muon")
     fully_shard(model)
@@ -287,3 +301,14 @@ def muon(rank: int, out: str) -> None:
     write(out, "muon-final.pt", {"params": full_params(model),
                                  "states": full_states(model, opt)})
     store.close()
+    for name in OTHERS:
+        model = make("muon")
+        fully_shard(model)
+        store = ss.NVMeStore(os.path.join(out, f"{name}-{rank}"))
+        opt = store_other(name, model, store)
+        W.train(model, opt, 0, K)
+        store.save_checkpoint(os.path.join(out, f"{name}-ckpt"), progress=False)
+        write(out, f"{name}-weights_k.pt", full_params(model))
+        W.train(model, opt, K, N)
+        write(out, f"{name}-final.pt", full_params(model))
+        store.close()
