@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import itertools
 import sys
+import weakref
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -167,22 +168,30 @@ def _placement_problem(p: Tensor) -> Optional[str]:
     return None
 
 
+#: the group over every rank of each multi-dimensional mesh not holding every rank
+_FLAT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 def _mesh_group(mesh):
     """The process group over every rank of ``mesh``: its own group on a 1-D mesh, the
     default group when the mesh holds every rank, else the group of the mesh flattened
-    (torch's ``DeviceMesh._flatten``, created once per mesh)."""
+    (torch's ``DeviceMesh._flatten``, made once per mesh: a collective of the mesh's ranks,
+    at the optimizer's construction)."""
     if mesh.ndim == 1:
         return mesh.get_group()
     import torch.distributed as dist
     if mesh.size() == dist.get_world_size():
         return dist.group.WORLD
-    try:
-        return mesh._flatten().get_group()
-    except Exception as e:
-        raise StateStoreValueError(
-            f"a {mesh.ndim}-D mesh of {mesh.size()} of the {dist.get_world_size()} ranks: "
-            f"its ranks' process group could not be made ({e}); build the mesh over every "
-            f"rank") from e
+    group = _FLAT.get(mesh)
+    if group is None:
+        try:
+            group = _FLAT[mesh] = mesh._flatten().get_group()
+        except Exception as e:
+            raise StateStoreValueError(
+                f"a {mesh.ndim}-D mesh of {mesh.size()} of the {dist.get_world_size()} "
+                f"ranks: its ranks' process group could not be made ({e}); build the mesh "
+                f"over every rank") from e
+    return group
 
 
 _UNSET = object()
