@@ -19,7 +19,7 @@ them once.
 """
 from __future__ import annotations
 
-from typing import Dict, Sequence
+from typing import Dict
 
 import torch
 from torch import Tensor
@@ -39,29 +39,24 @@ def _contiguous_strides(shape) -> tuple:
 
 
 class WholeUpdates:
-    """The sharded parameters of one optimizer whose class updates whole tensors.
+    """The sharded parameters of one optimizer, if its class updates whole tensors.
 
     Args:
-        params: every parameter of the optimizer; those sharded over several ranks
-            (:func:`~statestore.optim._dtensor.sharded_over_ranks`) are updated whole.
+        active: whether the class's update needs the whole tensor (not element-wise): then
+            every DTensor parameter sharded over several ranks
+            (:func:`~statestore.optim._dtensor.sharded_over_ranks`), those of groups added
+            later included, is updated gathered.
 
     Every method that gathers is a collective over the parameter's mesh: every rank calls
     it, for the same parameters in the same order.
     """
 
-    def __init__(self, params: Sequence[Tensor]):
-        self._sharded = {p for p in params if sharded_over_ranks(p)}
-
-    def __bool__(self) -> bool:
-        return bool(self._sharded)
-
-    def add(self, params: Sequence[Tensor]) -> None:
-        """Parameters of a group added later."""
-        self._sharded.update(p for p in params if sharded_over_ranks(p))
+    def __init__(self, active: bool):
+        self.active = active
 
     def covers(self, p: Tensor) -> bool:
         """Whether ``p`` is updated whole (gathered) rather than on its shard."""
-        return p in self._sharded
+        return self.active and sharded_over_ranks(p)
 
     def gather(self, p: Tensor, t: Tensor) -> Tensor:
         """The whole tensor of which ``t`` (shaped like ``p``'s local shard) is this rank's

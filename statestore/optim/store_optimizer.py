@@ -91,11 +91,9 @@ class StoreOptimizer(StateStoreOptimizer):
         self._scalars: Dict[str, Dict[str, Tensor]] = {}
         layout = TorchLayout(optimizer_cls, kwargs, elementwise)
         #: sharded DTensor parameters a class needing the whole tensor updates gathered
-        self._whole = WholeUpdates(())
+        self._whole = WholeUpdates(not elementwise)
         super().__init__(params, dict(template.defaults), layout, state_store=state_store,
                          process_group=process_group)
-        if not elementwise:
-            self._whole.add(self._params)
 
     def _collect(self, released=(), contiguous: bool = True, fp64: bool = False):
         return super()._collect(released, contiguous=True, fp64=True)

@@ -92,12 +92,14 @@ def _muon_reference(first: int, last: int, model=None, opt=None):
 
 def _check_muon(out: str) -> None:
     """StoreOptimizer(Muon) over 2 ranks' shards (uneven, empty) computes what torch's Muon
-    computes on the unsharded model, bit for bit; its 2-rank checkpoint resumes in one
-    process bit for bit. The same for NAdam and ASGD (per-parameter scalar states, kept whole
+    computes on the unsharded model, bit for bit, as over HSDP's 2x2 mesh; its 2-rank
+    checkpoint resumes in one process bit for bit. The same for NAdam and ASGD (per-parameter scalar states, kept whole
     by each rank) and Adafactor (gathered; its row and column variances kept whole)."""
     got = torch.load(f"{out}/muon-final.pt")
     model, opt = _muon_reference(0, M.N)
     _same(got["params"], {n: p.detach() for n, p in model.named_parameters()}, what="Muon")
+    _same(torch.load(f"{out}/muon-hsdp-final.pt"),
+          {n: p.detach() for n, p in model.named_parameters()}, what="Muon under HSDP 2x2")
     names = [n for n, _ in model.named_parameters()]
     _same({k: v for k, v in got["states"].items() if not k.endswith("/step")},
           {f"{names[i]}/{k}": v for i, st in opt.state_dict()["state"].items()
@@ -130,6 +132,14 @@ def _check_muon(out: str) -> None:
             M.W.train(resumed, M.store_other(name, resumed, store), M.K, M.N)
             _same({n: p.detach() for n, p in resumed.named_parameters()}, got,
                   what=f"{name} resumed")
+            if name == "NAdam":         # at 2 ranks into plain parameters: every state whole
+                plain = torch.load(f"{out}/NAdam-plain-states.pt")
+                fresh = ss.DeviceStore("cpu")
+                fresh.load_checkpoint(f"{out}/{name}-ckpt", progress=False)
+                one = M.store_other(name, M.make("muon"), fresh).state_dict()["state"]
+                assert plain.keys() == one.keys()
+                for i in one:
+                    _same(plain[i], one[i], what=f"NAdam plain at 2 ranks, parameter {i}")
     finally:
         torch.set_num_threads(threads)
 

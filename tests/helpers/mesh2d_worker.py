@@ -242,6 +242,9 @@ def mesh2x2(rank: int, world: int, out: str) -> None:
     hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     _train_beside_torch("hsdp", hsdp, out, rank)
     int8_saved(hsdp, out)
+    model = shard_2d("hsdp", make("muon"), hsdp)     # Muon gathered over a 2-D mesh
+    W.train(model, store_muon(model, ss.DeviceStore("cpu")), 0, N)
+    write(out, "muon-hsdp-final.pt", full_params(model))
     _train_beside_torch("tp", init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")),
                         out, rank)
 
@@ -312,3 +315,10 @@ def muon(rank: int, out: str) -> None:
         W.train(model, opt, K, N)
         write(out, f"{name}-final.pt", full_params(model))
         store.close()
+    # the sharded NAdam checkpoint into plain (not sharded) parameters at 2 ranks: the store
+    # loaded first takes this rank's rows, the optimizer then needs every state whole
+    plain = make("muon")
+    store = ss.DeviceStore("cpu")
+    store.load_checkpoint(os.path.join(out, "NAdam-ckpt"), progress=False)
+    opt = store_other("NAdam", plain, store)
+    write(out, "NAdam-plain-states.pt", opt.state_dict()["state"])
