@@ -32,7 +32,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 from torch import Tensor
 
-from .._regions import Region, chunk_region
+from .._regions import Region
 from ..errors import StateStoreError, StateStoreValueError
 
 __all__ = ["is_dtensor", "local", "local_shape", "local_grad", "DTensorParams", "as_param_layout",

@@ -8,11 +8,10 @@ pipeline's polling calls), except with ``release_grads`` when more gradient byte
 states than the store's budget.
 
 The gradient must reach ``step()`` unchanged (no clipping, unscaling or accumulation over
-several backward calls). The optimizer
-records each gradient (tensor, version and a digest of its values:
-:class:`~statestore.optim._backward_watch.GradMark`) when its hook fires; ``step()``
-compares, and a second hook call for one parameter before ``step()`` marks accumulation. Backward is never
-interrupted: the misuse is explained at ``step()``:
+several backward calls). The optimizer records each gradient (tensor, version and a digest
+of its values: :class:`~statestore.optim._backward_watch.GradMark`) when its hook fires;
+``step()`` compares, and a second hook call for one parameter before ``step()`` marks
+accumulation. Backward is never interrupted: the misuse is explained at ``step()``:
 
 * when nothing was updated yet (the first step: no plan to update during backward exists yet,
   so any loop that clips or accumulates is caught there), ``step()`` changes nothing and

@@ -69,7 +69,8 @@ def test_hsdp_and_fsdp_tp_match_torch_and_reshard(tmp_path):
         _same(torch.load(f"{out}/{kind}-1d-states_k.pt"), k_states, what=f"{kind} 2x2 -> 1-D 2")
         _same(torch.load(f"{out}/{kind}-1d-dcp_states_k.pt"), k_states,
               what=f"{kind} 2x2 DCP -> 1-D 2")
-        final, final1d = torch.load(f"{out}/{kind}-final.pt"), torch.load(f"{out}/{kind}-1d-final.pt")
+        final = torch.load(f"{out}/{kind}-final.pt")
+        final1d = torch.load(f"{out}/{kind}-1d-final.pt")
         _same(final["states"], final["torch"], exact=False, what=f"{kind} final against torch")
         _same(final1d["params"], final["params"], exact=False, what=f"{kind} 1-D 2 params")
         _same(final1d["states"], final["states"], exact=False, what=f"{kind} 1-D 2 states")
@@ -93,8 +94,9 @@ def _muon_reference(first: int, last: int, model=None, opt=None):
 def _check_muon(out: str) -> None:
     """StoreOptimizer(Muon) over 2 ranks' shards (uneven, empty) computes what torch's Muon
     computes on the unsharded model, bit for bit, as over HSDP's 2x2 mesh; its 2-rank
-    checkpoint resumes in one process bit for bit. The same for NAdam and ASGD (per-parameter scalar states, kept whole
-    by each rank) and Adafactor (gathered; its row and column variances kept whole)."""
+    checkpoint resumes in one process bit for bit. The same for NAdam and ASGD
+    (per-parameter scalar states, kept whole by each rank) and Adafactor (gathered; its row
+    and column variances kept whole)."""
     got = torch.load(f"{out}/muon-final.pt")
     model, opt = _muon_reference(0, M.N)
     _same(got["params"], {n: p.detach() for n, p in model.named_parameters()}, what="Muon")
