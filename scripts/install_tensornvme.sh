@@ -18,15 +18,15 @@ set -euo pipefail
 
 PY=${1:-.venv/bin/python}
 VERSION=0.1.0
-# the environment's torch release (the Makefile's TORCH in .venv): pinned while building
-TORCH_RELEASE="$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null)" \
-    || { echo "statestore setup: building tensornvme FAILED: $PY has no torch" >&2; exit 1; }
-TORCH_PIN="torch==$TORCH_RELEASE"
 
 say() { echo "statestore setup: $*" >&2; }
 fail() { say "building tensornvme $VERSION FAILED: $*"; exit 1; }
 
 [ -x "$PY" ] || fail "no python at $PY"
+# the environment's torch release (the Makefile's TORCH in .venv): pinned while building
+TORCH_RELEASE="$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null)" \
+    || fail "$PY has no torch"
+TORCH_PIN="torch==$TORCH_RELEASE"
 if "$PY" - "$VERSION" <<'EOF' 2>/dev/null
 import sys
 from importlib.metadata import version
