@@ -24,8 +24,8 @@ fail() { say "building tensornvme $VERSION FAILED: $*"; exit 1; }
 
 [ -x "$PY" ] || fail "no python at $PY"
 # the environment's torch release (the Makefile's TORCH in .venv): pinned while building
-TORCH_RELEASE="$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null)" \
-    || fail "$PY has no torch"
+TORCH_RELEASE="$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])' 2>&1)" \
+    || fail "$PY cannot import torch: ${TORCH_RELEASE##*$'\n'}"
 TORCH_PIN="torch==$TORCH_RELEASE"
 if "$PY" - "$VERSION" <<'EOF' 2>/dev/null
 import sys
