@@ -37,7 +37,8 @@ from .format import Manifest, ManifestRow
 from .parquet_guard import MAX_NDIM
 from .metadata import clip, is_int
 
-__all__ = ["MAX_MANIFEST_BYTES", "MAX_HEADER", "check_shard_header", "by_file",
+__all__ = ["MAX_MANIFEST_BYTES", "MAX_HEADER", "MAX_UNLISTED_EMPTY", "max_header_entries",
+           "check_shard_header", "by_file",
            "check_local_file", "check_layout", "pad_ranges", "check_zeros"]
 
 #: Largest manifest read (bytes): about two million tensors' rows. A larger
@@ -45,7 +46,21 @@ __all__ = ["MAX_MANIFEST_BYTES", "MAX_HEADER", "check_shard_header", "by_file",
 MAX_MANIFEST_BYTES = 256 << 20
 #: Largest safetensors header read (bytes).
 MAX_HEADER = 100 * 1024 * 1024
+#: Header entries a shard may hold beyond what its manifest rows and data bytes account for
+#: (:func:`max_header_entries`): zero-size states a store deleted before a linked save.
+MAX_UNLISTED_EMPTY = 1 << 16
 _ZERO_CHUNK = 1 << 20
+
+
+def max_header_entries(listed: int, data_bytes: int) -> int:
+    """Most entries the header of a real shard holding ``listed`` manifest rows and
+    ``data_bytes`` of data can have: a copied shard holds its listed tensors alone; a linked
+    one (a store's file) also the states deleted before the save, each taking at least 64
+    bytes of data (NVMeStore packs small states at 64 bytes) unless empty (at most
+    :data:`MAX_UNLISTED_EMPTY`), and one ``__pad__/<n>`` before any of them. So a header is
+    refused before it is decoded when it claims more (decoding costs some hundred bytes of
+    memory an entry: a 99 MiB header of 1.7 million empty entries took 28 s and 1 GiB)."""
+    return 2 * (listed + MAX_UNLISTED_EMPTY + data_bytes // 64) + 16
 
 
 def check_local_file(root: str, fpath: str, what: str) -> os.stat_result:
@@ -187,6 +202,23 @@ def check_shard_header(m: Manifest, name: str, rows: Sequence[ManifestRow]) -> i
             if n > min(size - 8, MAX_HEADER):
                 raise CheckpointCorruptError(f"{fpath}: header length {n} exceeds the file "
                                              f"({size} bytes)")
+            # every JSON object has a '{' byte (escapes exist only inside strings), so this
+            # bounds the entries from above before any is decoded (read in chunks: a refused
+            # header costs no more memory than a chunk)
+            claimed, left = -1, n
+            while left:
+                chunk = f.read(min(left, _ZERO_CHUNK))
+                if not chunk:
+                    break
+                claimed += chunk.count(b"{")
+                left -= len(chunk)
+            most = max_header_entries(len(rows), size - 8 - n)
+            if claimed > most:
+                raise CheckpointCorruptError(
+                    f"{fpath}: the shard header ({n} bytes) describes up to {claimed} tensors; "
+                    f"a shard of {len(rows)} listed tensors and {size - 8 - n} data bytes has "
+                    f"at most {most}; refused before decoding it")
+            f.seek(8)
             header = json.loads(f.read(n))
             if not isinstance(header, dict):
                 raise CheckpointCorruptError(f"{fpath}: bad safetensors header: not a JSON "
