@@ -365,6 +365,47 @@ SS_HD void absmax_step(float x, float& absmax, bool& finite) {
   finite = finite && (a <= kFltMax);
 }
 
+// The overflow rule of int8 moments. A finite gradient whose square overflows float32
+// (|g| above about 5.8e20 with beta2 = 0.999) makes exp_avg_sq +inf, in torch's AdamW as here;
+// the element's update m / inf is 0 in this step (computed before this rule applies) and, in
+// torch, in every later one. int8 codes have no infinity, and a block holding a non-finite
+// value is stored as NaN, which would turn a finite input into 256 NaN parameters. So, in a
+// block whose new exp_avg are all finite (no non-finite input reached it), each exp_avg_sq
+// that is +inf is stored as FLT_MAX and that element's exp_avg as +0: its later updates are
+// (new exp_avg) / (sqrt(FLT_MAX) / bc2_sqrt + eps), about 0 as torch's are 0, and the block's
+// other elements stay finite. A NaN exp_avg_sq stays NaN (scale NaN), and a block with a
+// non-finite exp_avg is unchanged: both come from non-finite inputs. The rule is applied only
+// to a block that would otherwise be stored as NaN, so no block stored finite before it
+// changes by a bit.
+//
+// Per element, on the new exp_avg_sq (the CUDA kernel):
+SS_HD void int8_saturate_v(float& mn, float& vn) {
+  if (vn > kFltMax) {
+    vn = kFltMax;
+    mn = 0.0f;
+  }
+}
+// Per block, on the square roots of the new exp_avg_sq (the CPU paths keep those): mt, st
+// hold the block's n new exp_avg and sqrt(exp_avg_sq) (sqrt is monotonic and correctly
+// rounded: sqrt(v) is +inf exactly where v is, and the largest root is the root of the
+// largest v, so the scales are those make_qscale_v gives for the saturated values); returns
+// the block's scales.
+SS_HD void int8_saturate_block(float* mt, float* st, int64_t n, QScale& qm, QScale& qv) {
+  const float root_max = sqrtf(kFltMax);
+  float am = 0.0f, as = 0.0f;
+  bool fm = true, fs = true;
+  for (int64_t j = 0; j < n; ++j) {
+    if (st[j] > kFltMax) {
+      st[j] = root_max;
+      mt[j] = 0.0f;
+    }
+    absmax_step(mt[j], am, fm);
+    absmax_step(st[j], as, fs);
+  }
+  qm = make_qscale_m(am, fm);
+  qv = make_qscale(as, fs, kInvTopV);
+}
+
 // One tensor of an Adam step, as raw pointers: the unit of work of every kernel (CPU SIMD and
 // scalar, CUDA), whatever the moments' encoding. Filled and checked once, for CPU and CUDA,
 // by statestore::checks::adam_jobs (csrc/adam/adam_checks.h).
@@ -455,7 +496,13 @@ SS_HD void adam_block_int8(const AdamTensorArgs& a, int64_t b, int64_t e, float*
     absmax_step(vt[i - b], av, fv);
     vt[i - b] = sqrtf(vt[i - b]);
   }
-  const QScale qm = make_qscale_m(am, fm), qv = make_qscale_v(av, fv);
+  QScale qm, qv;
+  if (fm && !fv) {
+    int8_saturate_block(mt, vt, e - b, qm, qv);   // the overflow rule (rare)
+  } else {
+    qm = make_qscale_m(am, fm);
+    qv = make_qscale_v(av, fv);
+  }
   a.m_scale[blk] = qm.scale;
   a.v_scale[blk] = qv.scale;
   for (int64_t i = b; i < e; ++i) encode_element_int8(i, a, qm, qv, mt[i - b], vt[i - b]);

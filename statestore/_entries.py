@@ -6,7 +6,7 @@ from typing import Any, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from ._types import MAX_NDIM, StateKey, StateSpec, as_key
+from ._types import MAX_NDIM, StateKey, StateSpec, as_key, check_key
 from .errors import StateKeyError, StateStoreValueError
 
 __all__ = ["SUPPORTED_DTYPES", "check_entries", "check_value", "data_problem"]
@@ -51,7 +51,7 @@ def check_entries(entries: Iterable[Tuple[Any, Sequence[int], torch.dtype, Optio
         except (TypeError, ValueError):
             raise StateStoreValueError(
                 f"create_many entries are (key, shape, dtype, init), got {entry!r}") from None
-        k = as_key(key)
+        k = check_key(as_key(key))      # the door: every form, StateKey included
         if k in existing or k in seen:
             raise StateKeyError(f"state {k} already exists")
         if not isinstance(dtype, torch.dtype) or dtype not in SUPPORTED_DTYPES:

@@ -1,8 +1,9 @@
 """Small value types shared by stores, the pipeline, the checkpoint code and the optimizers."""
 from __future__ import annotations
 
+import reprlib
 from dataclasses import dataclass
-from typing import Callable, Dict, List, NamedTuple, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -11,8 +12,8 @@ from .errors import StateStoreValueError
 #: Most dimensions a state's shape may have (stores and checkpoint manifests alike).
 MAX_NDIM = 64
 
-__all__ = ["StateKey", "StateSpec", "Slice", "LinkableFile", "as_key", "DTYPE_NAMES", "MAX_NDIM",
-           "dtype_from_name", "dtype_name"]
+__all__ = ["StateKey", "StateSpec", "Slice", "LinkableFile", "as_key", "check_key", "key_problem",
+           "short_repr", "DTYPE_NAMES", "MAX_NDIM", "dtype_from_name", "dtype_name"]
 
 
 class StateKey(NamedTuple):
@@ -34,28 +35,75 @@ class StateKey(NamedTuple):
         """Inverse of ``str(key)``: splits at the last ``/``."""
         param, sep, state = text.rpartition("/")
         if not sep or not param or not state:
-            raise ValueError(f"not a state key (expected 'param/state'): {text!r}")
+            raise ValueError(f"not a state key (expected 'param/state'): {short_repr(text)}")
         return cls(param, state)
+
+
+def short_repr(value, limit: int = 120) -> str:
+    """``repr(value)`` cut to about ``limit`` characters (before formatting: never a copy of
+    a long string), with a long string's length: keys in messages stay short."""
+    r = reprlib.Repr()
+    r.maxstring = r.maxother = r.maxlong = limit
+    r.maxlevel = 2
+    text = r.repr(value)
+    if isinstance(value, str) and len(value) > limit:
+        text += f" ({len(value)} characters)"
+    return text
+
+
+def key_problem(param, state) -> Optional[str]:
+    """What makes ``(param, state)`` no state key (None when nothing does): the rules the
+    checkpoint reader applies to every manifest row, so a store never holds a state its own
+    checkpoint could not load (``docs/errors.md``, "State keys")."""
+    if not isinstance(param, str) or not isinstance(state, str):
+        return (f"param and state must be str, got {type(param).__name__} and "
+                f"{type(state).__name__}")
+    if not param:
+        return "the parameter name is empty"
+    if not state:
+        return "the state name is empty"
+    if "/" in state:
+        return "a state name cannot contain '/' (str(key) would name another state)"
+    if not (param.isascii() and state.isascii()):
+        try:
+            param.encode("utf-8")
+            state.encode("utf-8")
+        except UnicodeEncodeError:
+            return "not encodable as UTF-8 (a lone surrogate)"
+    return None
+
+
+def check_key(key: "StateKey") -> "StateKey":
+    """``key`` (a :class:`StateKey`) if it is a valid state key, else
+    :class:`StateStoreValueError` naming it and what is wrong: the door every new state
+    passes (``StateStore.create_many``)."""
+    problem = key_problem(key.param, key.state)
+    if problem is not None:
+        raise StateStoreValueError(f"state key ({short_repr(key.param)}, "
+                                   f"{short_repr(key.state)}): {problem}")
+    return key
 
 
 def as_key(key) -> StateKey:
     """``key`` as a :class:`StateKey`: a StateKey, a ``(param, state)`` tuple of str or a
-    ``"param/state"`` string.
+    ``"param/state"`` string. The tuple and string forms are checked as keys are at
+    creation (:func:`check_key`), so ``("a", "")`` is refused as ``"a/"`` is; a StateKey is
+    taken as it is (a lookup of an invalid one finds no state).
 
     Raises:
-        StateStoreValueError: ``key`` is none of these.
+        StateStoreValueError: ``key`` is none of these, or not a valid key.
     """
     if isinstance(key, StateKey):
         return key
     if isinstance(key, tuple) and len(key) == 2 and all(isinstance(k, str) for k in key):
-        return StateKey(*key)
+        return check_key(StateKey(*key))
     if isinstance(key, str):
         try:
-            return StateKey.parse(key)
+            return check_key(StateKey.parse(key))
         except ValueError as e:
             raise StateStoreValueError(str(e)) from None
     raise StateStoreValueError(f"a state key must be a StateKey, a (param, state) tuple of str "
-                               f"or a 'param/state' string, got {key!r}")
+                               f"or a 'param/state' string, got {short_repr(key)}")
 
 
 @dataclass(frozen=True)

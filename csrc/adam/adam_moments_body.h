@@ -397,6 +397,19 @@ struct SimdMoments {
       const int32_t bits = static_cast<int32_t>(statestore::float_to_bits(vt[i - b]));
       vmin = bits < vmin ? bits : vmin;
     }
+    if (fm && !fv) {
+      // rare: an exp_avg_sq overflowed to +inf (statestore::int8_saturate_block, the overflow
+      // rule): its own scales, and the general encoding (no normal-range shortcut)
+      QScale qm, qv;
+      statestore::int8_saturate_block(mt, vt, e - b, qm, qv);
+      a.m_scale[blk] = qm.scale;
+      a.v_scale[blk] = qv.scale;
+      i = statestore::encode_block_ok(qm) && statestore::encode_block_ok(qv)
+              ? encode_int8<kStoch, true, false>(a, b, e, mt, vt, qm, qv)
+              : encode_int8<kStoch, false, false>(a, b, e, mt, vt, qm, qv);
+      for (; i < e; ++i) statestore::encode_element_int8(i, a, qm, qv, mt[i - b], vt[i - b]);
+      return;
+    }
     const QScale qm = statestore::make_qscale_m(amx, fm), qv = statestore::make_qscale_v(avx, fv);
     a.m_scale[blk] = qm.scale;
     a.v_scale[blk] = qv.scale;

@@ -1,6 +1,6 @@
 // Fused multi-tensor CUDA Adam over compressed moments. Element math: csrc/adam_math.h
-// (adam_element_bf16m; adam_element_int8_update, make_qscale_m/_v and encode_element_int8), the
-// functions the CPU kernels use. An int8 block of kQBlock elements is one thread block of
+// (adam_element_bf16m; adam_element_int8_update, make_qscale_m/_v, int8_saturate_v and
+// encode_element_int8), the functions the CPU kernels use. An int8 block of kQBlock elements is one thread block of
 // kQBlock threads: each thread decodes and updates its element (keeping the new moments in
 // registers), the block's largest magnitudes come from a warp-shuffle and shared-memory
 // reduction (max is exact, so the order does not matter), then each thread writes its codes.
@@ -50,11 +50,38 @@ __device__ __forceinline__ void int8_chunk(const AdamTensorArgs& t, int64_t b, i
   }
   // a barrier: every thread has read the old scales and written its warp's maxima
   const bool all_fm = __syncthreads_and(fm) != 0;
-  const bool all_fv = __syncthreads_and(fv) != 0;
+  bool all_fv = __syncthreads_and(fv) != 0;
   float AM = 0.0f, AV = 0.0f;
   for (int w = 0; w < kWarps; ++w) {
     AM = fmaxf(AM, red_m[w]);
     AV = fmaxf(AV, red_v[w]);
+  }
+  if (all_fm && !all_fv) {
+    // rare: an exp_avg_sq overflowed to +inf (int8_saturate_v, the overflow rule). The
+    // condition is the same in every thread of the block, so its barriers are reached by all.
+    am = 0.0f;
+    av = 0.0f;
+    fv = true;
+    if (in) {
+      int8_saturate_v(mn, vn);
+      bool fm2 = true;
+      absmax_step(mn, am, fm2);
+      absmax_step(vn, av, fv);
+    }
+    am = warp_max(am);
+    av = warp_max(av);
+    __syncthreads();                  // every thread has read the first maxima
+    if ((threadIdx.x & 31) == 0) {
+      red_m[threadIdx.x >> 5] = am;
+      red_v[threadIdx.x >> 5] = av;
+    }
+    all_fv = __syncthreads_and(fv) != 0;
+    AM = 0.0f;
+    AV = 0.0f;
+    for (int w = 0; w < kWarps; ++w) {
+      AM = fmaxf(AM, red_m[w]);
+      AV = fmaxf(AV, red_v[w]);
+    }
   }
   const QScale qm = make_qscale_m(AM, all_fm), qv = make_qscale_v(AV, all_fv);
   if (threadIdx.x == 0) {

@@ -27,7 +27,7 @@ import json
 import os
 import stat
 import struct
-from typing import Any, Dict, Iterable, List, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, NamedTuple, Sequence, Tuple
 
 from .._safetensors_layout import PAD_PREFIX
 from .._types import dtype_from_name
@@ -37,7 +37,8 @@ from .format import Manifest, ManifestRow
 from .parquet_guard import MAX_NDIM
 from .metadata import clip, is_int
 
-__all__ = ["MAX_MANIFEST_BYTES", "MAX_HEADER", "check_shard_header", "by_file",
+__all__ = ["MAX_MANIFEST_BYTES", "MAX_HEADER", "MAX_UNLISTED_EMPTY", "max_header_entries",
+           "check_shard_header", "by_file",
            "check_local_file", "check_layout", "pad_ranges", "check_zeros"]
 
 #: Largest manifest read (bytes): about two million tensors' rows. A larger
@@ -45,7 +46,21 @@ __all__ = ["MAX_MANIFEST_BYTES", "MAX_HEADER", "check_shard_header", "by_file",
 MAX_MANIFEST_BYTES = 256 << 20
 #: Largest safetensors header read (bytes).
 MAX_HEADER = 100 * 1024 * 1024
+#: Header entries a shard may hold beyond what its manifest rows and data bytes account for
+#: (:func:`max_header_entries`): zero-size states a store deleted before a linked save.
+MAX_UNLISTED_EMPTY = 1 << 16
 _ZERO_CHUNK = 1 << 20
+
+
+def max_header_entries(listed: int, data_bytes: int) -> int:
+    """Most entries the header of a real shard holding ``listed`` manifest rows and
+    ``data_bytes`` of data can have: a copied shard holds its listed tensors alone; a linked
+    one (a store's file) also the states deleted before the save, each taking at least 64
+    bytes of data (NVMeStore packs small states at 64 bytes) unless empty (at most
+    :data:`MAX_UNLISTED_EMPTY`), and one ``__pad__/<n>`` before any of them. So a header is
+    refused before it is decoded when it claims more (decoding costs some hundred bytes of
+    memory an entry: a 99 MiB header of 1.7 million empty entries took 28 s and 1 GiB)."""
+    return 2 * (listed + MAX_UNLISTED_EMPTY + data_bytes // 64) + 16
 
 
 def check_local_file(root: str, fpath: str, what: str) -> os.stat_result:
@@ -72,6 +87,53 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+class HeaderEntry(NamedTuple):
+    """A header entry of the usual form (``dtype`` a str, ``shape`` a list of ints,
+    ``data_offsets`` two ints; nothing else), as decoded: a small record instead of a dict of
+    lists (about 600 bytes of objects an entry become about 200: a header of millions of
+    entries is what a real shard of millions of small states holds). Entries of any other
+    form stay dicts, for :func:`check_layout` to name what is wrong with them."""
+
+    dtype: str
+    shape: Tuple[int, ...]
+    start: int
+    end: int
+
+
+_ENTRY_KEYS = frozenset(("dtype", "shape", "data_offsets"))
+
+
+def decode_header(raw: Any) -> Any:
+    """The JSON of a safetensors header, its entries of the usual form as
+    :class:`HeaderEntry` (dtypes and shapes shared between entries)."""
+    shared: Dict[Any, Any] = {}
+
+    def obj(pairs):
+        if len(pairs) == 3:
+            d = dict(pairs)
+            if d.keys() == _ENTRY_KEYS:
+                dt, shape, offs = d["dtype"], d["shape"], d["data_offsets"]
+                if isinstance(dt, str) and isinstance(shape, list) and len(shape) <= MAX_NDIM \
+                        and all(_is_int(x) for x in shape) and isinstance(offs, list) \
+                        and len(offs) == 2 and _is_int(offs[0]) and _is_int(offs[1]):
+                    shape_t = tuple(shape)
+                    dt = shared.setdefault(dt, dt)
+                    shape_t = shared.setdefault(("shape", shape_t), shape_t)
+                    a, b = offs
+                    return HeaderEntry(dt, shape_t, a, a if b == a else b)
+            return d
+        return dict(pairs)
+
+    return json.loads(raw, object_pairs_hook=obj)
+
+
+def _entry_fields(h: Any) -> Tuple[Any, Any, Any]:
+    """``(data_offsets, shape, dtype)`` of a header entry as lists, as JSON has them."""
+    if isinstance(h, HeaderEntry):
+        return [h.start, h.end], list(h.shape), h.dtype
+    return h.get("data_offsets"), h.get("shape"), h.get("dtype")
+
+
 def check_layout(fpath: str, header: Dict[str, Any], data_start: int, size: int) -> None:
     """The safetensors rules over the whole file (see the module docstring)."""
     meta = header.get("__metadata__")
@@ -83,10 +145,10 @@ def check_layout(fpath: str, header: Dict[str, Any], data_start: int, size: int)
     for name, h in header.items():
         if name == "__metadata__":
             continue
-        if not isinstance(h, dict):
+        if not isinstance(h, (dict, HeaderEntry)):
             raise CheckpointCorruptError(f"{fpath}: bad safetensors header: entry {clip(name)} "
                                          f"is not an object")
-        offs, shape, dt = h.get("data_offsets"), h.get("shape"), h.get("dtype")
+        offs, shape, dt = _entry_fields(h)
         if not isinstance(offs, list) or len(offs) != 2 or not all(_is_int(x) for x in offs) \
                 or not 0 <= offs[0] <= offs[1]:
             raise CheckpointCorruptError(f"{fpath}: tensor {clip(name)}: bad data_offsets "
@@ -127,8 +189,11 @@ def check_layout(fpath: str, header: Dict[str, Any], data_start: int, size: int)
 
 def pad_ranges(header: Dict[str, Any], data_start: int) -> List[Tuple[int, int]]:
     """``(absolute offset, bytes)`` of the shard's pad tensors, in file order."""
-    out = [(data_start + h["data_offsets"][0], h["data_offsets"][1] - h["data_offsets"][0])
-           for name, h in header.items() if name.startswith(PAD_PREFIX) and isinstance(h, dict)]
+    out = []
+    for name, h in header.items():
+        if name.startswith(PAD_PREFIX) and isinstance(h, (dict, HeaderEntry)):
+            offs = _entry_fields(h)[0]
+            out.append((data_start + offs[0], offs[1] - offs[0]))
     return sorted(r for r in out if r[1] > 0)
 
 
@@ -187,7 +252,26 @@ def check_shard_header(m: Manifest, name: str, rows: Sequence[ManifestRow]) -> i
             if n > min(size - 8, MAX_HEADER):
                 raise CheckpointCorruptError(f"{fpath}: header length {n} exceeds the file "
                                              f"({size} bytes)")
-            header = json.loads(f.read(n))
+            # every JSON object has a '{' byte (escapes exist only inside strings), so this
+            # bounds the entries from above before any is decoded (read in chunks: a refused
+            # header costs no more memory than a chunk)
+            claimed, left = -1, n
+            while left:
+                chunk = f.read(min(left, _ZERO_CHUNK))
+                if not chunk:
+                    break
+                claimed += chunk.count(b"{")
+                left -= len(chunk)
+            most = max_header_entries(len(rows), size - 8 - n)
+            if claimed > most:
+                raise CheckpointCorruptError(
+                    f"{fpath}: the shard header ({n} bytes) describes up to {claimed} tensors; "
+                    f"a shard of {len(rows)} listed tensors and {size - 8 - n} data bytes has "
+                    f"at most {most}; refused before decoding it")
+            f.seek(8)
+            text = f.read(n).decode("utf-8")     # (the bytes freed before decoding the JSON)
+            header = decode_header(text)
+            del text
             if not isinstance(header, dict):
                 raise CheckpointCorruptError(f"{fpath}: bad safetensors header: not a JSON "
                                              f"object")
@@ -202,16 +286,15 @@ def check_shard_header(m: Manifest, name: str, rows: Sequence[ManifestRow]) -> i
     prev_end, prev_key = data_start, None
     for r in sorted(rows, key=lambda r: (r["offset"], r["nbytes"])):
         h = header.get(r["key"])
-        if not isinstance(h, dict) or "data_offsets" not in h:
+        if not isinstance(h, (dict, HeaderEntry)) or _entry_fields(h)[0] is None:
             raise CheckpointCorruptError(f"{fpath}: tensor {clip(r['key'])} missing from the shard header")
-        offs = h["data_offsets"]
+        offs, shape, dt = _entry_fields(h)
         if not isinstance(offs, list) or len(offs) != 2 or not all(is_int(x) for x in offs) \
                 or not 0 <= offs[0] <= offs[1]:
             raise CheckpointCorruptError(f"{fpath}: tensor {clip(r['key'])}: bad data_offsets "
                                          f"{str(offs)[:100]}")
         a, b = offs
-        shape = h.get("shape")
-        if data_start + a != r["offset"] or b - a != r["nbytes"] or h.get("dtype") != r["dtype"] \
+        if data_start + a != r["offset"] or b - a != r["nbytes"] or dt != r["dtype"] \
                 or not isinstance(shape, list) or shape != list(r["shape"]):
             raise CheckpointCorruptError(f"{fpath}: tensor {clip(r['key'])}: shard header disagrees "
                                          f"with the manifest")

@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 import xxhash
 
 from .._safetensors_layout import layout
-from .._types import StateKey
+from .._types import StateKey, check_key
 from ..errors import CheckpointError, StateStoreError, StateStoreIOError, StateStoreValueError
 from .digest import KEY, manifest_digest
 from .filesystem import (close_quietly, commit, fsync_dir, is_local, join, open_for_write,
@@ -76,6 +76,9 @@ def write_shards(store, fs, root: str, keys: List[StateKey], stem: str, shard_by
     With ``link``, the store's own files that can serve as shards (``NVMeStore`` files on
     the same local filesystem, ``store.links``) are hard-linked and frozen instead of
     copied: only states whose checksum the store does not know are read. The rest is copied."""
+    for k in keys:
+        check_key(k)        # nothing written that the loader would refuse (keys pass it at
+        # creation; this holds for a backend that bypassed create_many too)
     rows: List[ManifestRow] = []
     n = 0
     order = None

@@ -147,6 +147,8 @@ def _unfused(idx: List[int], params, grads, ms, vs, m_sc, v_sc, vmax, masters, k
               max_exp_avg_sqs=[vmax[i] for i in idx] if amsgrad else None,
               masters=[masters[i] for i in idx] if has_masters else None, **kw)
     for j, i in enumerate(idx):
+        if kind == "int8":
+            Q.int8_saturate(m32[j], v32[j])
         for which, x, codes, sc in ((0, m32[j], ms[i], m_sc[i]), (1, v32[j], vs[i], v_sc[i])):
             c, s = Q.encode(kind, which, x.cpu(), seed=int(seeds[i][which]),
                             offset=int(offsets[i]), rounding=rounding)

@@ -44,6 +44,12 @@ same fp32 moments (the tests check it). The format is specified in ``docs/moment
     zeros (scale 0); a block holding inf or nan has scale nan and codes 0, so it decodes to
     nan (the whole block, as a non-finite moment would poison the update anyway).
 
+    In an Adam step (:func:`int8_saturate`): a finite gradient whose square overflows
+    float32 makes ``exp_avg_sq`` +inf, as in torch's AdamW, where the element's updates are
+    0 from then on. In a block whose new ``exp_avg`` are all finite, such an ``exp_avg_sq`` is
+    stored as the largest float32 and its ``exp_avg`` as 0 (later updates about 0), so a
+    finite input never makes a block NaN.
+
     :data:`INT8_ENCODING` names this encoding (version 2) in checkpoints. Version 1, the
     power maps ``sign(c) (c/127)**2 scale`` / ``(c/255)**4 scale`` of earlier releases, can
     still be decoded (:func:`int8_decode_m_v1`, :func:`int8_decode_v_v1`: ``statestore
@@ -64,7 +70,7 @@ from torch import Tensor
 
 __all__ = ["BLOCK", "M_LEVELS", "V_LEVELS", "ROUNDINGS", "INT8_ENCODING", "hash32",
            "moment_seed", "key_hash", "bf16_encode", "bf16_decode", "int8_encode_m",
-           "int8_decode_m", "int8_encode_v", "int8_decode_v", "int8_decode_m_v1",
+           "int8_decode_m", "int8_encode_v", "int8_decode_v", "int8_saturate", "int8_decode_m_v1",
            "int8_decode_v_v1", "nblocks"]
 
 #: Elements per int8 block (one fp32 scale each).
@@ -270,6 +276,26 @@ def int8_decode_v(codes: Tensor, scales: Tensor) -> Tensor:
     cb, n = _blocks(codes.reshape(-1).to(torch.int64))
     t = _val(cb, 1) * scales.to(torch.float32)[:, None]
     return (t * t).reshape(-1)[:n]
+
+
+def int8_saturate(m: Tensor, v: Tensor) -> None:
+    """The overflow rule of an Adam step over int8 moments (``int8_saturate_block`` of
+    ``csrc/adam_math.h``), in place on the new fp32 moments ``m``, ``v`` (flat, element 0 at
+    a block boundary): in each block whose ``m`` are all finite, every ``v`` that is +inf (a
+    finite gradient whose square overflowed float32) becomes the largest float32 and its
+    ``m`` becomes +0, so the block is stored finite instead of as NaN. Other blocks are left
+    as they are (a block stored finite before the rule is unchanged by it)."""
+    n = m.numel()
+    over = v.reshape(-1) > torch.finfo(torch.float32).max
+    if n == 0 or not bool(over.any()):
+        return
+    nb = nblocks(n)
+    m_ok = torch.ones(nb * BLOCK, dtype=torch.bool, device=m.device)
+    m_ok[:n] = torch.isfinite(m.reshape(-1))
+    block_ok = m_ok.view(nb, BLOCK).all(dim=1)
+    hit = over & block_ok.repeat_interleave(BLOCK)[:n]
+    v.reshape(-1)[hit] = torch.finfo(torch.float32).max
+    m.reshape(-1)[hit] = 0.0
 
 
 def int8_decode_m_v1(codes: Tensor, scales: Tensor) -> Tensor:

@@ -125,7 +125,11 @@ class ModuleHooks:
         self.owner, self.model, self.params, self.names = owner, model, params, names
         self.modules, self.mod_params, self.ra, self.holds = modules, mod_params, ra, holds
         self._uib: Set[Tensor] = set()          # parameters an optimizer updates in backward
-        self._opt_wait: Set[Tensor] = set()     # ... kept from their gradient to their update
+        # ... kept from their gradient to their update (their bytes, oldest first), at most
+        # ReadAhead.hold_cap bytes of them: the older ones beyond are released (_trim_waiting)
+        self._opt_wait: Dict[Tensor, int] = {}
+        self._wait_bytes = 0
+        self._trimmed: Set[Tensor] = set()     # ... released by the cap before their update
         self._applied: Set[Tensor] = set()      # ... updated before their accumulation hook
         self._to_release: List[Tensor] = []
         self._stack: List[Tuple[int, bool]] = []
@@ -165,6 +169,8 @@ class ModuleHooks:
         self._outer_task = None
         self.holds.clear()
         self._opt_wait.clear()
+        self._wait_bytes = 0
+        self._trimmed.clear()
 
     def remove(self) -> None:
         self._handles.remove_all()
@@ -204,10 +210,12 @@ class ModuleHooks:
         ra, holds = self.ra, self.holds
         ra.end_iteration()
         self._applied.clear()
+        self._trimmed.clear()
         for p in self._opt_wait:            # step() was not called: nothing will update them
             holds.opt.discard(p)
             self._to_release.append(p)
         self._opt_wait.clear()
+        self._wait_bytes = 0
         if self._tasks or self._outer_task is not None:
             # a backward that raised never reached its end callbacks: no backward runs now
             self._tasks.clear()
@@ -313,12 +321,30 @@ class ModuleHooks:
             tasks.discard(task)
         if p in self._applied:              # its update came first (the optimizer's hook ran
             self._applied.discard(p)        # before this one)
-        elif p in self._uib:
+        elif p in self._uib and p not in self._opt_wait:
             # an optimizer updates it during backward, maybe only once its states arrive:
-            # keep it until then rather than read it again (released by end_update)
+            # keep it until then rather than read it again (released by end_update), within
+            # the cap of _trim_waiting
             self.holds.opt.add(p)
-            self._opt_wait.add(p)
+            nb = p.numel() * p.dtype.itemsize
+            self._opt_wait[p] = nb
+            self._wait_bytes += nb
+            self._trim_waiting()
         self._to_release.append(p)
+
+    def _trim_waiting(self) -> None:
+        """Keep at most ``ra.hold_cap`` bytes of parameters waiting for their update (the
+        newest always): an optimizer whose states arrive late (its store's reads and write-
+        behind decide when) would otherwise hold every parameter of the backward so far
+        (7 of 12 layers, 3x the store's budget). The oldest are released: their values are
+        in the store (not yet updated), and their update reads them again."""
+        cap = self.ra.hold_cap
+        while cap is not None and self._wait_bytes > cap and len(self._opt_wait) > 1:
+            p = next(iter(self._opt_wait))
+            self._wait_bytes -= self._opt_wait.pop(p)
+            self.holds.opt.discard(p)
+            self._trimmed.add(p)
+            self.ra.maybe_release(p)
 
     def _fallback_forward(self, p: Tensor) -> None:
         """A torch function reads released parameter ``p`` in the root's forward: fetch it
@@ -380,7 +406,9 @@ class ModuleHooks:
                 self.ra.write_back(p)
                 self.holds.opt.discard(p)
                 if p in self._opt_wait:
-                    self._opt_wait.discard(p)
+                    self._wait_bytes -= self._opt_wait.pop(p)
+                elif p in self._trimmed:
+                    self._trimmed.discard(p)
                 elif graph_task() >= 0:
                     self._applied.add(p)
                 self.ra.maybe_release(p)

@@ -95,11 +95,17 @@ class ReadAhead:
         self.keys, self.by_key, self.mod_params, self.holds = keys, by_key, mod_params, holds
         self.alias = store.resident and store.device == device
         self.io = not store.resident
+        # Most bytes of parameters kept materialized for an optimizer, beyond the modules
+        # computing: waiting for their update in backward (ModuleHooks._trim_waiting), and
+        # updated but not yet written back (write_back), each at most half the store's budget
+        # (None: the data is the store's own tensor, nothing is held)
+        self.hold_cap: Optional[int] = None if self.alias else max(1, store.budget_bytes // 2)
         self.data: Dict[Tensor, Tensor] = {}
         self.released: Set[Tensor] = set()
         self.busy = 0
         self.stats = {"reads": 0, "read_bytes": 0, "writes": 0, "sync_reads": 0}
         self._dirty: Dict[Tensor, Tensor] = {}      # updated values not yet written back
+        self._dirty_bytes = 0
         self._slices: Dict[Tensor, List[Slice]] = {}
         self._placeholders: Dict[Tuple[torch.dtype, torch.device], Tensor] = {}
         # iterations and their recorded order of module requests (by grad mode)
@@ -245,18 +251,31 @@ class ReadAhead:
         if self.store.resident:
             self.store.put(self.keys[p], self.data[p])
         else:
-            self._dirty[p] = self.data[p]
+            t = self.data[p]
+            old = self._dirty.get(p)
+            if old is not None:
+                self._dirty_bytes -= old.numel() * old.dtype.itemsize
+            self._dirty[p] = t
+            self._dirty_bytes += t.numel() * t.dtype.itemsize
 
     def write_back(self, p: Tensor) -> None:
         """As :meth:`stage_write`, and written back at once unless a read-ahead window is
-        open (then when it closes)."""
+        open (then when it closes) and the updates kept stay within :attr:`hold_cap`: past
+        it, the window is closed (its reads are dropped, and made again at the next module)
+        and everything is written back now, so an optimizer updating many parameters while
+        one window is open never keeps them all."""
         self.stage_write(p)
+        if p not in self._dirty:
+            return
         run = self._run
-        if p in self._dirty and (run is None or run.window is None):
+        if run is None or run.window is None:
             self.flush_dirty()
+        elif self.hold_cap is not None and self._dirty_bytes > self.hold_cap:
+            self.suspend()
 
     def flush_dirty(self) -> None:
         todo, self._dirty = self._dirty, {}
+        self._dirty_bytes = 0
         for p, t in todo.items():
             self.store.put(self.keys[p], self.mover.to_host(t))
             self.stats["writes"] += 1

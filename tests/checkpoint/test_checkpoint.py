@@ -628,3 +628,25 @@ def test_import_statestore_does_not_load_the_checkpoint_package():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        timeout=300, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_save_never_commits_a_key_the_loader_refuses(tmp_path):
+    """Keys are checked where they enter a store; a backend that bypassed that (here: a
+    catalogue entry made directly) still cannot make a save replace a good checkpoint with
+    one its loader refuses: the save checks every key before writing a byte."""
+    from statestore._types import StateKey, StateSpec
+    path = str(tmp_path / "ck")
+    s = ss.DeviceStore("cpu")
+    s.create("a/x", (3,), init=torch.arange(3.0))
+    s.save_checkpoint(path)
+    with pytest.raises(ss.StateStoreValueError, match="state name is empty"):
+        s.create(("a", ""), (3,))
+    bad, spec = StateKey("a", ""), StateSpec((3,), torch.float32)
+    s._allocate([(bad, spec)])
+    s._specs[bad] = spec
+    with pytest.raises(ss.StateStoreValueError, match=r"state key \('a', ''\)"):
+        s.save_checkpoint(path)
+    ss.checkpoint.verify_checkpoint(path)
+    t = ss.DeviceStore("cpu")
+    t.load_checkpoint(path)
+    assert torch.equal(t.get("a/x"), torch.arange(3.0)) and len(t) == 1

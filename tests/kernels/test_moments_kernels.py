@@ -285,3 +285,52 @@ def test_cuda_matches_cpu_bitwise(kind, pdtype, amsgrad):
     gpu = {k: (t.cuda() if t is not None else None) for k, t in c.items()}
     fused(gpu, kind, "stochastic", amsgrad=amsgrad)
     same(cpu, {k: (t.cpu() if t is not None else None) for k, t in gpu.items()})
+
+
+@pytest.mark.parametrize("simd", PATHS, indirect=True)
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("amsgrad", [False, True])
+@pytest.mark.parametrize("big", [1e21, -1e30, 3.4e38])
+def test_finite_gradient_whose_square_overflows_keeps_int8_block_finite(simd, rounding,
+                                                                       amsgrad, big):
+    """A finite gradient whose square overflows float32 (torch's exp_avg_sq: +inf) leaves
+    every scale, moment and parameter finite (the overflow rule of ``csrc/adam_math.h``), on
+    every path bit for bit, in this step and the next; the element's exp_avg_sq is stored as
+    the largest float32 and its exp_avg as 0, and it moves no more than torch's (0)."""
+    c = make(1003, "int8", amsgrad=amsgrad, seed=4)
+    c["g"][300] = big                          # block 1 of 4; element 1000: the partial block
+    c["g"][1000] = -big
+    a, b = copy(c), copy(c)
+    fused(a, "int8", rounding, amsgrad=amsgrad)
+    unfused(b, "int8", rounding, amsgrad=amsgrad)
+    same(a, b)
+    for x in (a["ms"], a["vs"], a["p"]):
+        assert torch.isfinite(x).all()
+    m = Q.decode("int8", 0, a["m"], a["ms"])
+    v = Q.decode("int8", 1, a["v"], a["vs"])
+    assert torch.isfinite(m).all() and torch.isfinite(v).all()
+    assert m[300] == 0 and m[1000] == 0 and v[300] > 3e38 and v[1000] > 3e38
+    assert torch.equal(a["ms"][[0, 2]], b["ms"][[0, 2]])
+    w300 = a["p"][300].clone()
+    for d in (a, b):
+        d["g"] = torch.randn(1003, generator=torch.Generator().manual_seed(5)) * 0.1
+    fused(a, "int8", rounding, step=4, amsgrad=amsgrad)
+    unfused(b, "int8", rounding, step=4, amsgrad=amsgrad)
+    same(a, b)
+    assert torch.isfinite(a["p"]).all() and torch.isfinite(a["ms"]).all()
+    assert float((a["p"][300] - w300 * (1 - HP["lr"] * HP["weight_decay"])).abs()) < 1e-12
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or ext is None
+                    or not getattr(ext, "with_cuda", False), reason="needs CUDA and the CUDA kernel")
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_cuda_overflow_rule_matches_cpu_bitwise(amsgrad):
+    c = make(3 * 16384 + 777, "int8", amsgrad=amsgrad, seed=9)
+    c["g"][300] = 1e30
+    c["g"][3 * 16384 + 700] = -1e21             # the partial last block
+    cpu = copy(c)
+    fused(cpu, "int8", "stochastic", amsgrad=amsgrad)
+    gpu = {k: (t.cuda() if t is not None else None) for k, t in c.items()}
+    fused(gpu, "int8", "stochastic", amsgrad=amsgrad)
+    same(cpu, {k: (t.cpu() if t is not None else None) for k, t in gpu.items()})
+    assert torch.isfinite(cpu["ms"]).all() and torch.isfinite(cpu["vs"]).all()

@@ -118,6 +118,29 @@ def test_close_to_torch_adamw(md, pdtype):
 
 
 @pytest.mark.parametrize("md", ["fp32"] + MOMENTS)
+@pytest.mark.parametrize("big", [1e21, 1e30])
+def test_finite_gradient_keeps_every_parameter_finite_as_torch(md, big):
+    """A finite gradient element whose square overflows float32: torch's exp_avg_sq is +inf,
+    its parameter stops moving and every parameter stays finite; so here, for every
+    moment_dtype (int8 used to store the whole block of 256 as NaN)."""
+    params = make_params(shapes=[(1000,)])
+    ref = clone(params)
+    grads = grads_for(params, 4)
+    grads[0][0][300] = big
+    opt = CPUAdam(params, lr=1e-3, moment_dtype=md, skip_nonfinite=True)
+    topt = torch.optim.AdamW(ref, lr=1e-3, weight_decay=0.0, foreach=False)
+    train(opt, params, grads)
+    train(topt, ref, grads)
+    p, r = params[0].detach(), ref[0].detach()
+    assert torch.isfinite(r).all() and torch.isfinite(p).all()
+    assert float((p[300] - r[300]).abs()) < 1e-6          # torch's: frozen since step 1
+    st = opt.state_dict()["state"][0]
+    assert torch.isfinite(st["exp_avg"]).all()
+    near = [i for i in range(1000) if i // 256 != 1]
+    assert float((p[near] - r[near]).abs().max()) < 1e-3   # other blocks: as before
+
+
+@pytest.mark.parametrize("md", ["fp32"] + MOMENTS)
 def test_stats_nbytes_shows_saving(md):
     params = make_params(shapes=[(1000, 256)])
     with ss.DeviceStore("cpu") as st:

@@ -563,6 +563,15 @@ def _with_state(c, shape=(2, 3)):
     return s
 
 
+def _short(f, *args):
+    """``f(*args)``, checking that the error it raises has a bounded message."""
+    try:
+        f(*args)
+    except ss.StateStoreError as e:
+        assert len(str(e)) < 1000, f"a {len(str(e))}-character message"
+        raise
+
+
 def _closed(c):
     s = c.new_store()
     s.close()
@@ -610,6 +619,26 @@ def _store_methods() -> List[Row]:
             lambda c: c.new_store().create(123, (2,)), True),
         Row("create-key-no-slash", 'create("noslash", (2,))', StateStoreValueError,
             ("noslash",), lambda c: c.new_store().create("noslash", (2,)), True),
+        # every form of a key passes the checkpoint reader's rules at the door (issue 47)
+        Row("create-key-empty-state", 'create(("a", ""), (2,))', StateStoreValueError,
+            ("('a', '')", "state name is empty"),
+            lambda c: c.new_store().create(("a", ""), (2,)), True),
+        Row("create-statekey-empty-state", 'create(StateKey("a", ""), (2,))',
+            StateStoreValueError, ("('a', '')", "state name is empty"),
+            lambda c: c.new_store().create(K("a", ""), (2,)), True),
+        Row("create-key-empty-param", 'create(("", "m"), (2,))', StateStoreValueError,
+            ("('', 'm')", "parameter name is empty"),
+            lambda c: c.new_store().create(("", "m"), (2,)), True),
+        Row("create-key-slash-in-state", 'create(("a", "b/m"), (2,))', StateStoreValueError,
+            ("('a', 'b/m')", "cannot contain '/'"),
+            lambda c: c.new_store().create(("a", "b/m"), (2,)), True),
+        Row("create-key-surrogate", 'create(("a", "\\ud800"), (2,))', StateStoreValueError,
+            ("UTF-8",), lambda c: c.new_store().create(("a", "\ud800"), (2,)), True),
+        Row("create-key-huge", 'create(("a", "x/" * 10**6), (2,))', StateStoreValueError,
+            ("2000000 characters", "cannot contain '/'"),
+            lambda c: _short(c.new_store().create, ("a", "x/" * 10 ** 6), (2,)), True),
+        Row("get-key-empty-state", 'get(("a", ""))', StateStoreValueError,
+            ("state name is empty",), lambda c: _with_state(c).get(("a", "")), True),
         Row("create-many-not-iterable", "create_many(None)", StateStoreValueError,
             ("entries",), lambda c: c.new_store().create_many(None), True),
         Row("create-many-bad-entry", 'create_many([("a/m", (2,))])', StateStoreValueError,

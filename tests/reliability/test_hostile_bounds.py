@@ -71,6 +71,94 @@ def test_unlisted_header_entry_of_many_dimensions_is_refused(tmp_path):
         s.load_checkpoint(path, progress=False)
 
 
+def _pad_header(path, entries, data_extra=b""):
+    """Add ``entries`` (JSON text of header entries, each starting with a comma) to the
+    shard of the checkpoint at ``path`` and ``data_extra`` after its data; shift the
+    manifest's offsets to match and seal it again."""
+    m = ckpt.read_manifest(path)
+    shard = os.path.join(path, m.rows[0].file)
+    with open(shard, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        text = f.read(n).decode().rstrip()
+        data = f.read()
+    raw = (text[:-1] + entries + "}").encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(shard, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw + data + data_extra)
+    shift = len(raw) - n
+    _rewrite_manifest(path, rows=[dict(r, offset=r["offset"] + shift, shape=list(r["shape"]))
+                                  for r in pq.read_table(os.path.join(path, ckpt.MANIFEST))
+                                  .to_pylist()])
+    return len(raw)
+
+
+@pytest.mark.parametrize("size", [0, 1])
+def test_shard_header_of_many_unlisted_entries_is_refused_before_decoding(tmp_path, size):
+    """A header of more entries than its manifest rows and data bytes can account for (a real
+    shard: the listed tensors, deleted states of at least 64 bytes or empty ones up to
+    MAX_UNLISTED_EMPTY, one pad each) is refused before it is decoded: a 99 MiB header of 1.7
+    million empty entries took 28 s and 1.05 GiB to verify. Tried here with 140,000 entries
+    of 0 and of 1 byte (their data present): refused at a small multiple of the header's
+    bytes, in time far below decoding it."""
+    from statestore.checkpoint import shard_check
+    path = _save(tmp_path)
+    n = 140_000
+    bound = getattr(shard_check, "max_header_entries", None)
+    assert bound is None or bound(2, 64 + n * size) < n
+    data_len = 64                                      # the two 8-float tensors
+    entries = "".join(',"z%07d/x":{"dtype":"U8","shape":[%d],"data_offsets":[%d,%d]}'
+                      % (i, size, data_len + i * size, data_len + (i + 1) * size)
+                      for i in range(n))
+    hbytes = _pad_header(path, entries, b"\0" * (n * size))
+    gc.collect()
+    tracemalloc.start()
+    try:
+        problems = ckpt.verify_checkpoint(path, progress=False)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(problems) == 1 and "refused before decoding" in problems[0], problems
+    assert f"up to {n + 3} tensors" in problems[0] and len(problems[0]) < 600   # + 2 + metadata
+    assert peak < 3 * hbytes, (peak, hbytes)          # decoding took ~50x the header
+    with ss.DeviceStore("cpu") as s, pytest.raises(CheckpointCorruptError,
+                                                    match="refused before decoding"):
+        s.load_checkpoint(path, progress=False)
+
+
+def test_shard_header_within_the_bound_is_accepted(tmp_path):
+    """Unlisted entries a real linked shard may hold (empty ones, here 1000) still verify."""
+    path = _save(tmp_path)
+    entries = "".join(',"z%05d/x":{"dtype":"U8","shape":[0],"data_offsets":[0,0]}' % i
+                      for i in range(1000))
+    _pad_header(path, entries)
+    assert ckpt.verify_checkpoint(path, progress=False) == []
+
+
+def test_shard_header_entries_cost_few_hundred_bytes(tmp_path):
+    """Checking a shard of 20000 listed tensors peaks at under 600 bytes of Python memory an
+    entry (713 before: a dict and two lists an entry as json decodes them, and the header's
+    bytes beside its text; now 508: entries of the usual form are small records sharing
+    their dtypes and shapes, and the bytes are freed before the JSON is decoded)."""
+    from statestore.checkpoint.shard_check import by_file, check_shard_header
+    path = str(tmp_path / "many")
+    n = 20_000
+    with ss.DeviceStore("cpu") as s:
+        s.create_many([(f"model.layers.{i}.mlp.experts.{i % 64}.w/exp_avg", (4,),
+                        torch.float32, None) for i in range(n)])
+        s.save_checkpoint(path, progress=False)
+    m = ckpt.read_manifest(path)
+    groups = by_file(m.rows)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        for name, rows in groups.items():
+            check_shard_header(m, name, rows)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak / n < 600, peak / n
+
+
 def test_manifest_rows_are_bounded(tmp_path, monkeypatch):
     """More rows than MAX_ROWS: refused from the Parquet footer, before a row is decoded;
     a save that would write such a manifest is refused before it writes anything."""
