@@ -18,6 +18,7 @@ only that parameter, its gradient and its states.
 from __future__ import annotations
 
 import math
+import os
 from collections import defaultdict
 from typing import Any, Dict, List, Optional
 
@@ -29,6 +30,7 @@ from ..errors import StateStoreError
 from ..store import StateStore
 from ._dtensor import local, local_grad
 from ._plan import ensure_states
+from ._resident import ResidentPlan, joined_view
 from ._torch_layout import (ELEMENTWISE, WHOLE, TorchLayout, check_class, class_name,
                             ctor_kwargs, make_step)
 from ._whole import WholeUpdates
@@ -73,7 +75,11 @@ class _Noting:
         return key in self._store
 
     def create_many(self, entries) -> None:
-        entries = list(entries)
+        """Create them name by name (every parameter's first state, then every second...):
+        a resident store then lays each name's states back to back, which a joined update
+        takes as one view (:func:`~statestore.optim._resident.joined_view`)."""
+        order: Dict[str, int] = {}
+        entries = sorted(entries, key=lambda e: order.setdefault(e[0].state, len(order)))
         self._store.create_many(entries)
         self._created.update(e[0] for e in entries)
 
@@ -139,6 +145,10 @@ class StoreOptimizer(StateStoreOptimizer):
         self._created: set = set()
         #: per unit of the current plans: :meth:`_unit_plan`
         self._unit_plans: Dict[int, tuple] = {}
+        #: the step over resident stores remembered from the last (None: the general step),
+        #: and when to try building it again
+        self._resident: Optional[ResidentPlan] = None
+        self._resident_wait = self._resident_backoff = 0
         #: per store: the structure of the groups its plan was made for, and the plan's
         #: units (:meth:`_plan`)
         self._plan_sigs: Dict[int, tuple] = {}
@@ -154,19 +164,85 @@ class StoreOptimizer(StateStoreOptimizer):
 
     def step(self, closure=None):
         """One step of ``optimizer_cls`` over every parameter with a gradient (see
-        :meth:`StateStoreOptimizer.step`)."""
+        :meth:`StateStoreOptimizer.step`). Over resident stores, a step like the last is
+        made by the plan remembered from it (:mod:`statestore.optim._resident`)."""
         self._scalars = {}
         self._created = set()
         self._layout.stepping(True)
         try:
-            return super().step(closure)
+            plan = self._resident
+            if plan is None:
+                loss = super().step(closure)
+            else:
+                if closure is not None and not callable(closure):
+                    raise TypeError(f"closure must be callable or None, got "
+                                    f"{type(closure).__name__}")
+                self._check_usable()
+                loss = self._run_closure(closure)
+                with torch.no_grad():
+                    if self._run_resident(plan):
+                        return loss
+                    self._resident = None
+                    self._general_step()
+            self._plan_resident()
+            return loss
         finally:
             self._scalars = {}
             self._created = set()
             self._layout.stepping(False)
 
+    def _general_step(self) -> None:
+        """The base's step after its closure (:meth:`StateStoreOptimizer.step`)."""
+        work, grads = self._collect()
+        if grads:
+            self._ensure_states(work)
+            self._run_step(work, grads)
+
+    def _run_resident(self, plan: ResidentPlan) -> bool:
+        """A step by ``plan``; False (nothing changed) when it does not apply now."""
+        grads = plan.grads(self.param_groups, self._steps, self._layout)
+        if grads is None:
+            return False
+        groups = plan.groups
+        with self._table.stepping(plan.keys) as undo:
+            self._step_undo = undo
+            try:
+                self._touch()
+                for b, gs in zip(plan.batches, grads):
+                    hyper = {k: v for k, v in groups[b.group].items()
+                             if k not in ("params", "param_names")}
+                    self._update_joined(hyper, b.names, False, b.count, (), b.keys[0],
+                                        b.params, gs, b.states, lines=(b.lines, b.sizes))
+                    b.count += 1
+            finally:
+                self._step_undo = {}
+        return True
+
+    def _plan_resident(self) -> None:
+        """After a general step: the plan of the next ones, when it applies (tried again
+        after 1, 2, 4 ... 64 general steps when it does not)."""
+        if self._resident_wait > 0:
+            self._resident_wait -= 1
+            return
+        if os.environ.get("STATESTORE_RESIDENT_PLAN", "1") != "0":     # for comparisons
+            self._resident = None if self._sharding is not None else ResidentPlan.build(
+                self.param_groups, self._keys, self._stores, self._steps, self._layout,
+                _JOIN_ELEMS)
+        if self._resident is None:
+            self._resident_backoff = min(64, 2 * self._resident_backoff or 1)
+            self._resident_wait = self._resident_backoff
+        else:
+            self._resident_backoff = 0
+
     def _forget_pending(self) -> None:
         self._unit_plans.clear()
+        self._resident = None
+        self._resident_wait = 0
+
+    def _group_added(self, params) -> None:
+        super()._group_added(params)
+        self._resident = None
+        self._resident_wait = 0
 
     def _ensure_states(self, work) -> None:
         """The base's, noting the states it creates for this step: a state the class has
@@ -224,7 +300,15 @@ class StoreOptimizer(StateStoreOptimizer):
         self._touch()
         for (first, count, new, _, _, names), items in joined.items():
             for part in _parts(items):
-                self._update_joined(hyper, names, first, count, new, part)
+                targets = [p if a == 0 and b == p.numel() else p.detach().view(-1)[a:b]
+                           for p, a, b, _, _ in part]
+                gs = [g if a == 0 and b == g.numel() else g.view(-1)[a:b]
+                      for _, a, b, g, _ in part]
+                states = [[it[4][j] for it in part] for j in range(len(names))]
+                views = [joined_view(ts) for ts in states]
+                self._update_joined(hyper, names, first, count, new, self._keys[part[0][0]],
+                                    targets, gs, [ts if v is None else v
+                                                  for ts, v in zip(states, views)])
         if each:
             self._update_each(hyper, each, grads)
 
@@ -252,30 +336,35 @@ class StoreOptimizer(StateStoreOptimizer):
         return out
 
     def _update_joined(self, hyper: dict, names: tuple, first: bool, count: int, new: tuple,
-                       items) -> None:
-        """One call of the class over ``items`` (``(parameter, start, stop, gradient, unit
-        tensors)``) concatenated: a parameter of all their elements with its gradient, states
-        likewise, then everything copied back. An element-wise class computes each element
-        from that element alone, so this is its update of each range, bit for bit (as
-        cutting a parameter into units is: fp32/fp64 only)."""
+                       key: str, targets: List[Tensor], grads: List[Tensor],
+                       states: list, lines=None) -> None:
+        """One call of the class over parameter ranges ``targets`` (their gradients
+        ``grads``) concatenated: a parameter of all their elements, its gradient, per state
+        name in ``names`` the concatenation of ``states[j]`` (a list: each range's tensor,
+        copied back after; or one view over them all, updated in place), then the
+        parameter copied back. An element-wise class computes each element from that element
+        alone, so this is its update of each range, bit for bit (as cutting a parameter into
+        units is: fp32/fp64 only). ``first``: the ranges' first step (the class begins their
+        states); ``new``: states created for this step (the class makes them); ``key``: the
+        first range's parameter, for messages; ``lines``: ``(views, sizes)``, each target's
+        memory as a 1-D view and its size (a cheaper copy in and out than ``targets``)."""
         layout: TorchLayout = self._layout
         cls = self.optimizer_cls
         flatten = torch._C._nn.flatten_dense_tensors
         unflatten = torch._C._nn.unflatten_dense_tensors
-        targets = [p if a == 0 and b == p.numel() else p.detach().view(-1)[a:b]
-                   for p, a, b, _, _ in items]
-        grads = [g if a == 0 and b == g.numel() else g.view(-1)[a:b] for _, a, b, g, _ in items]
-        flat = flatten(targets)
+        flat = flatten(targets) if lines is None else torch.cat(lines[0])
         total = flat.numel()
         flat.grad = flatten(grads)
         if first:                   # the class's constructor may create states (Adagrad)
             state = dict(cls([dict(hyper, params=[flat])], **self._kwargs).state.get(flat, {}))
         else:
-            state = {name: flatten([it[4][j] for it in items])
-                     for j, name in enumerate(names) if name not in new}
+            # a view's own tensor object (the class may assign its .data), or a copy
+            state = {name: st.view(-1) if isinstance(st, Tensor) else flatten(st)
+                     for name, st in zip(names, states) if name not in new}
             kind = layout.step_kind()
             if kind is not None:
                 state["step"] = make_step(kind, count, flat.device)
+        given = dict(state)
         worker = self._worker
         worker.param_groups = [dict(hyper, params=[flat])]
         worker.state = defaultdict(dict, {flat: state})
@@ -284,21 +373,25 @@ class StoreOptimizer(StateStoreOptimizer):
             after = worker.state.get(flat, {})
         finally:
             worker.param_groups, worker.state = [], defaultdict(dict)
-        key = self._keys[items[0][0]]
         if flat.shape != (total,) or flat.dtype != targets[0].dtype:
             raise StateStoreError(
                 f"{class_name(cls)} replaced the data of parameter {key!r} (p.data = ...) "
                 f"with a tensor of shape {tuple(flat.shape)} and dtype {flat.dtype}; "
                 f"StoreOptimizer writes an update back into the parameter, so it must keep "
                 f"the parameter's shape {tuple(targets[0].shape)} and dtype")
-        torch._foreach_copy_(targets, unflatten(flat, targets))
-        for j, name in enumerate(names):
+        if lines is None:
+            torch._foreach_copy_(targets, unflatten(flat, targets))
+        else:
+            torch._foreach_copy_(lines[0], torch.split(flat, lines[1]))
+        for name, st in zip(names, states):
             got = after.get(name)
             if not isinstance(got, Tensor) or got.numel() != total:
                 raise StateStoreError(f"{class_name(cls)} left no tensor {name!r} of the "
                                       f"parameter's size for parameter {key!r} after its step")
-            ts = [it[4][j] for it in items]
-            torch._foreach_copy_(ts, unflatten(got.reshape(-1), ts))
+            if not isinstance(st, Tensor):
+                torch._foreach_copy_(st, unflatten(got.reshape(-1), st))
+            elif got is not given.get(name) or got.data_ptr() != st.data_ptr():
+                st.copy_(got.reshape(-1))       # replaced, or its .data reassigned
         unknown = [n for n in after if n != "step" and n not in names]
         if unknown:
             raise StateStoreError(f"{class_name(cls)} created states {unknown} for parameter "
