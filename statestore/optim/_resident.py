@@ -26,7 +26,6 @@ two steps of one plan is not seen; the store's count of states is).
 """
 from __future__ import annotations
 
-import math
 from operator import attrgetter, is_
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -39,7 +38,7 @@ from ..offload._seam import is_offloaded
 from ..store import StateStore
 from ._dtensor import local
 
-__all__ = ["ResidentPlan", "Batch", "joined_view"]
+__all__ = ["ResidentPlan", "Batch", "Scalars", "joined_view", "state_kinds"]
 
 _shape, _dtype, _device, _layout = (attrgetter(a) for a in ("shape", "dtype", "device", "layout"))
 
@@ -62,20 +61,66 @@ def joined_view(ts: List[Tensor]) -> Optional[Tensor]:
         return None
 
 
+def state_kinds(layout, p: Tensor, names, dev: torch.device) -> Optional[Tuple[str, ...]]:
+    """How a joined update takes each state of parameter ``p`` (a plain tensor of one or more
+    dimensions) kept in a store on ``dev``: ``"e"`` shaped like the parameter and kept on its
+    device, ``"s"`` a per-parameter scalar (shape ``()``, kept where the store is: NAdam's
+    ``mu_product``, ASGD's ``eta`` and ``mu``); None when a state is neither (the parameter
+    is then updated alone)."""
+    if p.dim() == 0:            # its states and its scalars look alike
+        return None
+    kinds = []
+    for name in names:
+        shape = tuple(layout.spec(name, p)[0])
+        on_param = layout.on_param_device(name, p)
+        if shape == tuple(p.shape) and on_param and p.device == dev:
+            kinds.append("e")
+        elif shape == () and (p.device if on_param else torch.device("cpu")) == dev:
+            kinds.append("s")
+        else:
+            return None
+    return tuple(kinds)
+
+
+class Scalars:
+    """A per-parameter scalar state in a joined update: each parameter's tensor (``ts``,
+    one element each) and the shape the class keeps (``()``). Joined only while every
+    parameter holds the same value (:meth:`common`); the class's result is put back into
+    each (:meth:`put`)."""
+
+    __slots__ = ("ts",)
+
+    def __init__(self, ts: List[Tensor]):
+        self.ts = ts
+
+    def common(self) -> Optional[Tensor]:
+        """Their one value (a tensor of its own, shape ``()``), or None when they differ (or
+        one is NaN)."""
+        flat = torch._C._nn.flatten_dense_tensors(self.ts)
+        if not bool((flat == flat[0]).all()):
+            return None
+        return flat[0].clone()
+
+    def put(self, value: Tensor) -> None:
+        v = value.reshape(1)
+        torch._foreach_copy_(self.ts, [v] * len(self.ts))
+
+
 class Batch:
-    """Parameters of one group, store, dtype, state names and step count, updated by one
-    call of the class: ``params``, their ``keys``, ``group`` (the group's index), ``names``
-    of their states, ``count`` (their step count), ``lines`` (each parameter's memory, 1-D)
-    and ``sizes``, ``states`` (per name: one view over every parameter's state where they lie
-    back to back, else the list of them)."""
+    """Parameters of one group, store, dtype, state names and kinds and step count, updated
+    by one call of the class: ``params``, their ``keys``, ``group`` (the group's index),
+    ``names`` of their states and their ``kinds`` (:func:`state_kinds`), ``count`` (their
+    step count), ``lines`` (each parameter's memory, 1-D) and ``sizes``, ``states`` (per
+    name: one view over every parameter's state where they lie back to back, else the list
+    of them; :class:`Scalars` for a scalar)."""
 
-    __slots__ = ("params", "keys", "group", "names", "count", "store", "dtype", "shapes",
-                 "lines", "ptrs", "sizes", "states")
+    __slots__ = ("params", "keys", "group", "names", "kinds", "count", "store", "dtype",
+                 "shapes", "lines", "ptrs", "sizes", "states")
 
-    def __init__(self, group: int, store: StateStore, names: Tuple[str, ...], count: int,
-                 dtype: torch.dtype):
-        self.group, self.store, self.names, self.count, self.dtype = \
-            group, store, names, count, dtype
+    def __init__(self, group: int, store: StateStore, names: Tuple[str, ...],
+                 kinds: Tuple[str, ...], count: int, dtype: torch.dtype):
+        self.group, self.store, self.names, self.kinds, self.count, self.dtype = \
+            group, store, names, kinds, count, dtype
         self.params: List[Tensor] = []
         self.keys: List[str] = []
         self.shapes: List[torch.Size] = []
@@ -89,10 +134,10 @@ class Batch:
         self.ptrs = [p.data_ptr() for p in self.params]
         self.sizes = [p.numel() for p in self.params]
         self.states = []
-        for name in self.names:
+        for name, kind in zip(self.names, self.kinds):
             ts = [self.store.get(StateKey(k, name)).view(-1) for k in self.keys]
-            view = joined_view(ts)
-            self.states.append(ts if view is None else view)
+            view = joined_view(ts) if kind == "e" else None
+            self.states.append(Scalars(ts) if kind == "s" else ts if view is None else view)
         return True
 
 
@@ -130,16 +175,14 @@ class ResidentPlan:
                     return None
                 key = keys[p]
                 names = tuple(layout.names(p, group))
-                n = p.numel()
-                if not all(math.prod(layout.spec(nm, p)[0]) == n
-                           and layout.on_param_device(nm, p)
-                           and StateKey(key, nm) in store for nm in names):
+                kinds = state_kinds(layout, p, names, store.device)
+                if kinds is None or not all(StateKey(key, nm) in store for nm in names):
                     return None
                 count = steps.get(key, 0)
-                bk = (gi, id(store), names, count, p.dtype)
+                bk = (gi, id(store), names, kinds, count, p.dtype)
                 b = batches.get(bk)
                 if b is None:
-                    b = batches[bk] = Batch(gi, store, names, count, p.dtype)
+                    b = batches[bk] = Batch(gi, store, names, kinds, count, p.dtype)
                 b.params.append(p)
                 b.keys.append(key)
                 b.shapes.append(p.shape)
@@ -153,7 +196,8 @@ class ResidentPlan:
 
     def grads(self, param_groups: Sequence[dict], steps: Dict[str, int],
               layout) -> Optional[List[List[Tensor]]]:
-        """Each batch's gradients when nothing the plan depends on changed, else None."""
+        """Each batch's gradients and the values of its scalar states (``{name: value}``)
+        when nothing the plan depends on changed, else None."""
         if len(param_groups) != len(self.groups) or not all(map(is_, param_groups, self.groups)):
             return None
         for g, ids, st in zip(param_groups, self.ids, self.structures):
@@ -179,4 +223,14 @@ class ResidentPlan:
             except AttributeError:      # None: no gradient
                 return None
             grads.append(gs)
-        return grads
+        values = []
+        for b in self.batches:      # scalars (NAdam's mu_product) joined while they agree
+            vals = {}
+            for name, st in zip(b.names, b.states):
+                if isinstance(st, Scalars):
+                    v = st.common()
+                    if v is None:
+                        return None
+                    vals[name] = v
+            values.append(vals)
+        return [(gs, vals) for gs, vals in zip(grads, values)]

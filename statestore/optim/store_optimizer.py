@@ -30,7 +30,7 @@ from ..errors import StateStoreError
 from ..store import StateStore
 from ._dtensor import local, local_grad
 from ._plan import ensure_states
-from ._resident import ResidentPlan, joined_view
+from ._resident import ResidentPlan, Scalars, joined_view, state_kinds
 from ._torch_layout import (ELEMENTWISE, WHOLE, TorchLayout, check_class, class_name,
                             ctor_kwargs, make_step)
 from ._whole import WholeUpdates
@@ -47,11 +47,11 @@ _JOIN_TOTAL = 1 << 20
 
 
 def _parts(items: list) -> List[list]:
-    """``items`` (``(parameter, start, stop, ...)``) in runs of at most :data:`_JOIN_TOTAL`
-    elements."""
+    """``items`` (``((parameter, start, stop, ...), gradient)``) in runs of at most
+    :data:`_JOIN_TOTAL` elements."""
     parts, cur, size = [], [], 0
     for it in items:
-        n = it[2] - it[1]
+        n = it[0][2] - it[0][1]
         if cur and size + n > _JOIN_TOTAL:
             parts.append(cur)
             cur, size = [], 0
@@ -208,11 +208,12 @@ class StoreOptimizer(StateStoreOptimizer):
             self._step_undo = undo
             try:
                 self._touch()
-                for b, gs in zip(plan.batches, grads):
+                for b, (gs, scalars) in zip(plan.batches, grads):
                     hyper = {k: v for k, v in groups[b.group].items()
                              if k not in ("params", "param_names")}
                     self._update_joined(hyper, b.names, False, b.count, (), b.keys[0],
-                                        b.params, gs, b.states, lines=(b.lines, b.sizes))
+                                        b.params, gs, b.states, lines=(b.lines, b.sizes),
+                                        scalars=scalars)
                     b.count += 1
             finally:
                 self._step_undo = {}
@@ -284,40 +285,57 @@ class StoreOptimizer(StateStoreOptimizer):
         joined: Dict[tuple, list] = {}
         each = []
         pos = 0
-        for p, a, b, names, key, join in self._unit_plan(entries, dev):
+        for p, a, b, names, key, kinds in self._unit_plan(entries, dev):
             ts = tensors[pos:pos + len(names)]
             pos += len(names)
             count = steps[key] - 1                  # before this step
             first = undo.get(key, count) is None    # its first step: the class begins it
             new = () if first or not created else \
                 tuple(n for n in names if StateKey(key, n) in created)
-            if join:
+            entry = (p, a, b, names, key, ts, count, first, new)
+            if kinds is not None:
                 g = grads[p]
-                joined.setdefault((first, count, new, g.dtype, p.dtype, names), []).append(
-                    (p, a, b, g, ts))
+                joined.setdefault((first, count, new, g.dtype, p.dtype, names, kinds),
+                                  []).append((entry, g))
             else:
-                each.append((p, a, b, names, key, ts, count, first, new))
-        self._touch()
-        for (first, count, new, _, _, names), items in joined.items():
+                each.append(entry)
+        calls = []
+        for (first, count, new, _, _, names, kinds), items in joined.items():
             for part in _parts(items):
+                states = []
+                for j, kind in enumerate(kinds):
+                    ts = [e[5][j] for e, _ in part]
+                    view = joined_view(ts) if kind == "e" else None
+                    states.append(Scalars(ts) if kind == "s" else ts if view is None else view)
+                scalars = {}
+                if not first:       # scalars (NAdam's mu_product) joined while they agree
+                    for name, st in zip(names, states):
+                        if isinstance(st, Scalars) and name not in new:
+                            scalars[name] = st.common()
+                if any(v is None for v in scalars.values()):
+                    each += [e for e, _ in part]
+                    continue
                 targets = [p if a == 0 and b == p.numel() else p.detach().view(-1)[a:b]
-                           for p, a, b, _, _ in part]
+                           for (p, a, b, *_), _ in part]
                 gs = [g if a == 0 and b == g.numel() else g.view(-1)[a:b]
-                      for _, a, b, g, _ in part]
-                states = [[it[4][j] for it in part] for j in range(len(names))]
-                views = [joined_view(ts) for ts in states]
-                self._update_joined(hyper, names, first, count, new, self._keys[part[0][0]],
-                                    targets, gs, [ts if v is None else v
-                                                  for ts, v in zip(states, views)])
+                      for (_, a, b, *_), g in part]
+                calls.append((names, first, count, new, part[0][0][4], targets, gs, states,
+                              scalars))
+        self._touch()
+        for names, first, count, new, key, targets, gs, states, scalars in calls:
+            self._update_joined(hyper, names, first, count, new, key, targets, gs, states,
+                                scalars=scalars)
         if each:
             self._update_each(hyper, each, grads)
 
     def _unit_plan(self, entries, dev: torch.device):
-        """Per entry of a unit, ``(parameter, start, stop, names (a tuple), key, joinable)``,
-        remembered while the plan is the same (:meth:`_plan`). Joinable: an element-wise
-        class, a plain fp32/fp64 parameter of at most :data:`_JOIN_ELEMS` elements in the
-        range, every state shaped like the parameter and kept on its device, which is the
-        store's."""
+        """Per entry of a unit, ``(parameter, start, stop, names (a tuple), key, kinds)``,
+        remembered while the plan is the same (:meth:`_plan`). ``kinds``
+        (:func:`~statestore.optim._resident.state_kinds`), where the range may be joined
+        with others: an element-wise class, a plain fp32/fp64 parameter of at most
+        :data:`_JOIN_ELEMS` elements in the range, every state shaped like the parameter
+        (on its device, the store's) or a per-parameter scalar (the range then the whole
+        parameter); else None."""
         hit = self._unit_plans.get(id(entries))
         if hit is not None and hit[0] is entries:
             return hit[1]
@@ -325,19 +343,20 @@ class StoreOptimizer(StateStoreOptimizer):
         out = []
         for p, a, b, names in entries:
             w = local(p)
-            n = w.numel()
-            join = (layout.elementwise and w is p and w.dtype in (torch.float32, torch.float64)
-                    and 0 < b - a <= _JOIN_ELEMS and w.device == dev
-                    and len(names) == len(layout.probe_of(p).names)
-                    and all(math.prod(layout.spec(nm, p)[0]) == n
-                            and layout.on_param_device(nm, p) for nm in names))
-            out.append((p, a, b, tuple(names), self._keys[p], join))
+            kinds = None
+            if (layout.elementwise and w is p and w.dtype in (torch.float32, torch.float64)
+                    and 0 < b - a <= _JOIN_ELEMS
+                    and len(names) == len(layout.probe_of(p).names)):
+                kinds = state_kinds(layout, p, names, dev)
+                if kinds is not None and "s" in kinds and not (a == 0 and b == w.numel()):
+                    kinds = None
+            out.append((p, a, b, tuple(names), self._keys[p], kinds))
         self._unit_plans[id(entries)] = (entries, out)
         return out
 
     def _update_joined(self, hyper: dict, names: tuple, first: bool, count: int, new: tuple,
                        key: str, targets: List[Tensor], grads: List[Tensor],
-                       states: list, lines=None) -> None:
+                       states: list, lines=None, scalars=None) -> None:
         """One call of the class over parameter ranges ``targets`` (their gradients
         ``grads``) concatenated: a parameter of all their elements, its gradient, per state
         name in ``names`` the concatenation of ``states[j]`` (a list: each range's tensor,
@@ -347,7 +366,9 @@ class StoreOptimizer(StateStoreOptimizer):
         units is: fp32/fp64 only). ``first``: the ranges' first step (the class begins their
         states); ``new``: states created for this step (the class makes them); ``key``: the
         first range's parameter, for messages; ``lines``: ``(views, sizes)``, each target's
-        memory as a 1-D view and its size (a cheaper copy in and out than ``targets``)."""
+        memory as a 1-D view and its size (a cheaper copy in and out than ``targets``). A
+        per-parameter scalar state is a :class:`~statestore.optim._resident.Scalars` in
+        ``states`` and its one value in ``scalars``; the class's result is put into each."""
         layout: TorchLayout = self._layout
         cls = self.optimizer_cls
         flatten = torch._C._nn.flatten_dense_tensors
@@ -359,7 +380,8 @@ class StoreOptimizer(StateStoreOptimizer):
             state = dict(cls([dict(hyper, params=[flat])], **self._kwargs).state.get(flat, {}))
         else:
             # a view's own tensor object (the class may assign its .data), or a copy
-            state = {name: st.view(-1) if isinstance(st, Tensor) else flatten(st)
+            state = {name: scalars[name] if isinstance(st, Scalars)
+                     else st.view(-1) if isinstance(st, Tensor) else flatten(st)
                      for name, st in zip(names, states) if name not in new}
             kind = layout.step_kind()
             if kind is not None:
@@ -385,10 +407,13 @@ class StoreOptimizer(StateStoreOptimizer):
             torch._foreach_copy_(lines[0], torch.split(flat, lines[1]))
         for name, st in zip(names, states):
             got = after.get(name)
-            if not isinstance(got, Tensor) or got.numel() != total:
-                raise StateStoreError(f"{class_name(cls)} left no tensor {name!r} of the "
-                                      f"parameter's size for parameter {key!r} after its step")
-            if not isinstance(st, Tensor):
+            size = 1 if isinstance(st, Scalars) else total
+            if not isinstance(got, Tensor) or got.numel() != size:
+                raise StateStoreError(f"{class_name(cls)} left no tensor {name!r} of "
+                                      f"{size} element(s) for parameter {key!r} after its step")
+            if isinstance(st, Scalars):
+                st.put(got)
+            elif not isinstance(st, Tensor):
                 torch._foreach_copy_(st, unflatten(got.reshape(-1), st))
             elif got is not given.get(name) or got.data_ptr() != st.data_ptr():
                 st.copy_(got.reshape(-1))       # replaced, or its .data reassigned

@@ -68,6 +68,8 @@ CASES = [
     (O.Rprop, dict(lr=0.01)),
     (O.Adamax, dict(lr=0.01)),
     (O.RAdam, dict(lr=0.01, decoupled_weight_decay=True, weight_decay=0.1)),
+    (O.NAdam, dict(lr=0.01, momentum_decay=0.004)),     # a scalar state: mu_product
+    (O.ASGD, dict(lr=0.01, t0=2)),                      # scalars: eta, mu
 ]
 
 
@@ -169,3 +171,17 @@ def test_frozen_and_unsuited_parameters():
         p.grad, q.grad = torch.ones_like(p), torch.ones_like(q)
         opt.step()
     assert opt._resident is None
+
+
+def test_scalar_states_that_differ_are_not_joined():
+    """NAdam's mu_product of one parameter set apart through optimizer.state (as in torch):
+    the parameters' scalars no longer agree, so that one is updated alone (the general step)
+    until they agree again; bit for bit with torch."""
+    want, ref, got, opt = _pair(O.NAdam, dict(lr=0.01))
+    for s in range(5):
+        if s == 2:
+            ref.state[want[4]]["mu_product"] = torch.tensor(0.5)
+            opt.state[got[4]]["mu_product"] = torch.tensor(0.5)
+        _step_both(s, want, ref, got, opt)
+        _same(want, got)
+        assert torch.equal(ref.state[want[4]]["mu_product"], opt.state[got[4]]["mu_product"])
