@@ -5,12 +5,13 @@ On a resident store (``DeviceStore``, ``PinnedCPUStore``) a step's own work is a
 operations a parameter; the general step around it (collecting and checking the gradients,
 creating missing states, planning units, handing each state out through the store's
 pipeline, one class call per unit with a state dict per parameter) cost several times that in
-Python. When every parameter of an element-wise class is small, plain, fp32/fp64 and kept in
-such a store, the step is the same every time: parameters of one group, store, dtype, state
+Python. When every parameter of an element-wise class is small, plain, fp32/fp64, on the CPU
+and kept in such a store, the step is the same every time: parameters of one group, store, dtype, state
 names and step count are updated by one call of the class over their concatenation
 (:meth:`StoreOptimizer._update_joined`, the same bits as the general step), their states
 handed as one view of the store's memory where they lie back to back (the store creates a
-call's states name by name, so they do), else concatenated and copied back.
+call's states name by name, so they do), else concatenated and copied back; a per-parameter
+scalar state (NAdam's ``mu_product``) joins while every parameter holds the same value.
 
 The plan is built after a general step and used while nothing it depends on changed; each
 step checks, before changing anything: the groups and their parameters (identity, order),
@@ -27,7 +28,7 @@ two steps of one plan is not seen; the store's count of states is).
 from __future__ import annotations
 
 from operator import attrgetter, is_
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -62,12 +63,16 @@ def joined_view(ts: List[Tensor]) -> Optional[Tensor]:
 
 
 def state_kinds(layout, p: Tensor, names, dev: torch.device) -> Optional[Tuple[str, ...]]:
-    """How a joined update takes each state of parameter ``p`` (a plain tensor of one or more
-    dimensions) kept in a store on ``dev``: ``"e"`` shaped like the parameter and kept on its
-    device, ``"s"`` a per-parameter scalar (shape ``()``, kept where the store is: NAdam's
+    """How a joined update takes each state of parameter ``p`` (a plain CPU tensor of one or
+    more dimensions) kept in a store on ``dev``: ``"e"`` shaped like the parameter and kept
+    on its device, ``"s"`` a per-parameter scalar (shape ``()``, kept where the store is: NAdam's
     ``mu_product``, ASGD's ``eta`` and ``mu``); None when a state is neither (the parameter
     is then updated alone)."""
     if p.dim() == 0:            # its states and its scalars look alike
+        return None
+    if p.device.type != "cpu":
+        # ATen's CPU loops give an element the same bits wherever it lies in the tensor (what
+        # cutting fp32 parameters into units relies on too); GPU kernels are not checked here
         return None
     kinds = []
     for name in names:
