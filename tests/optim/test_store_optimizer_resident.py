@@ -185,3 +185,23 @@ def test_scalar_states_that_differ_are_not_joined():
         _step_both(s, want, ref, got, opt)
         _same(want, got)
         assert torch.equal(ref.state[want[4]]["mu_product"], opt.state[got[4]]["mu_product"])
+
+
+def test_a_closure_runs_before_the_remembered_step():
+    """step(closure): the closure's backward makes the gradients the plan's step takes."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    models = [torch.nn.Linear(8, 3) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    ref = O.Adam(models[0].parameters(), lr=0.01, foreach=False)
+    opt = StoreOptimizer(O.Adam, models[1].named_parameters(), lr=0.01)
+    for m, o in ((models[0], ref), (models[1], opt)):
+        def closure(m=m, o=o):
+            o.zero_grad()
+            loss = m(x).square().mean()
+            loss.backward()
+            return loss
+        losses = [o.step(closure) for _ in range(4)]
+        assert all(isinstance(v, torch.Tensor) for v in losses)
+    assert opt._resident is not None
+    _same(list(models[0].parameters()), list(models[1].parameters()))
