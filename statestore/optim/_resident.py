@@ -6,8 +6,8 @@ operations a parameter; the general step around it (collecting and checking the 
 creating missing states, planning units, handing each state out through the store's
 pipeline, one class call per unit with a state dict per parameter) cost several times that in
 Python. When every parameter of an element-wise class is small, plain, fp32/fp64, on the CPU
-and kept in such a store, the step is the same every time: parameters of one group, store, dtype, state
-names and step count are updated by one call of the class over their concatenation
+and kept in such a store, the step is the same every time: parameters of one group, store,
+dtype, state names and step count are updated by one call of the class over their concatenation
 (:meth:`StoreOptimizer._update_joined`, the same bits as the general step), their states
 handed as one view of the store's memory where they lie back to back (the store creates a
 call's states name by name, so they do), else concatenated and copied back; a per-parameter

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from itertools import repeat
+from operator import is_
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -207,6 +209,16 @@ def _structure(v: Any) -> Any:
     return ("o", type(v).__qualname__, id(v))
 
 
+_MISSING = object()
+
+
+def _immutable(v: Any) -> bool:
+    """Whether ``v`` cannot change in place (a number, string, None, or a tuple of those)."""
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return True
+    return type(v) is tuple and all(_immutable(x) for x in v)
+
+
 def group_structure(group: Dict[str, Any]) -> Tuple:
     """The key of ``group``'s probes: :func:`_structure` of each hyperparameter."""
     return tuple(sorted((str(k), _structure(v)) for k, v in group.items()
@@ -232,6 +244,8 @@ class TorchLayout(StateLayout):
         self._step: Optional[Tuple] = None
         #: during a step (:meth:`stepping`): each group's structure, by ``id``, computed once
         self._structures: Optional[Dict[int, Tuple]] = None
+        #: each group's structure with the hyperparameters it was computed from (by ``id``)
+        self._known: Dict[int, Tuple] = {}
 
     def bind(self, param_groups: List[dict], keys: Dict[Tensor, str]) -> None:
         """The optimizer's groups and parameter keys (for states asked by parameter)."""
@@ -243,14 +257,29 @@ class TorchLayout(StateLayout):
         self._structures = {} if on else None
 
     def structure_of(self, group: Dict[str, Any]) -> Tuple:
-        """:func:`group_structure` of ``group`` (once per step while :meth:`stepping`)."""
+        """:func:`group_structure` of ``group`` (once per step while :meth:`stepping`; across
+        steps while its hyperparameters are the same objects, all immutable)."""
         memo = self._structures
-        if memo is None:
-            return group_structure(group)
-        got = memo.get(id(group))
-        if got is None or got[0] is not group:
-            got = memo[id(group)] = (group, group_structure(group))
-        return got[1]
+        if memo is not None:
+            got = memo.get(id(group))
+            if got is not None and got[0] is group:
+                return got[1]
+        known = self._known.get(id(group))
+        if known is not None and known[0] is group and len(group) == known[1] and all(
+                map(is_, map(group.get, known[2], repeat(_MISSING)), known[3])):
+            structure = known[4]
+        else:
+            structure = group_structure(group)
+            hyper = [(k, v) for k, v in group.items() if k not in ("params", "param_names")]
+            if all(_immutable(v) for _, v in hyper):
+                if len(self._known) >= 64:
+                    self._known.clear()
+                # the values held: their ids are not reused while the entry lives
+                self._known[id(group)] = (group, len(group), tuple(k for k, _ in hyper),
+                                          tuple(v for _, v in hyper), structure)
+        if memo is not None:
+            memo[id(group)] = (group, structure)
+        return structure
 
     def probe(self, p: Tensor, group: Optional[Dict[str, Any]] = None,
               name: Optional[str] = None) -> Probe:

@@ -138,6 +138,12 @@ class StoreOptimizer(StateStoreOptimizer):
         template = optimizer_cls([torch.empty(2, 2, device="meta")], **kwargs)
         #: the optimizer instance each unit's update runs on (its groups and state swapped in)
         self._worker = template
+        #: its step() as the class wrote it: torch wraps every optimizer class's step() with
+        #: the profiler's range and the step hooks, which belong to this optimizer's step,
+        #: not to each call over a unit (the wrapped one where torch's wrapping is not found)
+        step = optimizer_cls.step
+        self._class_step = step.__wrapped__ if getattr(step, "hooked", False) and \
+            callable(getattr(step, "__wrapped__", None)) else type(template).step
         #: per step: the values of per-parameter scalar states before the parameter's first
         #: unit updated them, for its later units
         self._scalars: Dict[str, Dict[str, Tensor]] = {}
@@ -391,7 +397,7 @@ class StoreOptimizer(StateStoreOptimizer):
         worker.param_groups = [dict(hyper, params=[flat])]
         worker.state = defaultdict(dict, {flat: state})
         try:
-            worker.step()
+            self._class_step(worker)
             after = worker.state.get(flat, {})
         finally:
             worker.param_groups, worker.state = [], defaultdict(dict)
@@ -404,7 +410,7 @@ class StoreOptimizer(StateStoreOptimizer):
         if lines is None:
             torch._foreach_copy_(targets, unflatten(flat, targets))
         else:
-            torch._foreach_copy_(lines[0], torch.split(flat, lines[1]))
+            torch._foreach_copy_(lines[0], flat.split_with_sizes(lines[1]))
         for name, st in zip(names, states):
             got = after.get(name)
             size = 1 if isinstance(st, Scalars) else total
@@ -459,7 +465,7 @@ class StoreOptimizer(StateStoreOptimizer):
         worker.param_groups = [dict(hyper, params=proxies)]
         worker.state = states
         try:
-            worker.step()
+            self._class_step(worker)
             for proxy, (p, key, names, ts, state, moved) in zip(proxies, given):
                 after = worker.state.get(proxy, {})
                 if self._whole.covers(p):   # this rank's region of the parameter and states

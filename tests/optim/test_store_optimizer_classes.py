@@ -231,3 +231,26 @@ def test_a_state_named_step_that_is_not_a_count_is_refused_up_front(cls, what):
                                                  rf"named 'step' that is {what} for parameter "
                                                  rf"'w'.*give it another name"):
         StoreOptimizer(cls, [("w", p)], state_store=ss.DeviceStore("cpu"), lr=0.1)
+
+
+def test_the_structure_of_a_group_follows_every_change():
+    """The structure a probe is keyed by is remembered across steps only while the group holds
+    the same immutable values: a float replaced, a list changed in place, a key removed and
+    another added are all seen."""
+    opt = StoreOptimizer(O.SGD, [("w", torch.nn.Parameter(torch.ones(3)))],
+                         state_store=ss.DeviceStore("cpu"), lr=0.1, momentum=0.9)
+    layout, group = opt._layout, opt.param_groups[0]
+    first = layout.structure_of(group)
+    assert layout.structure_of(group) == first
+    group["momentum"] = 0.0
+    zero = layout.structure_of(group)
+    assert zero != first
+    group["momentum"] = 0.5                 # another value, the same structure
+    assert layout.structure_of(group) == first
+    group["extra"] = [1.0]
+    with_list = layout.structure_of(group)
+    group["extra"][0] = 0.0                 # in place
+    assert layout.structure_of(group) != with_list
+    del group["extra"]
+    group["other"] = None
+    assert layout.structure_of(group) != first
