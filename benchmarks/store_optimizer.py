@@ -18,6 +18,18 @@ per step with the disk's floor for them (a plain O_DIRECT probe of the same dire
     .venv/bin/python benchmarks/store_optimizer.py --muon-count 4  # Muon over 16.8M of them
     .venv/bin/python benchmarks/store_optimizer.py --optimizers sgd,adafactor --steps 5
     .venv/bin/python benchmarks/store_optimizer.py --quick         # a smoke run
+
+``--per-tensor`` measures instead the host cost a tensor of ``StoreOptimizer(cls, ...)`` on
+``DeviceStore("cpu")`` against ``cls(..., foreach=False)`` (the update it computes bit for
+bit) and ``cls(..., foreach=True)``, on many small fp32 parameters (50 of 256 elements, 1,000
+of 256, 10,000 of 64 by default; ``--sizes``), one thread. The three run interleaved in one
+process, step after step, over parameters of the same values and fixed gradients; each
+figure is the median of ``--rounds`` steps, in microseconds a tensor, with the load average
+(1 minute) before and after it: on a shared machine a figure taken under load is noisy.
+The run checks that StoreOptimizer's parameters equal ``foreach=False``'s bit for bit.
+
+    .venv/bin/python benchmarks/store_optimizer.py --per-tensor
+    .venv/bin/python benchmarks/store_optimizer.py --per-tensor --classes adamw,sgd --rounds 30
 """
 from __future__ import annotations
 
@@ -39,6 +51,16 @@ OPTIMIZERS = {
     "muon": ("Muon", dict(lr=0.02)),
 }
 LABEL = {"sgd": "SGD (momentum 0.9)", "adafactor": "Adafactor", "muon": "Muon"}
+#: --per-tensor's classes: name -> (torch.optim class name, kwargs)
+PER_TENSOR = {
+    "adamw": ("AdamW", dict(lr=1e-3)),
+    "adam": ("Adam", dict(lr=1e-3, weight_decay=0.01, amsgrad=True)),
+    "sgd": ("SGD", dict(lr=0.01, momentum=0.9, dampening=0.1)),
+    "adagrad": ("Adagrad", dict(lr=0.01)),
+    "rmsprop": ("RMSprop", dict(lr=0.01, momentum=0.9, centered=True)),
+    "nadam": ("NAdam", dict(lr=1e-3)),
+    "rprop": ("Rprop", dict(lr=0.01)),
+}
 
 
 def _size(s: str) -> int:
@@ -113,6 +135,62 @@ def run(cfg: dict) -> dict:
     return json.loads(line[len("@@JSON "):])
 
 
+def per_tensor(classes, sizes, rounds: int, threads: int) -> None:
+    """``--per-tensor``: StoreOptimizer on DeviceStore("cpu") against torch's foreach=False
+    and foreach=True, interleaved; one table row per (class, count)."""
+    import torch
+    sys.path.insert(0, os.path.dirname(HERE))
+    import statestore as ss
+    from statestore.optim import StoreOptimizer
+    torch.set_num_threads(threads)
+    print(f"torch {torch.__version__}, {threads} thread(s); fp32 parameters, fixed gradients; "
+          f"median of {rounds} interleaved steps; us a tensor (load average, 1 min, "
+          f"before/after)")
+    print()
+    print("| class | tensors x elements | StoreOptimizer | foreach=False | foreach=True | "
+          "ours / foreach=False | ours / foreach=True | load avg | bits |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name in classes:
+        cls_name, kw = PER_TENSOR[name]
+        cls = getattr(torch.optim, cls_name)
+        for count, elems in sizes:
+            g = torch.Generator().manual_seed(0)
+            init = [torch.randn(elems, generator=g) for _ in range(count)]
+            grads = [torch.randn(elems, generator=g) * 1e-2 for _ in range(count)]
+
+            def params():
+                ps = [torch.nn.Parameter(t.clone()) for t in init]
+                for p, gr in zip(ps, grads):
+                    p.grad = gr.clone()
+                return ps
+            ours_p, single_p, foreach_p = params(), params(), params()
+            store = ss.DeviceStore("cpu")
+            runs = {
+                "ours": StoreOptimizer(cls, [(f"p{i}", p) for i, p in enumerate(ours_p)],
+                                       state_store=store, **kw),
+                "single": cls(single_p, foreach=False, **kw),
+                "foreach": cls(foreach_p, foreach=True, **kw),
+            }
+            times = {k: [] for k in runs}
+            load0 = os.getloadavg()[0]
+            for _ in range(2):                  # states created, caches warm
+                for opt in runs.values():
+                    opt.step()
+            for _ in range(rounds):
+                for k, opt in runs.items():
+                    t = time.perf_counter()
+                    opt.step()
+                    times[k].append(time.perf_counter() - t)
+            load1 = os.getloadavg()[0]
+            same = all(torch.equal(a, b) for a, b in zip(ours_p, single_p))
+            us = {k: statistics.median(v) / count * 1e6 for k, v in times.items()}
+            print(f"| {cls_name} | {count} x {elems} | {us['ours']:.1f} | {us['single']:.1f} | "
+                  f"{us['foreach']:.1f} | {us['ours'] / us['single']:.2f}x | "
+                  f"{us['ours'] / us['foreach']:.2f}x | {load0:.1f}/{load1:.1f} | "
+                  f"{'same' if same else 'DIFFER'} |", flush=True)
+            store.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -128,10 +206,26 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--dir", default=None, help="directory on the disk (default: under benchmarks/)")
     ap.add_argument("--quick", action="store_true", help="tiny shapes, one step: a smoke run")
+    ap.add_argument("--per-tensor", action="store_true",
+                    help="host cost a tensor on DeviceStore('cpu') against torch's loops")
+    ap.add_argument("--classes", default="adamw,sgd",
+                    help=f"--per-tensor's classes, of {sorted(PER_TENSOR)}")
+    ap.add_argument("--sizes", default="50x256,1000x256,10000x64",
+                    help="--per-tensor's COUNTxELEMENTS list")
+    ap.add_argument("--rounds", type=int, default=20, help="--per-tensor's timed steps")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         worker(json.loads(args.worker))
+        return
+    if args.per_tensor:
+        classes = [c.strip() for c in args.classes.split(",") if c.strip()]
+        unknown = [c for c in classes if c not in PER_TENSOR]
+        if unknown:
+            raise SystemExit(f"--classes: unknown {unknown}; choose from {sorted(PER_TENSOR)}")
+        sizes = [tuple(int(x) for x in z.lower().split("x")) for z in args.sizes.split(",")]
+        per_tensor(classes, sizes, args.rounds,
+                   1 if "--threads" not in sys.argv else args.threads)
         return
     if args.quick:
         args.shape, args.count, args.steps, args.muon_steps, args.budget = \

@@ -24,6 +24,9 @@ parameter one unit.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
+from itertools import repeat
+from operator import is_
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -34,7 +37,7 @@ from ._layout import IMPL_KEYS, StateLayout, json_group
 from ._dtensor import local, sharded_over_ranks
 
 __all__ = ["TorchLayout", "SavedLayout", "Probe", "ELEMENTWISE", "WHOLE", "REFUSED",
-           "class_name", "check_class", "ctor_kwargs"]
+           "group_structure", "class_name", "check_class", "ctor_kwargs"]
 
 #: torch's optimizers whose update is element by element (cut into element ranges)
 ELEMENTWISE = ("SGD", "Adagrad", "RMSprop", "Adam", "AdamW", "NAdam", "RAdam", "Adamax",
@@ -150,8 +153,7 @@ class Probe:
                 raise StateStoreError(f"StoreOptimizer({class_name(cls)}): state name "
                                       f"{name!r} cannot name a store state")
             if name == "step":
-                self.step = ("tensor", v.dtype, v.device.type == "meta") \
-                    if isinstance(v, Tensor) else ("number", type(v))
+                self.step = _step_kind(cls, v, key)
             elif isinstance(v, Tensor):
                 self.names.append(name)
                 self.specs[name] = (tuple(v.shape), v.dtype, v.device.type == "meta")
@@ -161,9 +163,66 @@ class Probe:
                     f"class keeps {name!r} = {type(v).__name__} for parameter {key!r}")
 
 
-def _hyper_key(group: Dict[str, Any]) -> str:
-    return repr(sorted((k, repr(v)) for k, v in group.items()
-                       if k not in ("params", "param_names")))
+def _step_kind(cls: type, v: Any, key: str) -> Tuple:
+    """How ``cls`` keeps ``"step"`` (its value ``v`` in a probe): ``("tensor", dtype,
+    on_param_device)`` for a 0-dim tensor, ``("number", int|float)`` for a number.
+
+    Raises:
+        StateStoreError: any other ``"step"`` (a tensor with elements, as a state shaped like
+            the parameter named ``"step"``): StoreOptimizer rebuilds ``"step"`` from the
+            parameter's step count for each update and would hand the class a scalar.
+    """
+    if isinstance(v, Tensor) and v.dim() == 0:
+        return "tensor", v.dtype, v.device.type == "meta"
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return "number", type(v)
+    what = (f"a tensor of shape {tuple(v.shape)}" if isinstance(v, Tensor)
+            else f"a {type(v).__name__}")
+    raise StateStoreError(
+        f"StoreOptimizer({class_name(cls)}): the class keeps a state named 'step' that is "
+        f"{what} for parameter {key!r}; StoreOptimizer keeps \"step\" as the parameter's step "
+        f"count (a number or a 0-dim tensor, as torch's classes keep it) and rebuilds it for "
+        f"each update, so it cannot keep that state: give it another name in the class")
+
+
+#: probes a layout keeps (least recently used dropped beyond): a key is the structure of the
+#: hyperparameters, not their values, so a training run needs a handful
+_MAX_PROBES = 256
+
+
+def _structure(v: Any) -> Any:
+    """What of a hyperparameter's value can decide which states a class keeps, their shapes
+    and dtypes: a float's sign (zero, positive, negative, not finite), never its value (an LR
+    scheduler changes ``lr`` every step; a momentum schedule may cross zero); bools, ints,
+    strings and None as they are; a tensor's dtype, shape and device; containers element by
+    element; any other object by identity (the group holds it)."""
+    if v is None or isinstance(v, (bool, int, str)):
+        return v
+    if isinstance(v, float):
+        if v != v:
+            return ("f", "nan")
+        return ("f", (v > 0) - (v < 0), math.isinf(v))
+    if isinstance(v, Tensor):
+        return ("t", v.dtype, tuple(v.shape), v.device.type)
+    if isinstance(v, (tuple, list)):
+        return (type(v).__name__,) + tuple(_structure(x) for x in v)
+    return ("o", type(v).__qualname__, id(v))
+
+
+_MISSING = object()
+
+
+def _immutable(v: Any) -> bool:
+    """Whether ``v`` cannot change in place (a number, string, None, or a tuple of those)."""
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return True
+    return type(v) is tuple and all(_immutable(x) for x in v)
+
+
+def group_structure(group: Dict[str, Any]) -> Tuple:
+    """The key of ``group``'s probes: :func:`_structure` of each hyperparameter."""
+    return tuple(sorted((str(k), _structure(v)) for k, v in group.items()
+                        if k not in ("params", "param_names")))
 
 
 class TorchLayout(StateLayout):
@@ -174,40 +233,94 @@ class TorchLayout(StateLayout):
         super().__init__()
         self.cls, self.kwargs, self.elementwise = cls, kwargs, elementwise
         self.name = class_name(cls)
-        self._probes: Dict[Tuple, Probe] = {}
+        #: probes by (shape, dtype, group structure), least recently used first (bounded)
+        self._probes: "OrderedDict[Tuple, Probe]" = OrderedDict()
+        #: every state name a probe showed, in order (kept when a probe is dropped)
+        self._seen: Dict[str, None] = {}
         #: each parameter's last probe (a parameter's states asked without its group)
         self._last: Dict[Tensor, Probe] = {}
         self._groups: List[dict] = []
         self._keys: Dict[Tensor, str] = {}
         self._step: Optional[Tuple] = None
+        #: during a step (:meth:`stepping`): each group's structure, by ``id``, computed once
+        self._structures: Optional[Dict[int, Tuple]] = None
+        #: each group's structure with the hyperparameters it was computed from (by ``id``)
+        self._known: Dict[int, Tuple] = {}
 
     def bind(self, param_groups: List[dict], keys: Dict[Tensor, str]) -> None:
         """The optimizer's groups and parameter keys (for states asked by parameter)."""
         self._groups, self._keys = param_groups, keys
 
-    def probe(self, p: Tensor, group: Optional[Dict[str, Any]] = None) -> Probe:
-        """The states of ``p`` in ``group`` (default: its own group)."""
+    def stepping(self, on: bool) -> None:
+        """A step begins (``on``) or ends: while it runs, hyperparameters do not change, so
+        each group's structure is computed once."""
+        self._structures = {} if on else None
+
+    def structure_of(self, group: Dict[str, Any]) -> Tuple:
+        """:func:`group_structure` of ``group`` (once per step while :meth:`stepping`; across
+        steps while its hyperparameters are the same objects, all immutable)."""
+        memo = self._structures
+        if memo is not None:
+            got = memo.get(id(group))
+            if got is not None and got[0] is group:
+                return got[1]
+        known = self._known.get(id(group))
+        if known is not None and known[0] is group and len(group) == known[1] and all(
+                map(is_, map(group.get, known[2], repeat(_MISSING)), known[3])):
+            structure = known[4]
+        else:
+            structure = group_structure(group)
+            hyper = [(k, v) for k, v in group.items() if k not in ("params", "param_names")]
+            if all(_immutable(v) for _, v in hyper):
+                if len(self._known) >= 64:
+                    self._known.clear()
+                # the values held: their ids are not reused while the entry lives
+                self._known[id(group)] = (group, len(group), tuple(k for k, _ in hyper),
+                                          tuple(v for _, v in hyper), structure)
+        if memo is not None:
+            memo[id(group)] = (group, structure)
+        return structure
+
+    def probe(self, p: Tensor, group: Optional[Dict[str, Any]] = None,
+              name: Optional[str] = None) -> Probe:
+        """The states of ``p`` in ``group`` (default: its own group; ``name``: ``p``'s name
+        for messages, default its key). One probe serves every parameter of a shape and dtype
+        in groups of one structure (:func:`group_structure`), whatever their values."""
         if group is None:
             group = next((g for g in self._groups if any(q is p for q in g["params"])), {})
         w = local(p)
         # a class needing the whole tensor, over a sharded parameter: the states of the whole
         # parameter, those shaped like it kept as the shard's (optim/_whole.py)
         whole = tuple(p.shape) if not self.elementwise and sharded_over_ranks(p) else None
-        key = (tuple(w.shape), w.dtype, _hyper_key(group), whole)
-        pr = self._probes.get(key)
+        key = (tuple(w.shape), w.dtype, self.structure_of(group), whole)
+        probes = self._probes
+        pr = probes.get(key)
         if pr is None:
-            pr = self._probes[key] = Probe(self.cls, self.kwargs, group, p,
-                                           self._keys.get(p, "?"), shape=whole)
+            pr = Probe(self.cls, self.kwargs, group, p,
+                       name if name is not None else self._keys.get(p, "?"), shape=whole)
             if whole is not None:
                 for n, (shape, dtype, on_dev) in pr.specs.items():
                     if tuple(shape) == whole:
                         pr.specs[n] = (tuple(w.shape), dtype, on_dev)
+            probes[key] = pr
+            if len(probes) > _MAX_PROBES:
+                probes.popitem(last=False)
+            for n in pr.names:
+                self._seen.setdefault(n, None)
+        elif len(probes) > 1:
+            probes.move_to_end(key)
         self._last[p] = pr
         if self._step is None and pr.step is not None:
             self._step = pr.step
         return pr
 
-    def _of(self, p: Tensor) -> Probe:
+    def probe_count(self) -> int:
+        """How many probes the layout keeps (bounded: :data:`_MAX_PROBES`)."""
+        return len(self._probes)
+
+    def probe_of(self, p: Tensor) -> Probe:
+        """``p``'s last probe (its states as its group last asked for them), else
+        :meth:`probe` in its own group."""
         pr = self._last.get(p)
         return pr if pr is not None else self.probe(p)
 
@@ -223,7 +336,7 @@ class TorchLayout(StateLayout):
         return name in self.all_names()
 
     def all_names(self) -> List[str]:
-        return list(dict.fromkeys(n for pr in self._probes.values() for n in pr.names))
+        return list(self._seen)
 
     def describe(self, owner: str) -> str:
         return f"StoreOptimizer({self.name}) keeps {self.all_names()}"
@@ -235,7 +348,7 @@ class TorchLayout(StateLayout):
         return None
 
     def spec(self, name: str, p: Tensor) -> Tuple[Tuple[int, ...], torch.dtype]:
-        pr = self._of(p)
+        pr = self.probe_of(p)
         if name not in pr.specs:
             raise StateStoreValueError(f"parameter {self._keys.get(p, '?')!r}: {self.name} "
                                        f"keeps no state {name!r} (it keeps {pr.names})")
@@ -243,7 +356,7 @@ class TorchLayout(StateLayout):
         return shape, dtype
 
     def on_param_device(self, name: str, p: Tensor) -> bool:
-        return self._of(p).specs[name][2]
+        return self.probe_of(p).specs[name][2]
 
     # ------------------------------------------------------------------ units
     def divisible(self, p: Tensor, group: Dict[str, Any]) -> bool:
@@ -255,17 +368,25 @@ class TorchLayout(StateLayout):
     # ------------------------------------------------------------------ hyperparameters
     def check_group(self, group: Dict[str, Any]) -> None:
         """The class's own constructor checks (torch's messages), over meta copies of the
-        group's parameters; the states of each DTensor parameter sharded over several ranks
-        probed (:meth:`_check_sharded`)."""
+        group's parameters; the states of every parameter probed, those of each DTensor
+        parameter sharded over several ranks as :meth:`_check_sharded` says: a class keeping
+        what the store cannot (a non-scalar "step", a non-tensor state) is refused before any
+        step."""
         names = group.get("param_names") or []
-        for i, p in enumerate(group.get("params", ())):
-            if isinstance(p, Tensor) and sharded_over_ranks(p):
-                name = names[i] if i < len(names) else self._keys.get(p, f"#{i}")
-                self._check_sharded(p, name, group)
         hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
         params = [meta_twin(p) for p in group.get("params", ()) if isinstance(p, Tensor)]
         if params:
             self.cls([dict(hyper, params=params)], **self.kwargs)
+        memo, self._structures = self._structures, {}
+        try:
+            for i, p in enumerate(group.get("params", ())):
+                if isinstance(p, Tensor):
+                    name = names[i] if i < len(names) else self._keys.get(p, f"#{i}")
+                    if sharded_over_ranks(p):
+                        self._check_sharded(p, name, group)
+                    self.probe(p, group, name=name)
+        finally:
+            self._structures = memo
 
     def _check_sharded(self, p: Tensor, name: str, group: Dict[str, Any]) -> None:
         """A DTensor parameter ``p`` sharded over several ranks: each rank keeps its shard of
@@ -274,7 +395,7 @@ class TorchLayout(StateLayout):
         every rank, saved once); a class needing the whole tensor updates it gathered
         (optim/_whole.py). Probing here makes a class whose states cannot be learnt fail at
         construction."""
-        self.probe(p, group)
+        self.probe(p, group, name=name)
 
     def metadata(self) -> Dict[str, Any]:
         return {"optimizer_class": self.name, "step_format": _step_format(self._step)}

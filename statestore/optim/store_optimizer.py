@@ -18,21 +18,73 @@ only that parameter, its gradient and its states.
 from __future__ import annotations
 
 import math
+import os
 from collections import defaultdict
 from typing import Any, Dict, List, Optional
 
 import torch
 from torch import Tensor
 
+from .._types import StateKey
 from ..errors import StateStoreError
 from ..store import StateStore
 from ._dtensor import local, local_grad
+from ._plan import ensure_states
+from ._resident import ResidentPlan, Scalars, joined_view, state_kinds
 from ._torch_layout import (ELEMENTWISE, WHOLE, TorchLayout, check_class, class_name,
                             ctor_kwargs, make_step)
 from ._whole import WholeUpdates
 from .base import StateStoreOptimizer
 
 __all__ = ["StoreOptimizer"]
+
+#: a parameter range of at most this many elements may be updated joined with others
+#: (:meth:`StoreOptimizer._update_joined`): below it, the class's own Python per parameter
+#: costs more than its arithmetic
+_JOIN_ELEMS = 1 << 16
+#: elements of one joined update at most (it copies parameters, gradients and states)
+_JOIN_TOTAL = 1 << 20
+
+
+def _parts(items: list) -> List[list]:
+    """``items`` (``((parameter, start, stop, ...), gradient)``) in runs of at most
+    :data:`_JOIN_TOTAL` elements."""
+    parts, cur, size = [], [], 0
+    for it in items:
+        n = it[0][2] - it[0][1]
+        if cur and size + n > _JOIN_TOTAL:
+            parts.append(cur)
+            cur, size = [], 0
+        cur.append(it)
+        size += n
+    if cur:
+        parts.append(cur)
+    return parts
+
+
+class _Noting:
+    """``store`` as :func:`~statestore.optim._plan.ensure_states` uses it, noting in
+    ``created`` the keys it creates."""
+
+    __slots__ = ("_store", "_created")
+
+    def __init__(self, store: StateStore, created: set):
+        self._store, self._created = store, created
+
+    def __contains__(self, key) -> bool:
+        return key in self._store
+
+    def create_many(self, entries) -> None:
+        """Create them name by name (every parameter's first state, then every second...):
+        a resident store then lays each name's states back to back, which a joined update
+        takes as one view (:func:`~statestore.optim._resident.joined_view`)."""
+        order: Dict[str, int] = {}
+        entries = sorted(entries, key=lambda e: order.setdefault(e[0].state, len(order)))
+        self._store.create_many(entries)
+        self._created.update(e[0] for e in entries)
+
+    def __getattr__(self, name: str):
+        return getattr(self._store, name)
 
 
 class StoreOptimizer(StateStoreOptimizer):
@@ -86,9 +138,27 @@ class StoreOptimizer(StateStoreOptimizer):
         template = optimizer_cls([torch.empty(2, 2, device="meta")], **kwargs)
         #: the optimizer instance each unit's update runs on (its groups and state swapped in)
         self._worker = template
+        #: its step() as the class wrote it: torch wraps every optimizer class's step() with
+        #: the profiler's range and the step hooks, which belong to this optimizer's step,
+        #: not to each call over a unit (the wrapped one where torch's wrapping is not found)
+        step = optimizer_cls.step
+        self._class_step = step.__wrapped__ if getattr(step, "hooked", False) and \
+            callable(getattr(step, "__wrapped__", None)) else type(template).step
         #: per step: the values of per-parameter scalar states before the parameter's first
         #: unit updated them, for its later units
         self._scalars: Dict[str, Dict[str, Tensor]] = {}
+        #: per step: the states :meth:`_ensure_states` created (the class makes them)
+        self._created: set = set()
+        #: per unit of the current plans: :meth:`_unit_plan`
+        self._unit_plans: Dict[int, tuple] = {}
+        #: the step over resident stores remembered from the last (None: the general step),
+        #: and when to try building it again
+        self._resident: Optional[ResidentPlan] = None
+        self._resident_wait = self._resident_backoff = 0
+        #: per store: the structure of the groups its plan was made for, and the plan's
+        #: units (:meth:`_plan`)
+        self._plan_sigs: Dict[int, tuple] = {}
+        self._plan_metas: Dict[int, list] = {}
         layout = TorchLayout(optimizer_cls, kwargs, elementwise)
         #: sharded DTensor parameters a class needing the whole tensor updates gathered
         self._whole = WholeUpdates(not elementwise)
@@ -100,40 +170,285 @@ class StoreOptimizer(StateStoreOptimizer):
 
     def step(self, closure=None):
         """One step of ``optimizer_cls`` over every parameter with a gradient (see
-        :meth:`StateStoreOptimizer.step`)."""
+        :meth:`StateStoreOptimizer.step`). Over resident stores, a step like the last is
+        made by the plan remembered from it (:mod:`statestore.optim._resident`)."""
         self._scalars = {}
+        self._created = set()
+        self._layout.stepping(True)
         try:
-            return super().step(closure)
+            plan = self._resident
+            if plan is None:
+                loss = super().step(closure)
+            else:
+                if closure is not None and not callable(closure):
+                    raise TypeError(f"closure must be callable or None, got "
+                                    f"{type(closure).__name__}")
+                self._check_usable()
+                loss = self._run_closure(closure)
+                with torch.no_grad():
+                    if self._run_resident(plan):
+                        return loss
+                    self._resident = None
+                    self._general_step()
+            self._plan_resident()
+            return loss
         finally:
             self._scalars = {}
+            self._created = set()
+            self._layout.stepping(False)
+
+    def _general_step(self) -> None:
+        """The base's step after its closure (:meth:`StateStoreOptimizer.step`)."""
+        work, grads = self._collect()
+        if grads:
+            self._ensure_states(work)
+            self._run_step(work, grads)
+
+    def _run_resident(self, plan: ResidentPlan) -> bool:
+        """A step by ``plan``; False (nothing changed) when it does not apply now."""
+        grads = plan.grads(self.param_groups, self._steps, self._layout)
+        if grads is None:
+            return False
+        groups = plan.groups
+        with self._table.stepping(plan.keys) as undo:
+            self._step_undo = undo
+            try:
+                self._touch()
+                for b, (gs, scalars) in zip(plan.batches, grads):
+                    hyper = {k: v for k, v in groups[b.group].items()
+                             if k not in ("params", "param_names")}
+                    self._update_joined(hyper, b.names, False, b.count, (), b.keys[0],
+                                        b.params, gs, b.states, lines=(b.lines, b.sizes),
+                                        scalars=scalars)
+                    b.count += 1
+            finally:
+                self._step_undo = {}
+        return True
+
+    def _plan_resident(self) -> None:
+        """After a general step: the plan of the next ones, when it applies (tried again
+        after 1, 2, 4 ... 64 general steps when it does not)."""
+        if self._resident_wait > 0:
+            self._resident_wait -= 1
+            return
+        if os.environ.get("STATESTORE_RESIDENT_PLAN", "1") != "0":     # for comparisons
+            self._resident = None if self._sharding is not None else ResidentPlan.build(
+                self.param_groups, self._keys, self._stores, self._steps, self._layout,
+                _JOIN_ELEMS)
+        if self._resident is None:
+            self._resident_backoff = min(64, 2 * self._resident_backoff or 1)
+            self._resident_wait = self._resident_backoff
+        else:
+            self._resident_backoff = 0
+
+    def _forget_pending(self) -> None:
+        self._unit_plans.clear()
+        self._resident = None
+        self._resident_wait = 0
+
+    def _group_added(self, params) -> None:
+        super()._group_added(params)
+        self._resident = None
+        self._resident_wait = 0
+
+    def _ensure_states(self, work) -> None:
+        """The base's, noting the states it creates for this step: a state the class has
+        not made yet for a parameter that has stepped (SGD's ``momentum_buffer`` when
+        momentum turns on mid-training) is left out of what the class is handed, so that the
+        class creates it as it does (``clone(grad)``), not from zeros."""
+        group_of = {p: g for items in work.values() for g, ps in items for p in ps}
+        for store, items in work.items():
+            ensure_states(_Noting(store, self._created), [p for _, ps in items for p in ps],
+                          self._keys, group_of, self._layout)
+
+    def _plan(self, store, items, order=None):
+        """The base's plan, made anew when a group's structure (:func:`group_structure`)
+        changed since the last: the states a class keeps may follow a float hyperparameter
+        crossing zero (SGD's ``momentum``), which the plan's memo does not watch."""
+        layout: TorchLayout = self._layout
+        sig = tuple(layout.structure_of(g) for g, _ in items)
+        if self._plan_sigs.get(id(store)) != sig:
+            self._plan_sigs[id(store)] = sig
+            self.__dict__.pop("_plan_memo", None)
+        plan = super()._plan(store, items, order)
+        if self._plan_metas.get(id(store)) is not plan[1]:     # a new plan: new units
+            self._plan_metas[id(store)] = plan[1]
+            self._unit_plans.clear()
+        return plan
 
     # ------------------------------------------------------------------ the unit update
     def _update_unit(self, tensors: List[Tensor], group: dict, entries, grads, grad_scale,
                      dev: torch.device) -> None:
-        """Run ``optimizer_cls.step`` once over the unit: each entry's parameter range (with
-        its gradient range) as a parameter, the unit's state tensors as its ``state``; new
-        states are the class's own initialization, copied into the unit."""
-        layout: TorchLayout = self._layout
+        """Run ``optimizer_cls.step`` over the unit: each entry's parameter range (with its
+        gradient range) as a parameter, the unit's state tensors as its ``state``; new
+        states are the class's own initialization, copied into the unit. Small ranges of an
+        element-wise class that share a step count and their states' names are concatenated
+        and updated by one call (:meth:`_update_joined`); the others one parameter each
+        (:meth:`_update_each`)."""
         hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
-        proxies, given, fresh, back = [], [], [], []
+        created = self._created
+        steps, undo = self._steps, self._step_undo
+        joined: Dict[tuple, list] = {}
+        each = []
         pos = 0
-        for p, a, b, names in entries:
+        for p, a, b, names, key, kinds in self._unit_plan(entries, dev):
             ts = tensors[pos:pos + len(names)]
             pos += len(names)
-            if self._whole.covers(p):       # all-gathered (_whole.py)
-                proxy, writeback = self._whole.proxy(p, grads[p]), None
+            count = steps[key] - 1                  # before this step
+            first = undo.get(key, count) is None    # its first step: the class begins it
+            new = () if first or not created else \
+                tuple(n for n in names if StateKey(key, n) in created)
+            entry = (p, a, b, names, key, ts, count, first, new)
+            if kinds is not None:
+                g = grads[p]
+                joined.setdefault((first, count, new, g.dtype, p.dtype, names, kinds),
+                                  []).append((entry, g))
             else:
-                proxy, writeback = self._proxy(p, a, b, grads[p])
+                each.append(entry)
+        calls = []
+        for (first, count, new, _, _, names, kinds), items in joined.items():
+            for part in _parts(items):
+                states = []
+                for j, kind in enumerate(kinds):
+                    ts = [e[5][j] for e, _ in part]
+                    view = joined_view(ts) if kind == "e" else None
+                    states.append(Scalars(ts) if kind == "s" else ts if view is None else view)
+                scalars = {}
+                if not first:       # scalars (NAdam's mu_product) joined while they agree
+                    for name, st in zip(names, states):
+                        if isinstance(st, Scalars) and name not in new:
+                            scalars[name] = st.common()
+                if any(v is None for v in scalars.values()):
+                    each += [e for e, _ in part]
+                    continue
+                targets = [p if a == 0 and b == p.numel() else p.detach().view(-1)[a:b]
+                           for (p, a, b, *_), _ in part]
+                gs = [g if a == 0 and b == g.numel() else g.view(-1)[a:b]
+                      for (_, a, b, *_), g in part]
+                calls.append((names, first, count, new, part[0][0][4], targets, gs, states,
+                              scalars))
+        self._touch()
+        for names, first, count, new, key, targets, gs, states, scalars in calls:
+            self._update_joined(hyper, names, first, count, new, key, targets, gs, states,
+                                scalars=scalars)
+        if each:
+            self._update_each(hyper, each, grads)
+
+    def _unit_plan(self, entries, dev: torch.device):
+        """Per entry of a unit, ``(parameter, start, stop, names (a tuple), key, kinds)``,
+        remembered while the plan is the same (:meth:`_plan`). ``kinds``
+        (:func:`~statestore.optim._resident.state_kinds`), where the range may be joined
+        with others: an element-wise class, a plain fp32/fp64 parameter of at most
+        :data:`_JOIN_ELEMS` elements in the range, every state shaped like the parameter
+        (on its device, the store's) or a per-parameter scalar (the range then the whole
+        parameter); else None."""
+        hit = self._unit_plans.get(id(entries))
+        if hit is not None and hit[0] is entries:
+            return hit[1]
+        layout: TorchLayout = self._layout
+        out = []
+        for p, a, b, names in entries:
+            w = local(p)
+            kinds = None
+            if (layout.elementwise and w is p and w.dtype in (torch.float32, torch.float64)
+                    and 0 < b - a <= _JOIN_ELEMS
+                    and len(names) == len(layout.probe_of(p).names)):
+                kinds = state_kinds(layout, p, names, dev)
+                if kinds is not None and "s" in kinds and not (a == 0 and b == w.numel()):
+                    kinds = None
+            out.append((p, a, b, tuple(names), self._keys[p], kinds))
+        self._unit_plans[id(entries)] = (entries, out)
+        return out
+
+    def _update_joined(self, hyper: dict, names: tuple, first: bool, count: int, new: tuple,
+                       key: str, targets: List[Tensor], grads: List[Tensor],
+                       states: list, lines=None, scalars=None) -> None:
+        """One call of the class over parameter ranges ``targets`` (their gradients
+        ``grads``) concatenated: a parameter of all their elements, its gradient, per state
+        name in ``names`` the concatenation of ``states[j]`` (a list: each range's tensor,
+        copied back after; or one view over them all, updated in place), then the
+        parameter copied back. An element-wise class computes each element from that element
+        alone, so this is its update of each range, bit for bit (as cutting a parameter into
+        units is: fp32/fp64 only). ``first``: the ranges' first step (the class begins their
+        states); ``new``: states created for this step (the class makes them); ``key``: the
+        first range's parameter, for messages; ``lines``: ``(views, sizes)``, each target's
+        memory as a 1-D view and its size (a cheaper copy in and out than ``targets``). A
+        per-parameter scalar state is a :class:`~statestore.optim._resident.Scalars` in
+        ``states`` and its one value in ``scalars``; the class's result is put into each."""
+        layout: TorchLayout = self._layout
+        cls = self.optimizer_cls
+        flatten = torch._C._nn.flatten_dense_tensors
+        unflatten = torch._C._nn.unflatten_dense_tensors
+        flat = flatten(targets) if lines is None else torch.cat(lines[0])
+        total = flat.numel()
+        flat.grad = flatten(grads)
+        if first:                   # the class's constructor may create states (Adagrad)
+            state = dict(cls([dict(hyper, params=[flat])], **self._kwargs).state.get(flat, {}))
+        else:
+            # a view's own tensor object (the class may assign its .data), or a copy
+            state = {name: scalars[name] if isinstance(st, Scalars)
+                     else st.view(-1) if isinstance(st, Tensor) else flatten(st)
+                     for name, st in zip(names, states) if name not in new}
+            kind = layout.step_kind()
+            if kind is not None:
+                state["step"] = make_step(kind, count, flat.device)
+        given = dict(state)
+        worker = self._worker
+        worker.param_groups = [dict(hyper, params=[flat])]
+        worker.state = defaultdict(dict, {flat: state})
+        try:
+            self._class_step(worker)
+            after = worker.state.get(flat, {})
+        finally:
+            worker.param_groups, worker.state = [], defaultdict(dict)
+        if flat.shape != (total,) or flat.dtype != targets[0].dtype:
+            raise StateStoreError(
+                f"{class_name(cls)} replaced the data of parameter {key!r} (p.data = ...) "
+                f"with a tensor of shape {tuple(flat.shape)} and dtype {flat.dtype}; "
+                f"StoreOptimizer writes an update back into the parameter, so it must keep "
+                f"the parameter's shape {tuple(targets[0].shape)} and dtype")
+        if lines is None:
+            torch._foreach_copy_(targets, unflatten(flat, targets))
+        else:
+            torch._foreach_copy_(lines[0], flat.split_with_sizes(lines[1]))
+        for name, st in zip(names, states):
+            got = after.get(name)
+            size = 1 if isinstance(st, Scalars) else total
+            if not isinstance(got, Tensor) or got.numel() != size:
+                raise StateStoreError(f"{class_name(cls)} left no tensor {name!r} of "
+                                      f"{size} element(s) for parameter {key!r} after its step")
+            if isinstance(st, Scalars):
+                st.put(got)
+            elif not isinstance(st, Tensor):
+                torch._foreach_copy_(st, unflatten(got.reshape(-1), st))
+            elif got is not given.get(name) or got.data_ptr() != st.data_ptr():
+                st.copy_(got.reshape(-1))       # replaced, or its .data reassigned
+        unknown = [n for n in after if n != "step" and n not in names]
+        if unknown:
+            raise StateStoreError(f"{class_name(cls)} created states {unknown} for parameter "
+                                  f"{key!r} that its probe did not show; StoreOptimizer "
+                                  f"cannot keep them")
+
+    def _update_each(self, hyper: dict, each, grads) -> None:
+        """One call of the class over parameter ranges ``each`` (``(parameter, start, stop,
+        names, key, unit tensors, count, first, new)``), each its own parameter."""
+        layout: TorchLayout = self._layout
+        proxies, given, fresh, back, placed = [], [], [], [], []
+        for p, a, b, names, key, ts, count, first, new in each:
+            if self._whole.covers(p):       # all-gathered (_whole.py)
+                proxy, writeback, target = self._whole.proxy(p, grads[p]), None, None
+            else:
+                proxy, writeback, target = self._proxy(p, a, b, grads[p])
             if writeback is not None:
                 back.append(writeback)
+            elif target is not None:    # p.data = ... on the proxy must reach the parameter
+                placed.append((proxy, target, proxy.data_ptr(), key))
             proxies.append(proxy)
-            key = self._keys[p]
-            count = self._steps[key] - 1                # before this step
-            if self._step_undo.get(key, count) is None:     # its first step: the class begins it
+            if first:
                 fresh.append(proxy)
                 given.append((p, key, names, ts, {}, []))
                 continue
-            state, moved = self._given_state(p, key, a, names, ts, w_dev=proxy.device)
+            state, moved = self._given_state(p, key, a, names, ts, proxy.device, new)
             if self._whole.covers(p):
                 state = self._whole.gather_states(p, state)
             kind = layout.step_kind()
@@ -149,69 +464,94 @@ class StoreOptimizer(StateStoreOptimizer):
                 states[proxy] = dict(state)
         worker.param_groups = [dict(hyper, params=proxies)]
         worker.state = states
-        self._touch()
-        worker.step()
-        for proxy, (p, key, names, ts, state, moved) in zip(proxies, given):
-            after = worker.state.get(proxy, {})
-            if self._whole.covers(p):       # this rank's region of the parameter and states
-                after = self._whole.finish(p, proxy, after)
-            self._take_states(after, p, key, names, ts, state, moved)
+        try:
+            self._class_step(worker)
+            for proxy, (p, key, names, ts, state, moved) in zip(proxies, given):
+                after = worker.state.get(proxy, {})
+                if self._whole.covers(p):   # this rank's region of the parameter and states
+                    after = self._whole.finish(p, proxy, after)
+                self._take_states(after, p, key, names, ts, state, moved)
+        finally:
+            worker.param_groups, worker.state = [], defaultdict(dict)
+        for proxy, target, ptr, key in placed:
+            if proxy.data_ptr() != ptr:
+                self._replaced(proxy, target, key)
         for p, (a, flat) in back:       # a non-contiguous parameter's range, computed apart
             w = local(p).detach()
             full = w.reshape(-1).clone()
-            full[a:a + flat.numel()].copy_(flat)
+            full[a:a + flat.numel()].copy_(flat.reshape(-1))
             w.copy_(full.view(w.shape))
-        worker.param_groups, worker.state = [], defaultdict(dict)
+
+    def _replaced(self, proxy: Tensor, target: Tensor, key: str) -> None:
+        """The class assigned ``proxy.data`` (``p.data = ...``, as many hand-written
+        optimizers do) where ``proxy`` stands for ``target``, a range of the parameter: copy
+        the new value there, as the assignment does to the parameter itself."""
+        if proxy.shape != target.shape or proxy.dtype != target.dtype:
+            raise StateStoreError(
+                f"{class_name(self.optimizer_cls)} replaced the data of parameter {key!r} "
+                f"(p.data = ...) with a tensor of shape {tuple(proxy.shape)} and dtype "
+                f"{proxy.dtype}; StoreOptimizer writes an update back into the parameter, so "
+                f"it must keep the shape {tuple(target.shape)} and dtype {target.dtype} it was "
+                f"handed")
+        target.copy_(proxy)
 
     def _proxy(self, p: Tensor, a: int, b: int, g: Tensor):
         """The parameter the class updates for elements ``[a, b)`` of ``p``: ``p`` itself when
         whole (its gradient as it is), else a flat range of it (a copy, written back after,
         when ``p`` is not contiguous) with the gradient's range. Returns ``(proxy,
-        writeback)``."""
+        writeback, target)``: ``target`` is where the proxy's elements live when it is not
+        ``p`` itself (a new ``proxy.data`` is copied there)."""
         w = local(p)
         if a == 0 and b == w.numel():
             if w is p:
-                return p, None
+                return p, None, None
             proxy = w.detach()
             proxy.grad = local_grad(p, p.grad)
-            return proxy, None
+            return proxy, None, w.detach()
         if w.is_contiguous():
-            proxy = w.detach().view(-1)[a:b]
+            target = w.detach().view(-1)[a:b]
+            proxy = target.detach()
             writeback = None
         else:
             proxy = w.detach().reshape(-1)[a:b].clone()
+            target = None
             writeback = (p, (a, proxy))
         proxy.grad = g.view(-1)[a:b]
-        return proxy, writeback
+        return proxy, writeback, target
 
-    def _given_state(self, p: Tensor, key: str, a: int, names: List[str], ts: List[Tensor],
-                     w_dev: torch.device):
+    def _given_state(self, p: Tensor, key: str, a: int, names, ts: List[Tensor],
+                     w_dev: torch.device, new=()):
         """The state handed to the class for a unit of ``p`` starting at element ``a``: the
-        unit's tensors (shaped as the class keeps them, on the device it keeps them), and
-        for a later unit of a cut parameter its scalar states as they were before the
-        parameter's first unit. Returns ``(state, moved)``: ``moved`` lists ``(unit tensor,
-        tensor given)`` pairs to copy back after the update."""
+        unit's tensors (shaped as the class keeps them, on the device it keeps them) but the
+        ``new`` ones (created for this step: the class makes them), and for a later unit of
+        a cut parameter its scalar states as they were before the parameter's first unit.
+        Returns ``(state, moved)``: ``moved`` lists ``(unit tensor, tensor given)`` pairs to
+        copy back after the update."""
         layout: TorchLayout = self._layout
         n = local(p).numel()
         state: Dict[str, Any] = {}
         moved = []
         for name, t in zip(names, ts):
+            if name in new:
+                continue
             shape = layout.spec(name, p)[0]
-            v = t if math.prod(shape) == n and t.numel() != n else t.view(shape)
+            # a tensor of its own (a view): the class may assign its .data
+            v = t.detach() if math.prod(shape) == n and t.numel() != n else t.view(shape)
             target = w_dev if layout.on_param_device(name, p) else torch.device("cpu")
             if v.device != target:
                 dv = v.to(target)
                 moved.append((v, dv))
                 v = dv
             state[name] = v
-        pr = layout.probe(p)
+        pr = layout.probe_of(p)
         scalars = [s for s in pr.names if math.prod(pr.specs[s][0]) != n]
         if scalars:
             if a == 0:
-                self._scalars[key] = {s: state[s].clone() for s in scalars}
+                self._scalars[key] = {s: state[s].clone() for s in scalars if s in state}
             else:
                 for s in scalars:
-                    state[s] = self._scalars[key][s].clone()
+                    if s in self._scalars[key]:
+                        state[s] = self._scalars[key][s].clone()
         return state, moved
 
     def _take_states(self, after: Dict[str, Any], p: Tensor, key: str, names: List[str],
@@ -223,12 +563,13 @@ class StoreOptimizer(StateStoreOptimizer):
             if not isinstance(got, Tensor):
                 raise StateStoreError(f"{class_name(self.optimizer_cls)} left no tensor "
                                       f"{name!r} for parameter {key!r} after its step")
-            if got is not given.get(name):
-                t.copy_(got.reshape(t.shape))
+            was = given.get(name)
+            if got is not was or (t.data_ptr() != got.data_ptr() and t.device == got.device):
+                t.copy_(got.reshape(t.shape))       # replaced, or its .data reassigned
         for v, dv in moved:
             v.copy_(dv)
         unknown = [n for n in after if n != "step" and n not in names
-                   and n not in self._layout.probe(p).names]
+                   and n not in self._layout.probe_of(p).names]
         if unknown:
             raise StateStoreError(f"{class_name(self.optimizer_cls)} created states {unknown} "
                                   f"for parameter {key!r} that its probe did not show; "
