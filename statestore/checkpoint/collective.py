@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Set
 
 from ..distributed import Collective
 from ..errors import CheckpointError
-from .filesystem import prepare_root, remove
+from .filesystem import exists, join, prepare_root, remove
 from .._regions import Region
 from .format import ManifestRow, tiling_problems
 from .region_load import blockwise_states
@@ -105,6 +105,40 @@ def merge_rows(gathered: List[List[ManifestRow]],
     return out
 
 
+class _Written(list):
+    """The files a rank's save created (removed if it fails); ``write_manifest`` clears the
+    list as it renames the manifest into place, which sets ``committed`` (a rank that wrote
+    no shard has an empty list before the commit too)."""
+    committed = False
+
+    def clear(self) -> None:
+        super().clear()
+        self.committed = True
+
+
+def missing_shards(fs, root: str, rows: List[ManifestRow]) -> List[str]:
+    """The shard files ``rows`` name that are not in ``root`` (as rank 0 sees it)."""
+    return [name for name in dict.fromkeys(r.file for r in rows)
+            if not exists(fs, join(root, name))]
+
+
+def _rank_of(name: str) -> str:
+    """The rank that wrote shard ``name`` (``shard-<save id>-r<rank>-<n>.safetensors``)."""
+    part = name.split("-r", 1)[1][:5] if "-r" in name else ""
+    return str(int(part)) if part.isdigit() else "?"
+
+
+def not_shared_error(path: str, missing: List[str]) -> CheckpointError:
+    """What a collective save says when rank 0 does not see the shards other ranks wrote."""
+    ranks = sorted({_rank_of(n) for n in missing}, key=lambda r: (len(r), r))
+    return CheckpointError(
+        f"checkpoint {path!r} is not shared between ranks: rank 0 does not see "
+        f"{len(missing)} shard(s) that rank(s) {', '.join(ranks)} wrote there (e.g. "
+        f"{missing[0]!r}), so each rank wrote to its own directory (a local disk). Save to "
+        f"a path every rank of the group reaches as one directory (a shared filesystem or "
+        f"an fsspec URL); nothing was committed")
+
+
 def save_collective(store, path: str, group, shard_bytes: int, progress, metadata,
                     link: bool = True) -> None:
     """:func:`statestore.checkpoint.save_checkpoint` over ``group`` (arguments checked by it):
@@ -162,7 +196,7 @@ def _save_collective_locked(store, path: str, comm, error, fs, root, shard_bytes
             if (regions[k.param].numel > 0 and holder[(k.param, regions[k.param])] == comm.rank
                 if k.param in regions and str(k) not in whole
                 else first[str(k)] == comm.rank)]
-    written: List[str] = []
+    written = _Written()
     bar = save_progress(store, keys, root, progress)
     rows: List[ManifestRow] = []
     try:
@@ -180,13 +214,18 @@ def _save_collective_locked(store, path: str, comm, error, fs, root, shard_bytes
         try:
             all_rows = merge_rows([g[0] for g in gathered], [f[3] for f in first_round],
                                   blockwise)
+            # The commit names every rank's shards: each must be here, in the directory the
+            # manifest goes to, before it is renamed into place over a good checkpoint.
+            missing = missing_shards(fs, root, all_rows)
+            if missing:
+                raise not_shared_error(path, missing)
             merged = merge_metadata([g[1] for g in gathered], [g[0] for g in gathered])
             write_manifest(fs, root, all_rows, merged, save_id, written,
                            world_size=comm.world)
         except Exception as e:
             error = e
-            status = repr(e)
-        committed = not written      # the manifest is in place (cleared on its rename)
+            status = f"{type(e).__name__}: {e}"
+        committed = written.committed    # the manifest is in place
     if not failed:
         status, committed = comm.broadcast((status, committed))
     if failed or status is not None:

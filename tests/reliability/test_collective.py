@@ -1,0 +1,40 @@
+"""Collective saves and loads (``process_group=``) when the ranks do not see one directory, a
+rank's shard is corrupt, or a rank is killed (issue 47 items 2, 9, 10): every rank ends with
+the same outcome, a ``StateStoreError`` naming the rank or the cause, and no rank's files left
+behind in the checkpoint (``docs/reliability.md``, "Collective saves and loads"). Two gloo
+ranks on 127.0.0.1, every join bounded."""
+from __future__ import annotations
+
+import os
+
+from statestore.checkpoint import read_manifest, verify_checkpoint
+
+from helpers import collective_worker as CW
+from helpers.ranks import run_ranks
+
+
+def _shards(d) -> list:
+    return sorted(n for n in os.listdir(d) if "shard-" in n) if os.path.isdir(d) else []
+
+
+# ------------------------------------------------ item 2: a path each rank has on its own disk
+def test_collective_save_to_a_path_not_shared_between_ranks_fails_on_every_rank(tmp_path):
+    """Two ranks save to "ckpt", each relative to a directory of its own (nodes with local
+    disks): both raise CheckpointError saying the path is not shared between ranks; rank 0's
+    good checkpoint at that path is still the one there, and neither directory keeps a shard
+    of the failed save. Before: both saves returned, and rank 0's directory held a manifest
+    naming rank 1's shard, which it did not have."""
+    good = tmp_path / "node0" / "ckpt"
+    run_ranks(CW.save_to_local_disks, 2, str(tmp_path), timeout=90)
+    for r in range(2):
+        got = (tmp_path / f"save{r}.txt").read_text()
+        assert got.startswith("statestore.errors.CheckpointError"), got
+        assert "not shared between ranks" in got, got
+    assert "rank 0 does not see 1 shard(s) that rank(s) 1 wrote" in \
+        (tmp_path / "save0.txt").read_text()
+    assert verify_checkpoint(str(good), progress=False) == []
+    assert [r["key"] for r in read_manifest(str(good)).rows] == ["w/exp_avg"]
+    files = set(os.listdir(good))
+    assert len(_shards(good)) == 1 and not any(n.startswith(".") and "shard" in n for n in files)
+    assert _shards(tmp_path / "node1" / "ckpt") == []
+    assert not (tmp_path / "node1" / "ckpt" / "manifest.parquet").exists()
