@@ -77,3 +77,63 @@ def save_to_local_disks(rank: int, world: int, port: int, out: str) -> None:
         _done()
     finally:
         dist.destroy_process_group()
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _arm(case: str) -> None:
+    """Make this rank SIGKILL itself at the point of a collective save that ``case`` names."""
+    from statestore import distributed
+    from statestore.checkpoint import collective, writer
+    if case == "rank1-writing-shards":          # after its first shard's rename
+        real_commit = writer.commit
+
+        def commit_then_die(*a, **kw):
+            real_commit(*a, **kw)
+            _die()
+        writer.commit = commit_then_die
+    elif case == "rank1-after-gather":          # its rows sent, before the outcome
+        real_gather = distributed.Collective.all_gather
+        calls = []
+
+        def gather_then_die(self, obj):
+            got = real_gather(self, obj)
+            calls.append(1)
+            if len(calls) == 2:
+                _die()
+            return got
+        distributed.Collective.all_gather = gather_then_die
+    elif case in ("rank0-before-commit", "rank0-after-commit"):
+        real_manifest = collective.write_manifest
+
+        def manifest_and_die(*a, **kw):
+            if case == "rank0-after-commit":
+                real_manifest(*a, **kw)
+            _die()
+        collective.write_manifest = manifest_and_die
+    else:
+        raise ValueError(case)
+
+
+def killed_in_collective_save(rank: int, world: int, port: int, out: str, case: str) -> None:
+    """Save a good checkpoint collectively, step once more, then save again to the same path
+    while one rank SIGKILLs itself where ``case`` says; the survivor writes what its save
+    returned or raised (``second<rank>.txt``) and exits at once (its group has lost a rank)."""
+    _init(rank, world, port)
+    model = make_model()
+    store = make_store("nvme", os.path.join(out, f"store{rank}"))
+    opt = CPUAdam(model.named_parameters(), lr=1e-2, state_store=store,
+                  process_group=dist.group.WORLD)
+    train(model, opt, 0, 2, rank, world)
+    ck = os.path.join(out, "ckpt")
+    store.save_checkpoint(ck, shard_bytes=512, progress=False)
+    dist.barrier()
+    train(model, opt, 2, 3, rank, world)
+    if rank == (1 if case.startswith("rank1") else 0):
+        _arm(case)
+    _write(out, f"second{rank}.txt",
+           _outcome(lambda: store.save_checkpoint(ck, shard_bytes=512, progress=False)))
+    from helpers.forked import exit_flushed
+    exit_flushed(0)

@@ -6,6 +6,9 @@ ranks on 127.0.0.1, every join bounded."""
 from __future__ import annotations
 
 import os
+import signal
+
+import pytest
 
 from statestore.checkpoint import read_manifest, verify_checkpoint
 
@@ -38,3 +41,36 @@ def test_collective_save_to_a_path_not_shared_between_ranks_fails_on_every_rank(
     assert len(_shards(good)) == 1 and not any(n.startswith(".") and "shard" in n for n in files)
     assert _shards(tmp_path / "node1" / "ckpt") == []
     assert not (tmp_path / "node1" / "ckpt" / "manifest.parquet").exists()
+
+
+# ------------------------------------------------------- item 10: a rank killed mid-save
+@pytest.mark.parametrize("case,committed", [("rank1-writing-shards", False),
+                                            ("rank1-after-gather", True),
+                                            ("rank0-before-commit", False),
+                                            ("rank0-after-commit", True)])
+def test_rank_killed_in_a_collective_save(tmp_path, case, committed):
+    """One of two ranks SIGKILLed at a point of a collective save over a good checkpoint: the
+    survivor returns when the new checkpoint committed, else raises RankLostError naming the
+    killed rank and removes every shard it wrote; the checkpoint at the path is the previous
+    one or the new one, whole. Before: gloo's raw RuntimeError, the survivor's linked shards
+    left in the directory, and rank 0 raising though its manifest had committed."""
+    victim = 1 if case.startswith("rank1") else 0
+    survivor = 1 - victim
+    codes = CW.run_ranks_to_the_end(CW.killed_in_collective_save, 2, str(tmp_path), case,
+                                    timeout=90)
+    assert codes[victim] == -signal.SIGKILL and codes[survivor] == 0, codes
+    got = (tmp_path / f"second{survivor}.txt").read_text()
+    ck = tmp_path / "ckpt"
+    assert verify_checkpoint(str(ck), progress=False) == []
+    m = read_manifest(str(ck))
+    assert set(m.metadata["steps"].values()) == ({3} if committed else {2}), got
+    if committed:
+        assert got == "ok"
+    else:
+        assert got.startswith("statestore.errors.RankLostError"), got
+        assert f"rank {victim} of the group was lost" in got, got
+    # every shard file left but the manifest's is the killed rank's, or (committed) of the
+    # previous save, which rank 0 removes after its commit (or the next save does)
+    extra = [n for n in _shards(ck) if n not in {r["file"] for r in m.rows}]
+    assert all(f"-r{victim:05d}-" in n or committed and m.info["save_id"] not in n
+               for n in extra), (extra, got)
