@@ -137,3 +137,26 @@ def killed_in_collective_save(rank: int, world: int, port: int, out: str, case: 
            _outcome(lambda: store.save_checkpoint(ck, shard_bytes=512, progress=False)))
     from helpers.forked import exit_flushed
     exit_flushed(0)
+
+
+@_exit_without_finalizing
+def load_damaged(rank: int, world: int, port: int, out: str) -> None:
+    """Every rank loads (collectively, the default under an initialized group) a checkpoint
+    saved by one process, in which a shard only rank 1 reads is damaged: ``ck_header``
+    (the shard truncated: refused before any tensor is read) and ``ck_data`` (a byte of a
+    tensor flipped: found while streaming); then the intact ``ck_good``. Each rank writes
+    each outcome and what its store then holds."""
+    import json
+    _init(rank, world, port)
+    try:
+        seen = {}
+        with ss.DeviceStore("cpu") as store:
+            store.create(("kept", "x"), (4,))
+            for name in ("ck_header", "ck_data", "ck_good"):
+                seen[name] = _outcome(lambda: store.load_checkpoint(
+                    os.path.join(out, name), progress=False))
+                seen[f"{name}_store"] = [len(store), store.load_error is not None]
+        _write(out, f"loads{rank}.json", json.dumps(seen))
+        _done()
+    finally:
+        dist.destroy_process_group()

@@ -74,3 +74,50 @@ def test_rank_killed_in_a_collective_save(tmp_path, case, committed):
     extra = [n for n in _shards(ck) if n not in {r["file"] for r in m.rows}]
     assert all(f"-r{victim:05d}-" in n or committed and m.info["save_id"] not in n
                for n in extra), (extra, got)
+
+
+# ------------------------------------- item 9: one rank's shard damaged, at another world size
+def test_collective_load_with_one_ranks_shard_damaged_fails_on_every_rank(tmp_path):
+    """A checkpoint saved by one process, loaded by two ranks, a shard only rank 1 reads
+    damaged: both ranks raise the same CheckpointCorruptError. Truncated (refused before a
+    tensor is read): both stores stay as they were. A flipped byte (found while streaming):
+    both stores are left empty with load_error set, as a failed load leaves one. Then the
+    intact checkpoint loads on both. Before: rank 0 loaded and only rank 1 raised."""
+    import json
+    import shutil
+
+    import statestore as ss
+    from statestore.distributed import owners_from_metadata
+    from statestore.optim import CPUAdam
+    from helpers import dist_worker as W
+
+    model = W.make_model()
+    with ss.DeviceStore("cpu") as store:
+        opt = CPUAdam(model.named_parameters(), lr=1e-2, state_store=store)
+        W.train(model, opt, 0, 2)
+        store.save_checkpoint(str(tmp_path / "ck_good"), shard_bytes=1, progress=False)
+    m = read_manifest(str(tmp_path / "ck_good"))
+    numels = {}
+    for r in m.rows:
+        numels.setdefault(r.param, r.spec.numel)
+    owners = owners_from_metadata(m.metadata, numels, 2)
+    row = max((r for r in m.rows if owners[r.param] == 1), key=lambda r: r.nbytes)
+    for name in ("ck_header", "ck_data"):
+        shutil.copytree(tmp_path / "ck_good", tmp_path / name)
+    with open(tmp_path / "ck_header" / row.file, "r+b") as f:
+        f.truncate(os.path.getsize(tmp_path / "ck_header" / row.file) - 1)
+    with open(tmp_path / "ck_data" / row.file, "r+b") as f:
+        f.seek(row.offset + row.nbytes // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x10]))
+
+    run_ranks(CW.load_damaged, 2, str(tmp_path), timeout=90)
+    seen = [json.loads((tmp_path / f"loads{r}.json").read_text()) for r in range(2)]
+    for name, kept in (("ck_header", [1, False]), ("ck_data", [0, True])):
+        assert seen[0][name] == seen[1][name], (name, seen)
+        assert seen[0][name].startswith("statestore.errors.CheckpointCorruptError"), seen
+        assert row.file in seen[0][name], seen
+        assert seen[0][f"{name}_store"] == seen[1][f"{name}_store"] == kept, (name, seen)
+    assert seen[0]["ck_good"] == seen[1]["ck_good"] == "ok"
+    assert seen[0]["ck_good_store"][0] + seen[1]["ck_good_store"][0] == len(m.rows)
