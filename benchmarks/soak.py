@@ -252,6 +252,22 @@ def _where(err: BaseException) -> str:
     return "elsewhere"
 
 
+def _landed(err: BaseException) -> str:
+    """Where an exception or Ctrl-C landed: the innermost line of its traceback in
+    statestore (else the innermost line), as ``dir/file.py:line (function)``."""
+    pkg = os.path.dirname(os.path.abspath(ss.__file__))
+    inner = outer = None
+    tb = err.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        outer = f"{os.path.basename(os.path.dirname(code.co_filename))}/" \
+                f"{os.path.basename(code.co_filename)}:{tb.tb_lineno} ({code.co_name})"
+        if os.path.abspath(code.co_filename).startswith(pkg):
+            inner = outer
+        tb = tb.tb_next
+    return inner or outer or "?"
+
+
 def _contract(cfg: Dict[str, Any], model: Net, store: ss.StateStore, opt) -> Dict[str, Any]:
     """After an exception or Ctrl-C: a refusing optimizer must refuse every call with the
     recovery message; a consistent one reports each parameter's step count and digests (the
@@ -305,6 +321,7 @@ def trainer(cfg: Dict[str, Any], launch: int, max_steps: int) -> None:
             report: Dict[str, Any] = {"retries": 0}
             try:                        # a second Ctrl-C while this is noted: noted less
                 report.update({"kind": type(e).__name__, "where": _where(e),
+                               "at": _landed(e),
                                "phase": PHASES[_STATUS.unpack_from(status)[0]],
                                "step": step, "update_in_backward": uib})
             except KeyboardInterrupt:
@@ -547,7 +564,8 @@ def run(args: argparse.Namespace) -> int:
                 bad = ref.parameter_differences(r["digest"])
             if bad:
                 fig["contract_broken"] += 1
-                problems.append(f"{name}: after {key} at step {r['step']}: {bad[:4]}")
+                problems.append(f"{name}: after {key} at step {r['step']} (landed at "
+                                f"{r.get('at', '?')}): {bad[:4]}")
             back = r["reload"]
             if back.get("went_on"):     # states created by a step that never began: as none
                 diff = ref.parameter_differences(back["digest"]) + [
