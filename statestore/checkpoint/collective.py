@@ -10,6 +10,7 @@ moment's regions (``docs/checkpoint-format.md``, "Regions")."""
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from typing import Any, Dict, List, Optional, Set
 
@@ -152,10 +153,17 @@ def _committed(path: str, save_id: str) -> bool:
         return False
 
 
-def missing_shards(fs, root: str, rows: List[ManifestRow]) -> List[str]:
-    """The shard files ``rows`` name that are not in ``root`` (as rank 0 sees it)."""
-    return [name for name in dict.fromkeys(r.file for r in rows)
-            if not exists(fs, join(root, name))]
+def missing_shards(fs, root: str, rows: List[ManifestRow], wait_s: float = 2.0) -> List[str]:
+    """The shard files ``rows`` name that are not in ``root`` as rank 0 sees it, looked for
+    again for up to ``wait_s`` seconds (a network filesystem may show another node's new
+    files a moment late)."""
+    missing = list(dict.fromkeys(r.file for r in rows))
+    deadline = time.monotonic() + wait_s
+    while True:
+        missing = [name for name in missing if not exists(fs, join(root, name))]
+        if not missing or time.monotonic() >= deadline:
+            return missing
+        time.sleep(0.1)
 
 
 def _rank_of(name: str) -> str:
