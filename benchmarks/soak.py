@@ -254,18 +254,24 @@ def _where(err: BaseException) -> str:
 
 def _landed(err: BaseException) -> str:
     """Where an exception or Ctrl-C landed: the innermost line of its traceback in
-    statestore (else the innermost line), as ``dir/file.py:line (function)``."""
+    statestore (else the innermost line), as ``dir/file.py:line (function)``; a Ctrl-C held
+    by deferred signals names the line whose block deferred it, marked "(deferred)"."""
     pkg = os.path.dirname(os.path.abspath(ss.__file__))
     inner = outer = None
+    deferred = False
     tb = err.__traceback__
     while tb is not None:
         code = tb.tb_frame.f_code
-        outer = f"{os.path.basename(os.path.dirname(code.co_filename))}/" \
-                f"{os.path.basename(code.co_filename)}:{tb.tb_lineno} ({code.co_name})"
-        if os.path.abspath(code.co_filename).startswith(pkg):
-            inner = outer
+        here = f"{os.path.basename(os.path.dirname(code.co_filename))}/" \
+               f"{os.path.basename(code.co_filename)}:{tb.tb_lineno} ({code.co_name})"
+        if code.co_filename.endswith("_signals.py"):
+            deferred = True
+        else:
+            outer = here
+            if os.path.abspath(code.co_filename).startswith(pkg):
+                inner = here
         tb = tb.tb_next
-    return inner or outer or "?"
+    return (inner or outer or "?") + (" (deferred)" if deferred else "")
 
 
 def _contract(cfg: Dict[str, Any], model: Net, store: ss.StateStore, opt) -> Dict[str, Any]:
