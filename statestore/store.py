@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 
 from ._access import CHUNK_BYTES, PipelineAccess
-from ._entries import check_entries, check_value
+from ._entries import check_entries, check_value, with_initial_values
 from ._inflight import InFlightWrites
 from ._links import NO_LINKS, FileLinks
 from ._record import CheckpointRecord
@@ -149,9 +149,7 @@ class StateStore(ABC):
 
     def create_many(self, entries: Iterable[Tuple[Any, Sequence[int], torch.dtype,
                                                     Optional[torch.Tensor]]]) -> None:
-        """Create several states at once (backends may lay them out together), all with
-        their initial values or none: a failure or Ctrl-C before every initial value is
-        written removes the states this call made.
+        """Create several states at once (backends may lay them out together), all or none.
 
         Args:
             entries: ``(key, shape, dtype, init)`` tuples; ``init`` (None for zeros) is a
@@ -168,34 +166,12 @@ class StateStore(ABC):
         self._record.load_error = None      # states made anew: no longer a load's remains
         if not new:
             return
-        try:
-            with deferred_signals():    # the backend's storage and the catalogue agree
-                self._allocate(new)
-                for k, spec in new:
-                    self._specs[k] = spec
-                    self._aligned_bytes += self._ring_bytes(spec)
-            for k, init in inits:
-                self.put(k, init)
-        except BaseException:
-            # A state must never exist without its initial value (a Ctrl-C or an I/O error
-            # here left a bf16 parameter's master zero, and the step made again took it as
-            # the master): the states made here go again, and the caller sees the error.
-            self._undo_create([k for k, _ in new])
-            raise
-
-    def _undo_create(self, keys: List[StateKey]) -> None:
-        """Remove the states a failed :meth:`create_many` made (signals deferred; a
-        background write error the removal's wait raises has been reported by then)."""
-        with deferred_signals():
-            for _ in range(2):      # the first wait may raise a failed init write's error
-                made = [k for k in keys if k in self._specs]
-                if not made:
-                    return
-                try:
-                    self.delete(made)
-                    return
-                except Exception:
-                    continue
+        # the backend's storage and the catalogue agree; then the initial values are written
+        with with_initial_values(self, new, inits), deferred_signals():
+            self._allocate(new)
+            for k, spec in new:
+                self._specs[k] = spec
+                self._aligned_bytes += self._ring_bytes(spec)
 
     def delete(self, keys) -> None:
         """Remove states and release their storage (after waiting for pending writes).
