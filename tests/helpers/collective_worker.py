@@ -1,41 +1,17 @@
 """Workers of the collective save and load fault tests (``tests/reliability/test_collective.py``):
-module-level functions run by ``helpers.ranks`` (or :func:`run_ranks_to_the_end`) in gloo
+module-level functions run by ``helpers.ranks.run_ranks`` (or ``run_ranks_to_the_end``) in gloo
 ranks on 127.0.0.1. Each writes what it saw into files under ``out`` for the test to check."""
 from __future__ import annotations
 
 import os
 import signal
-import time
 
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import statestore as ss
 from statestore.optim import CPUAdam
 
 from helpers.dist_worker import _done, _exit_without_finalizing, _init, make_model, make_store, train
-from helpers.ranks import PRELOAD, free_port
-
-
-def run_ranks_to_the_end(fn, world: int, *args, timeout: float = 60.0):
-    """Run ``fn(rank, world, port, *args)`` in ``world`` processes and wait for every one
-    (``helpers.ranks.run_ranks`` ends the others as soon as one dies: here a rank is killed on
-    purpose and the survivors must finish), at most ``timeout`` seconds in all (then they are
-    killed and ``TimeoutError`` is raised). Returns each rank's exit code (``-9``: SIGKILL)."""
-    mp.set_forkserver_preload(PRELOAD)
-    ctx = mp.start_processes(fn, args=(world, free_port()) + args, nprocs=world, join=False,
-                             start_method="forkserver")
-    deadline = time.monotonic() + timeout
-    try:
-        for p in ctx.processes:
-            p.join(max(0.0, deadline - time.monotonic()))
-        if any(p.is_alive() for p in ctx.processes):
-            raise TimeoutError(f"{fn.__name__}: ranks still running after {timeout} s")
-        return [p.exitcode for p in ctx.processes]
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
 
 
 def _write(out: str, name: str, text: str) -> None:

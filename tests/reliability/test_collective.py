@@ -13,7 +13,7 @@ import pytest
 from statestore.checkpoint import read_manifest, verify_checkpoint
 
 from helpers import collective_worker as CW
-from helpers.ranks import run_ranks
+from helpers.ranks import run_ranks, run_ranks_to_the_end
 
 
 def _shards(d) -> list:
@@ -56,8 +56,8 @@ def test_rank_killed_in_a_collective_save(tmp_path, case, committed):
     left in the directory, and rank 0 raising though its manifest had committed."""
     victim = 1 if case.startswith("rank1") else 0
     survivor = 1 - victim
-    codes = CW.run_ranks_to_the_end(CW.killed_in_collective_save, 2, str(tmp_path), case,
-                                    timeout=90)
+    codes = run_ranks_to_the_end(CW.killed_in_collective_save, 2, str(tmp_path), case,
+                                 timeout=90)
     assert codes[victim] == -signal.SIGKILL and codes[survivor] == 0, codes
     got = (tmp_path / f"second{survivor}.txt").read_text()
     ck = tmp_path / "ckpt"
