@@ -129,8 +129,9 @@ class Collective:
 
     A collective that fails because a rank was lost (gloo's or NCCL's error when a peer's
     connection closes) raises :class:`~statestore.errors.RankLostError` naming the lost rank
-    where it can be told: a rank on this host whose process exited (:meth:`exchange_identities`
-    recorded each rank's host, pid and start time), or the only other rank of a group of two.
+    where it can be told: a rank on this host whose process exited (each rank's host, pid
+    and start time are recorded by :meth:`all_gather_with_identity`), or the only other
+    rank of a group of two.
     """
 
     def __init__(self, process_group, what: str = "collective"):
