@@ -252,6 +252,28 @@ def _where(err: BaseException) -> str:
     return "elsewhere"
 
 
+def _landed(err: BaseException) -> str:
+    """Where an exception or Ctrl-C landed: the innermost line of its traceback in
+    statestore (else the innermost line), as ``dir/file.py:line (function)``; a Ctrl-C held
+    by deferred signals names the line whose block deferred it, marked "(deferred)"."""
+    pkg = os.path.dirname(os.path.abspath(ss.__file__))
+    inner = outer = None
+    deferred = False
+    tb = err.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        here = f"{os.path.basename(os.path.dirname(code.co_filename))}/" \
+               f"{os.path.basename(code.co_filename)}:{tb.tb_lineno} ({code.co_name})"
+        if code.co_filename.endswith("_signals.py"):
+            deferred = True
+        else:
+            outer = here
+            if os.path.abspath(code.co_filename).startswith(pkg):
+                inner = here
+        tb = tb.tb_next
+    return (inner or outer or "?") + (" (deferred)" if deferred else "")
+
+
 def _contract(cfg: Dict[str, Any], model: Net, store: ss.StateStore, opt) -> Dict[str, Any]:
     """After an exception or Ctrl-C: a refusing optimizer must refuse every call with the
     recovery message; a consistent one reports each parameter's step count and digests (the
@@ -305,6 +327,7 @@ def trainer(cfg: Dict[str, Any], launch: int, max_steps: int) -> None:
             report: Dict[str, Any] = {"retries": 0}
             try:                        # a second Ctrl-C while this is noted: noted less
                 report.update({"kind": type(e).__name__, "where": _where(e),
+                               "at": _landed(e),
                                "phase": PHASES[_STATUS.unpack_from(status)[0]],
                                "step": step, "update_in_backward": uib})
             except KeyboardInterrupt:
@@ -393,6 +416,21 @@ class Reference:
         self.opt = make_optimizer(cfg, self.model, self.store)
         self.step = 0
         self.hist: Dict[int, Dict[str, Any]] = {0: digest(self.model, self.store, {})}
+        self.first = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        self._initial: Optional[Dict[str, str]] = None
+
+    def initial_states(self) -> Dict[str, str]:
+        """The digest of each state as a first step creates it, before it updates it: an
+        fp32 master is its parameter's value, every other state zeros."""
+        if self._initial is None:
+            self.digest_at(1)
+            self._initial = {}
+            for k in self.store.keys():
+                spec = self.store.spec(k)
+                t = (self.first[k.param].float() if k.state == "master"
+                     else torch.zeros(spec.shape, dtype=spec.dtype))
+                self._initial[f"state:{k}"] = _hash(t)
+        return self._initial
 
     def digest_at(self, step: int) -> Dict[str, Any]:
         while self.step < step:
@@ -421,11 +459,16 @@ class Reference:
             c = got["steps"].get(n, 0)
             want = self.digest_at(c)
             for k in set(want) | set(got):
-                # a parameter that never stepped may have its states created already (zero
-                # moments, the master its value): as good as none
                 if k == f"param:{n}" or k.startswith(f"state:{n}/") and c > 0:
                     if got.get(k) != want.get(k):
                         out.append(f"{k} (count {c})")
+                elif k.startswith(f"state:{n}/") and k in got:
+                    # a parameter that never stepped may have its states created already:
+                    # as good as none only when they hold what a first step creates (zero
+                    # moments, the master its value); a zero master would be taken as the
+                    # parameter's value by the next step (issue 47 item 7)
+                    if got[k] != self.initial_states().get(k):
+                        out.append(f"{k} (count 0, not its initial value)")
         return out
 
 
@@ -527,7 +570,8 @@ def run(args: argparse.Namespace) -> int:
                 bad = ref.parameter_differences(r["digest"])
             if bad:
                 fig["contract_broken"] += 1
-                problems.append(f"{name}: after {key} at step {r['step']}: {bad[:4]}")
+                problems.append(f"{name}: after {key} at step {r['step']} (landed at "
+                                f"{r.get('at', '?')}): {bad[:4]}")
             back = r["reload"]
             if back.get("went_on"):     # states created by a step that never began: as none
                 diff = ref.parameter_differences(back["digest"]) + [

@@ -139,10 +139,13 @@ class PipelineAccess:
 
     def cancel_prefetch(self) -> None:
         """Drop the prefetch (its reads in flight are drained) and end the pipelines lent
-        across calls (the store's ``in_flight``)."""
-        p, self._prefetched = self._prefetched, None
-        if p is not None:
-            p.pipeline.cancel()
+        across calls (the store's ``in_flight``). Signals are deferred: a Ctrl-C between
+        taking the prefetch and cancelling it left its ring buffers held by a pipeline no
+        one could reach (every later pipeline of the store then failed with BudgetError)."""
+        with deferred_signals():
+            p, self._prefetched = self._prefetched, None
+            if p is not None:
+                p.pipeline.cancel()
         self.store.in_flight.reclaim_lent()
 
     def chunk_limit(self, limit: Optional[int] = None) -> int:

@@ -1,15 +1,19 @@
 """Validation of what callers hand a store: ``create_many`` entries and the tensors ``put``
-and ``create``'s ``init`` copy into states."""
+and ``create``'s ``init`` copy into states; and :func:`with_initial_values`, which leaves no
+state a creation made without its initial value."""
 from __future__ import annotations
 
-from typing import Any, Iterable, List, Optional, Sequence, Tuple
+import contextlib
+from typing import Any, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from ._signals import deferred_signals
 from ._types import MAX_NDIM, StateKey, StateSpec, as_key, check_key
 from .errors import StateKeyError, StateStoreValueError
 
-__all__ = ["SUPPORTED_DTYPES", "check_entries", "check_value", "data_problem"]
+__all__ = ["SUPPORTED_DTYPES", "check_entries", "check_value", "data_problem",
+           "with_initial_values"]
 
 #: dtypes a state may have (those of the checkpoint format)
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16,
@@ -99,3 +103,30 @@ def check_value(key: StateKey, spec: StateSpec, value) -> None:
     if tuple(value.shape) != spec.shape:
         raise StateStoreValueError(f"state {key}: value has shape {tuple(value.shape)}, "
                                    f"expected {spec.shape}")
+
+
+@contextlib.contextmanager
+def with_initial_values(store, new: List[Tuple[StateKey, StateSpec]],
+                        inits: List[Tuple[StateKey, torch.Tensor]]) -> Iterator[None]:
+    """``with with_initial_values(store, new, inits): create the states of new``: after the
+    block, ``inits``' values are put into their states; on any exception, in the block or
+    after it (a Ctrl-C included), the states of ``new`` that exist are removed again, with
+    signals deferred, and the exception goes on: never a state without its initial value.
+    (A Ctrl-C between the creation and the initial writes of a first step left a bf16
+    parameter's fp32 master zero with its step count 0, and the step made again took that
+    zero for the parameter's value: issue 47, ``benchmarks/soak.py --interrupts``.)"""
+    try:
+        yield
+        for k, init in inits:
+            store.put(k, init)
+    except BaseException:
+        with deferred_signals():
+            for _ in range(2):      # the first wait may raise a failed initial write's error
+                made = [k for k, _ in new if k in store]
+                try:
+                    if made:
+                        store.delete(made)
+                    break
+                except Exception:
+                    continue
+        raise

@@ -17,6 +17,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointCorruptError",
     "CheckpointMismatchError",
+    "RankLostError",
     "ExtensionMismatchError",
     "ResumeWarning",
 ]
@@ -65,6 +66,17 @@ class CheckpointCorruptError(CheckpointError):
 class CheckpointMismatchError(CheckpointError, ValueError):
     """A checkpoint does not match the parameters it is applied to; the message lists the
     differences."""
+
+
+class RankLostError(CheckpointError):
+    """A collective save or load over a process group lost a rank (killed, crashed, its
+    connection broken); the message names it where this rank can tell which, and says what
+    became of the checkpoint. ``ranks``: the ranks known lost (empty when none could be told).
+    """
+
+    def __init__(self, message: str, ranks=()):
+        super().__init__(message)
+        self.ranks = tuple(ranks)
 
 
 class ExtensionMismatchError(StateStoreError, ImportError):

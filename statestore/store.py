@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 
 from ._access import CHUNK_BYTES, PipelineAccess
-from ._entries import check_entries, check_value
+from ._entries import check_entries, check_value, with_initial_values
 from ._inflight import InFlightWrites
 from ._links import NO_LINKS, FileLinks
 from ._record import CheckpointRecord
@@ -149,7 +149,7 @@ class StateStore(ABC):
 
     def create_many(self, entries: Iterable[Tuple[Any, Sequence[int], torch.dtype,
                                                     Optional[torch.Tensor]]]) -> None:
-        """Create several states at once (backends may lay them out together).
+        """Create several states at once (backends may lay them out together), all or none.
 
         Args:
             entries: ``(key, shape, dtype, init)`` tuples; ``init`` (None for zeros) is a
@@ -166,13 +166,12 @@ class StateStore(ABC):
         self._record.load_error = None      # states made anew: no longer a load's remains
         if not new:
             return
-        with deferred_signals():        # the backend's storage and the catalogue agree
+        # the backend's storage and the catalogue agree; then the initial values are written
+        with with_initial_values(self, new, inits), deferred_signals():
             self._allocate(new)
             for k, spec in new:
                 self._specs[k] = spec
                 self._aligned_bytes += self._ring_bytes(spec)
-        for k, init in inits:
-            self.put(k, init)
 
     def delete(self, keys) -> None:
         """Remove states and release their storage (after waiting for pending writes).

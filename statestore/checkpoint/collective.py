@@ -10,14 +10,16 @@ moment's regions (``docs/checkpoint-format.md``, "Regions")."""
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from typing import Any, Dict, List, Optional, Set
 
 from ..distributed import Collective
-from ..errors import CheckpointError
-from .filesystem import prepare_root, remove
+from ..errors import CheckpointError, RankLostError
+from .filesystem import exists, join, prepare_root, remove
 from .._regions import Region
 from .format import ManifestRow, tiling_problems
+from .manifest import read_manifest
 from .region_load import blockwise_states
 from .writer import (as_io_error, lock_for_save, metadata_json, remove_stale, save_progress,
                      write_manifest, write_shards)
@@ -105,11 +107,87 @@ def merge_rows(gathered: List[List[ManifestRow]],
     return out
 
 
+class _Written(list):
+    """The files a rank's save created (removed if it fails); ``write_manifest`` clears the
+    list as it renames the manifest into place, which sets ``committed`` (a rank that wrote
+    no shard has an empty list before the commit too)."""
+    committed = False
+
+    def clear(self) -> None:
+        super().clear()
+        self.committed = True
+
+
+def _after_lost_rank(comm, lost: RankLostError, fs, path: str, save_id: str, written,
+                     error) -> None:
+    """A rank was lost after this rank wrote its shards (``written``): decide the save's
+    outcome as every surviving rank decides it. Rank 0 commits only after a whole gather, so
+    it has not: it removes its shards and raises. Another rank returns when rank 0 renamed
+    this save's manifest into place before it was lost (the new checkpoint is whole); when
+    rank 0 exited without it, it removes its shards and raises; when rank 0 may still run
+    (another host), its shards stay (the manifest may name them; the next save removes them
+    otherwise) and it raises.
+
+    Raises:
+        RankLostError: the save did not commit (or this rank cannot tell), naming the rank.
+    """
+    if comm.rank != 0 and 0 in comm.exited and _committed(path, save_id):
+        return
+    if comm.rank == 0 or 0 in comm.exited:
+        remove(fs, written)
+        if error is not None:       # this rank's own failure came first
+            raise as_io_error(error, path)
+        raise RankLostError(f"{lost}; nothing was committed: the previous checkpoint (if any) "
+                            f"is intact, and this rank's shards were removed",
+                            lost.ranks) from lost
+    raise RankLostError(f"{lost}; rank 0 may still commit this save, so this rank's shards "
+                        f"stay (the next save to the path removes them if it did not)",
+                        lost.ranks) from lost
+
+
+def _committed(path: str, save_id: str) -> bool:
+    """Whether the manifest at ``path`` is the one of save ``save_id``."""
+    try:
+        return read_manifest(path).info.get("save_id") == save_id
+    except Exception:
+        return False
+
+
+def missing_shards(fs, root: str, rows: List[ManifestRow], wait_s: float = 2.0) -> List[str]:
+    """The shard files ``rows`` name that are not in ``root`` as rank 0 sees it, looked for
+    again for up to ``wait_s`` seconds (a network filesystem may show another node's new
+    files a moment late)."""
+    missing = list(dict.fromkeys(r.file for r in rows))
+    deadline = time.monotonic() + wait_s
+    while True:
+        missing = [name for name in missing if not exists(fs, join(root, name))]
+        if not missing or time.monotonic() >= deadline:
+            return missing
+        time.sleep(0.1)
+
+
+def _rank_of(name: str) -> str:
+    """The rank that wrote shard ``name`` (``shard-<save id>-r<rank>-<n>.safetensors``)."""
+    part = name.split("-r", 1)[1][:5] if "-r" in name else ""
+    return str(int(part)) if part.isdigit() else "?"
+
+
+def not_shared_error(path: str, missing: List[str]) -> CheckpointError:
+    """What a collective save says when rank 0 does not see the shards other ranks wrote."""
+    ranks = sorted({_rank_of(n) for n in missing}, key=lambda r: (len(r), r))
+    return CheckpointError(
+        f"checkpoint {path!r} is not shared between ranks: rank 0 does not see "
+        f"{len(missing)} shard(s) that rank(s) {', '.join(ranks)} wrote there (e.g. "
+        f"{missing[0]!r}), so each rank wrote to its own directory (a local disk). Save to "
+        f"a path every rank of the group reaches as one directory (a shared filesystem or "
+        f"an fsspec URL); nothing was committed")
+
+
 def save_collective(store, path: str, group, shard_bytes: int, progress, metadata,
                     link: bool = True) -> None:
     """:func:`statestore.checkpoint.save_checkpoint` over ``group`` (arguments checked by it):
     every rank of ``group`` calls it."""
-    comm = Collective(group)
+    comm = Collective(group, f"collective save of checkpoint {path!r}")
     error: Optional[BaseException] = None
     lock = None
     try:                    # a rank failing here must still take part in the collectives
@@ -133,8 +211,10 @@ def _save_collective_locked(store, path: str, comm, error, fs, root, shard_bytes
                             progress, meta_json, link: bool) -> None:
     # Rank 0's save id; every rank's keys; any rank's early failure.
     regions = store.regions
-    first_round = comm.all_gather((uuid.uuid4().hex[:12], [str(k) for k in store.keys()],
-                                   None if error is None else repr(error), regions))
+    # (a rank lost here: nothing was written anywhere; RankLostError names it)
+    first_round = comm.all_gather_with_identity(
+        (uuid.uuid4().hex[:12], [str(k) for k in store.keys()],
+         None if error is None else repr(error), regions))
     early = [(r, msg) for r, (_, _, msg, _) in enumerate(first_round) if msg is not None]
     if early:
         if error is not None:
@@ -162,7 +242,7 @@ def _save_collective_locked(store, path: str, comm, error, fs, root, shard_bytes
             if (regions[k.param].numel > 0 and holder[(k.param, regions[k.param])] == comm.rank
                 if k.param in regions and str(k) not in whole
                 else first[str(k)] == comm.rank)]
-    written: List[str] = []
+    written = _Written()
     bar = save_progress(store, keys, root, progress)
     rows: List[ManifestRow] = []
     try:
@@ -173,22 +253,39 @@ def _save_collective_locked(store, path: str, comm, error, fs, root, shard_bytes
         error = e
     finally:
         bar.close()
-    gathered = comm.all_gather((rows, meta_json, None if error is None else repr(error)))
+    try:
+        gathered = comm.all_gather((rows, meta_json, None if error is None else repr(error)))
+    except RankLostError as e:      # rank 0 commits only after a whole gather
+        return _after_lost_rank(comm, e, fs, path, save_id, written, error)
     failed = [(r, msg) for r, (_, _, msg) in enumerate(gathered) if msg is not None]
     status, committed = None, False
     if not failed and comm.rank == 0:
         try:
             all_rows = merge_rows([g[0] for g in gathered], [f[3] for f in first_round],
                                   blockwise)
+            # The commit names every rank's shards: each must be here, in the directory the
+            # manifest goes to, before it is renamed into place over a good checkpoint.
+            missing = missing_shards(fs, root, all_rows)
+            if missing:
+                raise not_shared_error(path, missing)
             merged = merge_metadata([g[1] for g in gathered], [g[0] for g in gathered])
             write_manifest(fs, root, all_rows, merged, save_id, written,
                            world_size=comm.world)
         except Exception as e:
             error = e
-            status = repr(e)
-        committed = not written      # the manifest is in place (cleared on its rename)
+            status = f"{type(e).__name__}: {e}"
+        committed = written.committed    # the manifest is in place
     if not failed:
-        status, committed = comm.broadcast((status, committed))
+        try:
+            status, committed = comm.broadcast((status, committed))
+        except RankLostError as e:
+            if comm.rank != 0:
+                return _after_lost_rank(comm, e, fs, path, save_id, written, error)
+            if not committed:       # rank 0 knows the outcome: its own
+                remove(fs, written)
+                raise as_io_error(error, path) if error is not None else e
+            # committed: the new checkpoint is whole; the lost rank surfaces at the next
+            # collective call
     if failed or status is not None:
         if not committed:            # shards the new manifest names must stay
             remove(fs, written)

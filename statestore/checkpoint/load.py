@@ -18,8 +18,8 @@ import xxhash
 
 from .._regions import Region
 from .._signals import deferred_signals
-from ..distributed import group_info, owners_from_metadata, resolve_load_group
-from ..errors import (CheckpointCorruptError, CheckpointError, StateStoreError,
+from ..distributed import Collective, owners_from_metadata, resolve_load_group
+from ..errors import (CheckpointCorruptError, CheckpointError, RankLostError, StateStoreError,
                       StateStoreValueError)
 from .filesystem import join
 from .filesystem import progress as progress_bar
@@ -31,7 +31,7 @@ from .region_load import Assembly, load_assembled, plan_regions, split_rows
 from .shard_check import by_file, check_shard_header
 from .stream import check_store, write_states
 
-__all__ = ["load_checkpoint", "load_deferred", "verify_checkpoint", "Deferred"]
+__all__ = ["load_checkpoint", "load_deferred", "verify_checkpoint", "Deferred", "agree"]
 
 
 @dataclass
@@ -81,7 +81,11 @@ def load_checkpoint(store, path: str, *, progress: Optional[bool] = None,
             only the states of the parameters it owns at the group's size (the optimizer's
             partition, computed from the checkpoint's manifest; any world size the
             checkpoint was saved at), reading only their byte ranges; the others stay on
-            disk until an optimizer asks for them (:meth:`StateStore.load_deferred`).
+            disk until an optimizer asks for them (:meth:`StateStore.load_deferred`). A
+            load over a group is a collective (every rank calls it) and ends the same way on
+            every rank: when any rank's part fails (a damaged shard only it reads), every
+            rank raises that error, and every store is left as a failed load leaves it (as it
+            was, or empty with :attr:`StateStore.load_error`).
         link: an :class:`~statestore.NVMeStore` on the checkpoint's local filesystem takes
             the shards a linked save wrote by hard link instead of copying them
             (copy-on-write: the store never writes them), their checksums still verified;
@@ -95,43 +99,117 @@ def load_checkpoint(store, path: str, *, progress: Optional[bool] = None,
         CheckpointMismatchError: an attached optimizer's parameters or groups do not fit
             the checkpoint.
         StateStoreIOError: reading failed (names the file).
+        RankLostError: a collective load lost a rank of its group.
     """
     if not isinstance(link, bool):
         raise StateStoreValueError(f"link must be True or False, got {link!r}")
-    check_store(store)
-    store.check_open()
     group = resolve_load_group(process_group)
-    known = store.regions           # an attached FSDP2 optimizer's shards (torch's order)
-    m = read_manifest(path)
-    rank, world = group_info(group) if group is not None else (0, 1)
-    targets = plan_regions(m, rank, world, known)
-    if targets is not None:         # regions saved or needed (docs/checkpoint-format.md)
-        rows, assembled, regions = split_rows(m, targets)
-    later: List[ManifestRow] = []
-    if targets is not None:
-        later = [r for r in m.rows if r.param in regions]
-    else:
-        rows, assembled, regions = m.rows, [], {}
-        if world > 1:
-            numels: Dict[str, int] = {}
-            for r in m.rows:
-                numels.setdefault(r.param, r.spec.numel)
-            owners = owners_from_metadata(m.metadata, numels, world)
-            rows = [r for r in m.rows if owners[r.param] == rank]
-            later = [r for r in m.rows if owners[r.param] != rank]
-    _check_headers(m, rows, assembled)      # a checkpoint refused here changed nothing
+    comm = Collective(group, f"collective load of checkpoint {path!r}") \
+        if group is not None else None
+    try:
+        check_store(store)
+        store.check_open()
+        known = store.regions       # an attached FSDP2 optimizer's shards (torch's order)
+        m = read_manifest(path)
+        rank, world = (comm.rank, comm.world) if comm is not None else (0, 1)
+        targets = plan_regions(m, rank, world, known)
+        if targets is not None:     # regions saved or needed (docs/checkpoint-format.md)
+            rows, assembled, regions = split_rows(m, targets)
+        later: List[ManifestRow] = []
+        if targets is not None:
+            later = [r for r in m.rows if r.param in regions]
+        else:
+            rows, assembled, regions = m.rows, [], {}
+            if world > 1:
+                numels: Dict[str, int] = {}
+                for r in m.rows:
+                    numels.setdefault(r.param, r.spec.numel)
+                owners = owners_from_metadata(m.metadata, numels, world)
+                rows = [r for r in m.rows if owners[r.param] == rank]
+                later = [r for r in m.rows if owners[r.param] != rank]
+        _check_headers(m, rows, assembled)      # a checkpoint refused here changed nothing
+    except BaseException as e:
+        if comm is None:
+            raise
+        agree(comm, e)
+    if comm is not None:
+        agree(comm, None)       # another rank's refusal: refused here too, nothing changed
     # The store's states are replaced (or, on failure, removed): the metadata of the optimizer
     # that used them no longer describes them. Detached, an optimizer built next takes its
     # step counts from this checkpoint, not from the optimizer the store had before.
     store.detach_metadata()
     store.clear()
-    _load_rows(store, m, rows, progress, on_error=store.clear, link=link, assembled=assembled,
-               checked=True)
+    try:
+        _load_rows(store, m, rows, progress, on_error=store.clear, link=link,
+                   assembled=assembled, checked=True)
+    except BaseException as e:
+        if comm is None:
+            raise
+        agree(comm, e)
+    if comm is not None:
+        try:
+            agree(comm, None)
+        except BaseException:
+            with deferred_signals():    # another rank's load failed: this one fails too
+                store.clear()
+            raise
     store.record_regions(regions)
     # then an optimizer already on the store takes the checkpoint's steps
     store.record_load(m.metadata,
                       Deferred(path, m.info.get("save_id"), later, rank, world, dict(regions))
                       if later else None, group if later else None)
+
+
+def agree(comm: Collective, error: Optional[BaseException]) -> None:
+    """One step of a collective load ends the same way on every rank: every rank's outcome
+    (``error``: this rank's, None when it succeeded) is gathered, and when any rank failed,
+    every rank raises the error of the lowest rank that failed: the same class and message
+    (the failing rank raises its own exception, the others one built from its class and
+    arguments; an exception from outside statestore, or a Ctrl-C, reaches the others as a
+    :class:`CheckpointError` that names it and the rank).
+
+    Raises:
+        StateStoreError: some rank failed (the lowest's error), or a rank was lost
+            (:class:`RankLostError`).
+    """
+    mine = None if error is None else _describe(error)
+    try:
+        outcomes = comm.all_gather(mine)
+    except RankLostError as lost:
+        if error is not None:
+            raise error from lost
+        raise
+    failed = [(r, o) for r, o in enumerate(outcomes) if o is not None]
+    if not failed:
+        return
+    r, (name, args, text) = failed[0]
+    if error is not None and r == comm.rank:
+        raise error
+    raise _rebuilt(comm, r, name, args, text) from error
+
+
+def _describe(e: BaseException):
+    """What the other ranks need to raise ``e`` again: class name, arguments (when plain
+    values), message."""
+    args = e.args if all(isinstance(a, (str, int, float, type(None))) for a in e.args) else None
+    return type(e).__name__, args, str(e)[:4000]
+
+
+def _rebuilt(comm: Collective, rank: int, name: str, args, text: str) -> BaseException:
+    """The exception rank ``rank`` raised (class ``name``, ``args``, message ``text``), raised
+    here too."""
+    from .. import errors
+    cls = getattr(errors, name, None)
+    if isinstance(cls, type) and issubclass(cls, StateStoreError) and args is not None:
+        try:
+            e = cls(*args)
+            if str(e) == text:
+                return e
+        except Exception:
+            pass
+    if isinstance(cls, type) and issubclass(cls, StateStoreError):
+        return cls(text) if not issubclass(cls, OSError) else CheckpointError(text)
+    return CheckpointError(f"{comm.what} failed on rank {rank}: {name}: {text}")
 
 
 def load_deferred(store, params: Iterable[str],

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from .._ring import round_up
+from .._signals import deferred_signals
 from .._types import Slice, StateKey
 from ..errors import BudgetError, StateStoreError, StateStoreValueError
 from ..offload._seam import is_offloaded, param_value
@@ -273,7 +274,8 @@ def ensure_states(store, params: Sequence[Tensor], keys: Dict[Tensor, str],
                   group_of: Dict[Tensor, dict], layout) -> None:
     """Create the states of ``params`` that ``store`` does not hold yet, from
     ``layout.initial`` (zeros where None); an initial value taken from an offloaded
-    parameter is read from its store, one at a time."""
+    parameter is read from its store, one at a time. A failure or Ctrl-C leaves no state
+    without its initial value (those not written yet are removed again)."""
     entries, later = [], []
     for p in params:
         key = keys[p]
@@ -287,7 +289,19 @@ def ensure_states(store, params: Sequence[Tensor], keys: Dict[Tensor, str],
                 later.append((sk, p, dtype))    # read from its store, below
                 init = None
             entries.append((sk, shape, dtype, init))
-    if entries:
-        store.create_many(entries)
-    for sk, p, dtype in later:
-        store.put(sk, param_value(p).to(dtype))
+    done = 0
+    try:
+        if entries:
+            store.create_many(entries)
+        for sk, p, dtype in later:
+            store.put(sk, param_value(p).to(dtype))
+            done += 1
+    except BaseException:
+        # never a state without its initial value (a zero master would be taken as the
+        # parameter's value by the step made again): those not written yet go again
+        with deferred_signals():
+            try:
+                store.delete([k for k, _, _ in later[done:] if k in store])
+            except Exception:
+                pass
+        raise

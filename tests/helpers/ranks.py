@@ -43,3 +43,24 @@ def run_ranks(fn, world: int, *args, timeout: float = 120.0) -> None:
         for p in ctx.processes:
             if p.is_alive():
                 p.kill()
+
+
+def run_ranks_to_the_end(fn, world: int, *args, timeout: float = 60.0):
+    """Run ``fn(rank, world, port, *args)`` in ``world`` processes and wait for every one
+    (:func:`run_ranks` ends the others as soon as one dies: here a rank is killed on
+    purpose and the survivors must finish), at most ``timeout`` seconds in all (then they are
+    killed and ``TimeoutError`` is raised). Returns each rank's exit code (``-9``: SIGKILL)."""
+    mp.set_forkserver_preload(PRELOAD)
+    ctx = mp.start_processes(fn, args=(world, free_port()) + args, nprocs=world, join=False,
+                             start_method="forkserver")
+    deadline = time.monotonic() + timeout
+    try:
+        for p in ctx.processes:
+            p.join(max(0.0, deadline - time.monotonic()))
+        if any(p.is_alive() for p in ctx.processes):
+            raise TimeoutError(f"{fn.__name__}: ranks still running after {timeout} s")
+        return [p.exitcode for p in ctx.processes]
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()

@@ -726,3 +726,157 @@ def test_ctrl_c_while_a_load_looks_for_the_manifest(tmp_path, monkeypatch):
     assert F.differences(F.snapshot(named, store), before) == []
     store.load_checkpoint(ck, progress=False)
     assert set(opt._steps.values()) == {2}
+
+
+# ------------------------------------------ issue 47 item 7: Ctrl-C in a first step's creation
+@pytest.mark.parametrize("kind,in_backward", [("device", False), ("device", True),
+                                               ("nvme", True)],
+                         ids=["device-step", "device-update_in_backward",
+                              "nvme-update_in_backward"])
+def test_ctrl_c_while_a_first_step_creates_the_states(kind, in_backward, tmp_path):
+    """Ctrl-C at every line of the store's code during a first step(), which creates the
+    states (a bf16 parameter's fp32 master from its value): the optimizer is consistent (every
+    count 0, or every count 1) or refuses, and training on from there equals an uninterrupted
+    run bit for bit. Before: a Ctrl-C after create_many made the states but before it wrote
+    their initial values left the bf16 parameter's master zero with its count 0; the step
+    made again took that zero as the master (the soak's open case, seed 2: the bf16 ``gate``
+    and its states wrong from the step after)."""
+    files = I.sources("store.py")
+
+    def first_step(d):
+        store = _store(kind, d)
+        named = F.make_params()
+        opt = F.make_opt(named, store)
+        opt.update_in_backward = in_backward
+        F.set_grads(named, 0)
+        return store, named, opt
+
+    store, _, opt = first_step(tmp_path / "count")
+    total = I.interrupt(opt.step, files, None).lines
+    store.close()
+    bad = []
+    # every line on a DeviceStore; on NVMe, the first 150 of about 1500 (the creation: the
+    # rest is the pipeline's, which the sampled-line tests above cover)
+    for at in range(1, total + 1) if kind == "device" else range(1, min(total, 150), 5):
+        store, named, opt = first_step(tmp_path / f"at-{at}")
+        r = I.interrupt(opt.step, files, at)
+        try:
+            opt.zero_grad()
+            if I.failed(opt):
+                bad += I.refuses_everything(opt, store, str(tmp_path / f"at-{at}"))
+                continue
+            counts = {opt._steps.get(n, 0) for n, _ in named}
+            if len(counts) != 1:
+                bad.append(f"{r}: counts {counts}")
+                continue
+            F.train(opt, named, counts.pop(), 2 - max(opt._steps.values(), default=0))
+            problems = F.differences(F.snapshot(named, store), F.reference(2))
+            if problems:
+                bad.append(f"{r}: {problems[:4]}")
+        except Exception as e:
+            bad.append(f"{r}: {type(e).__name__}: {str(e)[:200]}")
+        finally:
+            store.close()
+    assert not bad, "\n".join(bad)
+
+
+def test_ctrl_c_while_a_first_step_creates_the_masters_of_offloaded_parameters():
+    """The same for bf16 parameters kept by ``offload_parameters``: their masters are
+    created, then written one at a time from the parameters' store. A Ctrl-C at any line of
+    the store's and the planning code in the first step, then the step made again and one
+    more: bit for bit the uninterrupted run (before: 80 of 686 lines left a zero master)."""
+    files = I.sources("store.py", "optim/_plan.py")
+
+    def setup():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+        model = model.to(torch.bfloat16)
+        handle = ss.offload_parameters(model, ss.DeviceStore("cpu"), prefetch=1)
+        return model, handle, CPUAdam(model.named_parameters(), lr=1e-2,
+                                      state_store=ss.DeviceStore("cpu"))
+
+    def backward(model, i):
+        x = torch.randn(3, 8, generator=torch.Generator().manual_seed(i))
+        model(x.to(torch.bfloat16)).float().pow(2).sum().backward()
+
+    def weights(model, handle):
+        handle.close()
+        return {k: v.clone() for k, v in model.state_dict().items()}
+
+    model, handle, opt = setup()
+    for i in range(2):
+        backward(model, i)
+        opt.step()
+        opt.zero_grad()
+    want = weights(model, handle)
+    model, handle, opt = setup()
+    backward(model, 0)
+    total = I.interrupt(opt.step, files, None).lines
+    handle.close()
+    bad = []
+    for at in range(1, total + 1, 10):
+        model, handle, opt = setup()
+        backward(model, 0)
+        r = I.interrupt(opt.step, files, at)
+        opt.zero_grad()
+        if I.failed(opt):
+            handle.close()
+            continue
+        counts = {opt._steps.get(n, 0) for n, _ in model.named_parameters()}
+        for i in ((0, 1) if counts == {0} else (1,)):
+            backward(model, i)
+            opt.step()
+            opt.zero_grad()
+        got = weights(model, handle)
+        if counts not in ({0}, {1}) or any(not torch.equal(got[k], want[k]) for k in want):
+            bad.append(f"{r}: counts {counts}")
+    assert not bad, "\n".join(bad)
+
+
+def test_ctrl_c_as_a_save_drops_the_prefetch(tmp_path):
+    """A Ctrl-C landing in the save's first pipeline as it drops the step's prefetch, just
+    after taking it and before cancelling it, the exception kept: the store goes on (steps,
+    saves and loads). Before, the prefetch's ring buffers stayed held by a pipeline only the
+    exception's traceback reached, and the store's pipelines failed with BudgetError while it
+    lived (test_ctrl_c_at_sampled_lines_of_a_save_or_load hit it now and then: its line
+    counts vary with I/O timing)."""
+    import inspect
+    import signal as sig
+    from statestore._access import PipelineAccess
+    from statestore.checkpoint import verify_checkpoint
+
+    src, first = inspect.getsourcelines(PipelineAccess.cancel_prefetch)
+    line = first + next(i for i, t in enumerate(src) if "p.pipeline.cancel()" in t)
+    path = inspect.getsourcefile(PipelineAccess)
+    store, named, opt, ck = _stepped_store("nvme", tmp_path, steps=4, ck_at=3)
+    assert store._access._prefetched is not None        # the step left its read-ahead
+
+    def tracer(frame, event, arg):
+        if frame.f_code.co_filename != path:
+            return None
+
+        def local(frame, event, arg):
+            if event == "line" and frame.f_lineno == line:
+                sys.settrace(None)
+                sig.raise_signal(sig.SIGINT)
+            return local
+        return local
+
+    old = sig.signal(sig.SIGINT, lambda s, f: (_ for _ in ()).throw(KeyboardInterrupt))
+    try:
+        sys.settrace(tracer)
+        # the exception is kept (as a notebook or sys.last_value keeps it): its traceback
+        # holds the frames, and so whatever a frame held
+        with pytest.raises(KeyboardInterrupt) as held:
+            F.save(store, named, ck, 4)
+        sys.settrace(None)
+    finally:
+        sig.signal(sig.SIGINT, old)
+    F.train(opt, named, 4, 2)
+    assert F.differences(F.snapshot(named, store), F.reference(6)) == []
+    F.save(store, named, ck, 6)
+    assert verify_checkpoint(ck, progress=False) == []
+    store.load_checkpoint(ck, progress=False)
+    assert F.differences(F.snapshot(named, store), F.reference(6)) == []
+    assert held.value.__traceback__ is not None
+    store.close()
