@@ -10,7 +10,9 @@
 // <torch/extension.h>, the whole C++ frontend).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/isfinite.h>
+#include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
@@ -131,21 +133,16 @@ void adam_cpu(STATESTORE_ADAM_OP_PARAMS) {
   run_chunked(jobs, active().load()->adam);
 }
 
-bool grads_finite_cpu(at::TensorList grads) {
-  struct Job { const void* data; DType dtype; int64_t n; };
-  std::vector<Job> jobs;
-  for (size_t i = 0; i < grads.size(); ++i) {
-    const at::Tensor& g = grads[i];
-    TORCH_CHECK(g.device().is_cpu(), "grads_finite: grads[", i, "] is on ", g.device(), ", expected cpu");
-    const DType d = storage_of(g.scalar_type());
-    if (d == DType::kNone || !g.is_contiguous()) {
-      if (g.is_floating_point() || g.is_complex()) {
-        if (!at::isfinite(g).all().item<bool>()) return false;
-      }
-      continue;
-    }
-    if (g.numel() > 0) jobs.push_back({g.data_ptr(), d, g.numel()});
-  }
+// A buffer of floats to test for non-finite values.
+struct FiniteJob {
+  const void* data;
+  DType dtype;
+  int64_t n;
+};
+
+// True when every element of every job is finite: in parallel over fixed chunks, stopping
+// early once one is not.
+bool all_finite(const std::vector<FiniteJob>& jobs) {
   const SimdKernels& k = *active().load();
   constexpr int64_t kFiniteChunk = 1 << 16;
   std::vector<int64_t> prefix(jobs.size() + 1, 0);
@@ -160,9 +157,26 @@ bool grads_finite_cpu(at::TensorList grads) {
       if (!k.finite(jobs[t].data, jobs[t].dtype, b, e)) ok.store(false, std::memory_order_relaxed);
     }
   };
-  if (prefix.back() <= 2 || at::in_parallel_region()) body(0, prefix.back());
+  if (prefix.back() <= 2 || at::get_num_threads() <= 1 || at::in_parallel_region()) body(0, prefix.back());
   else at::parallel_for(0, prefix.back(), 1, body);
   return ok.load();
+}
+
+bool grads_finite_cpu(at::TensorList grads) {
+  std::vector<FiniteJob> jobs;
+  for (size_t i = 0; i < grads.size(); ++i) {
+    const at::Tensor& g = grads[i];
+    TORCH_CHECK(g.device().is_cpu(), "grads_finite: grads[", i, "] is on ", g.device(), ", expected cpu");
+    const DType d = storage_of(g.scalar_type());
+    if (d == DType::kNone || !g.is_contiguous()) {
+      if (g.is_floating_point() || g.is_complex()) {
+        if (!at::isfinite(g).all().item<bool>()) return false;
+      }
+      continue;
+    }
+    if (g.numel() > 0) jobs.push_back({g.data_ptr(), d, g.numel()});
+  }
+  return all_finite(jobs);
 }
 
 // Roofline probe (benchmarks only): p += g; m += g; v += g over fp32 tensors, with the
@@ -213,6 +227,341 @@ void stream_copy(const at::Tensor& dst, const at::Tensor& src) {
   k.stream_copy(d, s, n);
 }
 
+// ---- step plans -------------------------------------------------------------------------
+//
+// A StepPlan is an optimizer step over resident states compiled once (statestore/optim/
+// _units.py, StepProgram): per parameter, the parameter, its states' tensors and what its
+// gradient must look like; per param group, the group's dict and its "params" list. run()
+// then makes the whole step in one call:
+//   1. checks, changing nothing: the groups and their parameters are the planned objects, in
+//      order; every planned parameter still has its data, dtype and size, and a gradient of
+//      the planned dtype, strided, contiguous, of its shape, on its device; no other
+//      parameter of the groups has a gradient. Anything else: kPlanStale (the caller steps
+//      the general way and plans again).
+//   2. with check_finite, a gradient holding inf or nan: kPlanSkipped (nothing changed).
+//   3. each planned parameter's step count, read from the optimizer's `steps` dict (never
+//      cached here: resume does not depend on this object), plus one, and its bias
+//      correction as statestore.kernels._dispatch.bias_terms computes it (double math, the
+//      same libm calls); then the counts are written back, in the planned order.
+//   4. the kernel over every tensor of every group, without the GIL: on the CPU, the SIMD
+//      kernel of `adam_` in one parallel loop over all chunks; elsewhere (CUDA), one call of
+//      the `statestore::adam_` op per group through the dispatcher (one launch each).
+// Tensors are checked once, when planned, by checks::adam_jobs (the op's own checks).
+constexpr int kPlanOk = 0;
+constexpr int kPlanStale = 1;
+constexpr int kPlanSkipped = 2;
+
+// _quant.py's moment_seed: the seed of state `which` of a parameter whose key hashes to `kh`,
+// at step count `step`.
+uint32_t hash_scalar(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  x ^= x >> 16;
+  return x;
+}
+uint32_t moment_seed(uint32_t kh, int which, int64_t step) {
+  return hash_scalar(kh ^ hash_scalar(static_cast<uint32_t>(static_cast<uint64_t>(step) * 2u +
+                                                            static_cast<uint64_t>(which))));
+}
+
+void call_adam_op(STATESTORE_ADAM_OP_PARAMS) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("statestore::adam_", "")
+          .typed<void(at::TensorList, at::TensorList, at::TensorList, at::TensorList,
+                      at::TensorList, at::TensorList, at::TensorList,
+                      const c10::List<std::optional<at::Tensor>>&, at::ArrayRef<double>,
+                      at::ArrayRef<double>, at::ArrayRef<int64_t>, at::ArrayRef<int64_t>,
+                      at::ArrayRef<double>, c10::string_view)>();
+  op.call(params, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_scales,
+          max_exp_avg_sqs, masters, step_sizes, bc2_sqrts, seeds, offsets, hyper, moments);
+}
+
+class StepPlan {
+ public:
+  StepPlan(const std::string& moments, bool dispatch)
+      : moments_(moments), coding_(checks::moment_coding(moments)), dispatch_(dispatch) {}
+
+  // A param group: its dict and its "params" list (every parameter, planned or not).
+  int64_t add_group(const pybind11::object& group, const pybind11::list& params) {
+    Group g;
+    g.dict = group;
+    for (const pybind11::handle h : params) {
+      Member m;
+      m.obj = pybind11::reinterpret_borrow<pybind11::object>(h);
+      m.tensor = h.cast<at::Tensor>();
+      g.members.push_back(std::move(m));
+    }
+    groups_.push_back(std::move(g));
+    return static_cast<int64_t>(groups_.size()) - 1;
+  }
+
+  // Parameter `member` of group `group` is updated each step: its key (the `steps` dict's),
+  // the key's hash (compressed moments' seeds), a gradient as it will come, and its states.
+  void add_entry(int64_t group, int64_t member, const pybind11::object& key, int64_t key_hash,
+                 const at::Tensor& grad, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+                 const std::optional<at::Tensor>& max_exp_avg_sq,
+                 const std::optional<at::Tensor>& master,
+                 const std::optional<at::Tensor>& exp_avg_scale,
+                 const std::optional<at::Tensor>& exp_avg_sq_scale) {
+    TORCH_CHECK(group >= 0 && group < static_cast<int64_t>(groups_.size()),
+                "StepPlan: no group ", group);
+    Group& g = groups_[static_cast<size_t>(group)];
+    TORCH_CHECK(member >= 0 && member < static_cast<int64_t>(g.members.size()) &&
+                    g.members[static_cast<size_t>(member)].entry < 0,
+                "StepPlan: group ", group, " has no unplanned parameter ", member);
+    const at::Tensor& p = g.members[static_cast<size_t>(member)].tensor;
+    if (!entries_.empty()) {
+      TORCH_CHECK(p.device() == device_, "StepPlan: parameters on ", device_, " and ",
+                  p.device());
+    } else {
+      device_ = p.device();
+    }
+    Entry e;
+    e.group = static_cast<size_t>(group);
+    e.param = p;
+    e.key = key;
+    e.key_hash = static_cast<uint32_t>(key_hash);
+    e.p_data = p.data_ptr();
+    e.p_dtype = p.scalar_type();
+    e.numel = p.numel();
+    e.g_dtype = grad.scalar_type();
+    e.exp_avg = exp_avg;
+    e.exp_avg_sq = exp_avg_sq;
+    e.max_exp_avg_sq = max_exp_avg_sq;
+    e.master = master;
+    e.exp_avg_scale = exp_avg_scale;
+    e.exp_avg_sq_scale = exp_avg_sq_scale;
+    TORCH_CHECK(grad.layout() == at::kStrided && grad.sizes() == p.sizes(),
+                "StepPlan: the gradient does not fit its parameter");
+    TORCH_CHECK(p.is_contiguous(), "StepPlan: the parameter is not contiguous");
+    TORCH_CHECK(max_exp_avg_sq.has_value() == amsgrad(group) || g.planned == 0,
+                "StepPlan: a group's parameters all keep max_exp_avg_sq or none does");
+    g.amsgrad = max_exp_avg_sq.has_value();
+    // the op's own checks, once: dtypes, sizes, contiguity, devices
+    const std::vector<at::Tensor> one_p{p}, one_g{grad}, one_m{exp_avg}, one_v{exp_avg_sq};
+    std::vector<at::Tensor> ms, vs, vmax;
+    if (exp_avg_scale.has_value()) ms.push_back(*exp_avg_scale);
+    if (exp_avg_sq_scale.has_value()) vs.push_back(*exp_avg_sq_scale);
+    if (max_exp_avg_sq.has_value()) vmax.push_back(*max_exp_avg_sq);
+    c10::List<std::optional<at::Tensor>> masters;
+    if (master.has_value()) masters.push_back(*master);
+    const std::vector<double> unit{1.0}, hyper{1e-3, 0.9, 0.999, 1e-8, 0.0, 1.0, 1.0, 0.0};
+    const std::vector<int64_t> seeds = coding_.stochastic ? std::vector<int64_t>{0, 0}
+                                                          : std::vector<int64_t>{};
+    const at::Device dev = device_;
+    const std::vector<AdamTensorArgs> jobs = checks::adam_jobs(
+        checks::AdamOpArgs{one_p, one_g, one_m, one_v, ms, vs, vmax, masters, unit, unit, seeds,
+                           {}, hyper, moments_},
+        dev.is_cpu() ? nullptr : &dev);
+    e.empty = jobs.empty();
+    if (!e.empty) e.tmpl = jobs[0];
+    g.members[static_cast<size_t>(member)].entry = static_cast<int64_t>(entries_.size());
+    g.planned += 1;
+    entries_.push_back(std::move(e));
+  }
+
+  int64_t size() const { return static_cast<int64_t>(entries_.size()); }
+
+  // One step (see above). `hypers`: per group, the op's `hyper` pack (AdamHyper.pack()).
+  int run(const pybind11::list& param_groups, const pybind11::dict& steps,
+          const std::vector<std::vector<double>>& hypers, bool check_finite) {
+    // 1. checks
+    const size_t ng = groups_.size();
+    if (static_cast<size_t>(PyList_GET_SIZE(param_groups.ptr())) != ng || hypers.size() != ng)
+      return kPlanStale;
+    std::vector<AdamHyper> hy;
+    hy.reserve(ng);
+    for (const std::vector<double>& h : hypers) {
+      if (h.size() != static_cast<size_t>(kAdamHyperLen) || !(std::isfinite(h[5]) && h[5] > 0) ||
+          (h[6] != 0.0 && h[6] != 1.0) || (h[7] != 0.0 && h[7] != 1.0))
+        return kPlanStale;
+      hy.push_back(AdamHyper{h[0], h[1], h[2], h[3], h[4], h[5], h[6] != 0.0, h[7] != 0.0});
+    }
+    grads_.assign(entries_.size(), at::Tensor());
+    for (size_t gi = 0; gi < ng; ++gi) {
+      const Group& g = groups_[gi];
+      PyObject* d = PyList_GET_ITEM(param_groups.ptr(), static_cast<Py_ssize_t>(gi));
+      if (d != g.dict.ptr() || !PyDict_Check(d)) return kPlanStale;
+      PyObject* ps = PyDict_GetItemString(d, "params");
+      if (ps == nullptr || !PyList_Check(ps) ||
+          static_cast<size_t>(PyList_GET_SIZE(ps)) != g.members.size())
+        return kPlanStale;
+      for (size_t j = 0; j < g.members.size(); ++j) {
+        const Member& m = g.members[j];
+        if (PyList_GET_ITEM(ps, static_cast<Py_ssize_t>(j)) != m.obj.ptr()) return kPlanStale;
+        at::Tensor grad = m.tensor.grad();
+        if (m.entry < 0) {
+          if (grad.defined()) return kPlanStale;
+          continue;
+        }
+        const Entry& e = entries_[static_cast<size_t>(m.entry)];
+        const at::Tensor& p = e.param;
+        if (!grad.defined() || p.data_ptr() != e.p_data || p.scalar_type() != e.p_dtype ||
+            p.numel() != e.numel || !p.is_contiguous() || grad.layout() != at::kStrided ||
+            grad.scalar_type() != e.g_dtype || grad.device() != p.device() ||
+            grad.sizes() != p.sizes() || !grad.is_contiguous())
+          return kPlanStale;
+        grads_[static_cast<size_t>(m.entry)] = std::move(grad);
+      }
+    }
+    // 2. non-finite gradients
+    if (check_finite) {
+      if (!device_.is_cpu()) return kPlanStale;  // the CUDA check is the general path's
+      std::vector<FiniteJob> fj;
+      for (size_t i = 0; i < entries_.size(); ++i) {
+        if (entries_[i].numel > 0)
+          fj.push_back({grads_[i].data_ptr(), checks::storage_of(entries_[i].g_dtype),
+                        entries_[i].numel});
+      }
+      bool ok;
+      {
+        pybind11::gil_scoped_release nogil;
+        ok = all_finite(fj);
+      }
+      if (!ok) {
+        grads_.clear();
+        return kPlanSkipped;
+      }
+    }
+    // 3. step counts and the kernel's arguments
+    const size_t n = entries_.size();
+    std::vector<int64_t> counts(n);
+    std::vector<double> step_sizes(n), bc2_sqrts(n);
+    for (size_t i = 0; i < n; ++i) {
+      const Entry& e = entries_[i];
+      PyObject* old = PyDict_GetItem(steps.ptr(), e.key.ptr());  // borrowed, or null
+      int64_t c = 1;
+      if (old != nullptr) {
+        if (!PyLong_CheckExact(old)) return kPlanStale;
+        int overflow = 0;
+        const long long v = PyLong_AsLongLongAndOverflow(old, &overflow);
+        if (overflow != 0 || (v == -1 && PyErr_Occurred())) {
+          PyErr_Clear();
+          return kPlanStale;
+        }
+        c = static_cast<int64_t>(v) + 1;
+      }
+      if (c < 1) return kPlanStale;
+      const AdamHyper& h = hy[e.group];
+      const double s = static_cast<double>(c);
+      const double den = 1.0 - std::pow(h.beta1, s);
+      const double bc2 = 1.0 - std::pow(h.beta2, s);
+      if (den == 0.0 || !(bc2 >= 0.0)) return kPlanStale;
+      counts[i] = c;
+      step_sizes[i] = h.lr / den;
+      bc2_sqrts[i] = std::sqrt(bc2);
+    }
+    jobs_.clear();
+    for (size_t i = 0; i < n; ++i) {
+      const Entry& e = entries_[i];
+      if (e.empty) continue;
+      AdamTensorArgs t = e.tmpl;
+      t.g = grads_[i].data_ptr();
+      t.s = make_adam_scalars(hy[e.group], step_sizes[i], bc2_sqrts[i]);
+      if (coding_.stochastic) {
+        t.seed_m = moment_seed(e.key_hash, 0, counts[i]);
+        t.seed_v = moment_seed(e.key_hash, 1, counts[i]);
+      }
+      jobs_.push_back(t);
+    }
+    // counts written back: from here on the step has happened (the kernel cannot fail on
+    // arguments the op checked when planned)
+    for (size_t i = 0; i < n; ++i) {
+      pybind11::int_ v(counts[i]);
+      if (PyDict_SetItem(steps.ptr(), entries_[i].key.ptr(), v.ptr()) != 0)
+        throw pybind11::error_already_set();
+    }
+    // 4. the kernel
+    if (!dispatch_ && device_.is_cpu()) {
+      pybind11::gil_scoped_release nogil;
+      run_chunked(jobs_, active().load()->adam);
+    } else {
+      dispatch_groups(hy, counts, step_sizes, bc2_sqrts);
+    }
+    grads_.clear();
+    return kPlanOk;
+  }
+
+ private:
+  struct Member {
+    pybind11::object obj;  // the parameter (its identity is checked)
+    at::Tensor tensor;     // the same tensor (its gradient is read)
+    int64_t entry = -1;    // its entry, or -1: not planned (must have no gradient)
+  };
+  struct Group {
+    pybind11::object dict;
+    std::vector<Member> members;
+    size_t planned = 0;
+    bool amsgrad = false;
+  };
+  struct Entry {
+    size_t group = 0;
+    at::Tensor param;
+    pybind11::object key;
+    uint32_t key_hash = 0;
+    const void* p_data = nullptr;
+    at::ScalarType p_dtype = at::kFloat;
+    at::ScalarType g_dtype = at::kFloat;
+    int64_t numel = 0;
+    at::Tensor exp_avg, exp_avg_sq;  // held: the plan's pointers stay valid
+    std::optional<at::Tensor> max_exp_avg_sq, master, exp_avg_scale, exp_avg_sq_scale;
+    bool empty = false;  // no elements: its count advances, nothing to compute
+    AdamTensorArgs tmpl{};
+  };
+
+  bool amsgrad(int64_t group) const { return groups_[static_cast<size_t>(group)].amsgrad; }
+
+  // The op through the dispatcher, one call per group (CUDA: one launch each).
+  void dispatch_groups(const std::vector<AdamHyper>& hy, const std::vector<int64_t>& counts,
+                       const std::vector<double>& step_sizes,
+                       const std::vector<double>& bc2_sqrts) {
+    for (size_t gi = 0; gi < groups_.size(); ++gi) {
+      std::vector<at::Tensor> ps, gs, ms, vs, mss, vss, vmax;
+      c10::List<std::optional<at::Tensor>> masters;
+      std::vector<double> sz, bc;
+      std::vector<int64_t> seeds;
+      bool any_master = false;
+      for (size_t i = 0; i < entries_.size(); ++i) {
+        const Entry& e = entries_[i];
+        if (e.group != gi) continue;
+        ps.push_back(e.param);
+        gs.push_back(grads_[i]);
+        ms.push_back(e.exp_avg);
+        vs.push_back(e.exp_avg_sq);
+        if (e.exp_avg_scale.has_value()) mss.push_back(*e.exp_avg_scale);
+        if (e.exp_avg_sq_scale.has_value()) vss.push_back(*e.exp_avg_sq_scale);
+        if (e.max_exp_avg_sq.has_value()) vmax.push_back(*e.max_exp_avg_sq);
+        masters.push_back(e.master);
+        any_master = any_master || e.master.has_value();
+        sz.push_back(step_sizes[i]);
+        bc.push_back(bc2_sqrts[i]);
+        seeds.push_back(moment_seed(e.key_hash, 0, counts[i]));
+        seeds.push_back(moment_seed(e.key_hash, 1, counts[i]));
+      }
+      if (ps.empty()) continue;
+      if (!any_master) masters = c10::List<std::optional<at::Tensor>>();
+      const AdamHyper& h = hy[gi];
+      const std::vector<double> pack{h.lr, h.beta1, h.beta2, h.eps, h.weight_decay,
+                                     h.grad_scale, h.adamw_mode ? 1.0 : 0.0,
+                                     h.maximize ? 1.0 : 0.0};
+      pybind11::gil_scoped_release nogil;
+      call_adam_op(ps, gs, ms, vs, mss, vss, vmax, masters, sz, bc, seeds, {}, pack, moments_);
+    }
+  }
+
+  std::string moments_;
+  checks::MomentCoding coding_;
+  bool dispatch_;
+  at::Device device_{at::kCPU};
+  std::vector<Group> groups_;
+  std::vector<Entry> entries_;
+  std::vector<at::Tensor> grads_;      // during run(): each entry's gradient
+  std::vector<AdamTensorArgs> jobs_;   // during run(): the kernel's arguments
+};
+
 }  // namespace
 }  // namespace cpu
 }  // namespace statestore
@@ -239,6 +588,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "dst <- src (contiguous CPU tensors of one dtype and size) with streaming stores");
   m.def("simd_supported", &statestore::cpu::simd_supported,
         "CPU paths this processor supports, widest first");
+  using statestore::cpu::StepPlan;
+  pybind11::class_<StepPlan>(m, "StepPlan",
+                             "An optimizer step over resident states planned once and run "
+                             "by one call (statestore/optim/_units.py, StepProgram)")
+      .def(pybind11::init<const std::string&, bool>(), pybind11::arg("moments"),
+           pybind11::arg("dispatch") = false)
+      .def("add_group", &StepPlan::add_group, pybind11::arg("group"), pybind11::arg("params"))
+      .def("add_entry", &StepPlan::add_entry, pybind11::arg("group"), pybind11::arg("member"),
+           pybind11::arg("key"), pybind11::arg("key_hash"), pybind11::arg("grad"),
+           pybind11::arg("exp_avg"), pybind11::arg("exp_avg_sq"),
+           pybind11::arg("max_exp_avg_sq"), pybind11::arg("master"),
+           pybind11::arg("exp_avg_scale"), pybind11::arg("exp_avg_sq_scale"))
+      .def("__len__", &StepPlan::size)
+      .def("run", &StepPlan::run, pybind11::arg("param_groups"), pybind11::arg("steps"),
+           pybind11::arg("hypers"), pybind11::arg("check_finite"),
+           "One step: 0 done, 1 stale (nothing changed: step the general way), 2 skipped "
+           "(a gradient holds inf or nan; nothing changed)");
 #ifdef STATESTORE_WITH_CUDA
   m.attr("with_cuda") = true;
 #else

@@ -1,21 +1,36 @@
 """Adam's hot path: the tensors of one pipeline unit gathered for the Adam kernel and its
 results put back (:class:`UnitTensors`), a few operations per parameter slice. The units
 themselves are planned for every optimizer by :mod:`statestore.optim._plan`.
+
+On resident stores a step that repeats the previous one (the same parameters with gradients
+of the same kind, the same groups, the same states) is compiled once into a native plan and
+then made by one call, with no Python per parameter (:class:`StepProgram`).
 """
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+import os
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
+from .._types import StateKey
+from ..backends.base import ResidentStore
 from ..errors import StateStoreValueError
 from ..kernels import adam_step
+from ..kernels._dispatch import force_reference, load_extension
 from ..kernels._moments import adam_step_moments
+from ..kernels._quant import key_hash
+from ..offload._seam import is_offloaded
 from ._dtensor import local
 from ._plan import Entry
 
-__all__ = ["UnitTensors"]
+__all__ = ["UnitTensors", "StepProgram", "PLAN_OK", "PLAN_STALE", "PLAN_SKIPPED"]
+
+#: :meth:`StepProgram.run`'s outcomes: the step was made; nothing changed, step the general
+#: way (and compile again); every gradient was not finite, the step is skipped
+PLAN_OK, PLAN_STALE, PLAN_SKIPPED = 0, 1, 2
+_PLAIN = (bool, int, str, type(None))
 
 
 class UnitTensors:
@@ -125,3 +140,122 @@ class UnitTensors:
                 p.detach().copy_(flat.view(p.shape))
         for p, a, b in self.uploads:
             self.off.upload(p, a, b)
+
+
+def _group_sig(group: dict) -> tuple:
+    """What a compiled step depends on in a group besides its parameters: its options that
+    are not numbers of a schedule (``amsgrad`` decides the states). ``lr``, ``betas``,
+    ``eps``, ``weight_decay``, ``maximize`` and ``adamw_mode`` are read at every step."""
+    return tuple((k, v) for k, v in group.items() if k != "params" and type(v) in _PLAIN)
+
+
+def step_plans_enabled() -> bool:
+    """``STATESTORE_STEP_PLAN=0`` makes every step the general way (for comparisons)."""
+    return os.environ.get("STATESTORE_STEP_PLAN", "1") != "0"
+
+
+class StepProgram:
+    """A step over resident stores compiled once into a native plan (``_C_adam.StepPlan``,
+    ``csrc/adam/adam_ops.cpp``) and then made by one call: the C++ side checks that the
+    groups, parameters and gradients are still those planned (their identity, data, dtype,
+    shape and layout; no other parameter has a gradient), advances each parameter's step
+    count in the optimizer's ``steps`` dict, computes the bias corrections as
+    :func:`statestore.kernels.adam_step` does, and runs the kernel over every tensor of
+    every group (the CPU kernel in one parallel loop; CUDA: one launch a group). Python's
+    work per step is per store and per group, never per parameter.
+
+    What the plan depends on and is checked at each :meth:`run`: each store's
+    :attr:`~statestore.StateStore.layout_version` (states created, removed, loaded) and its
+    own checks (``store.pipeline``: open, its files intact); each group's non-schedule
+    options; the parameter set and the gradients' presence, dtype, device and layout (in
+    C++). Anything else changed: :data:`PLAN_STALE`, nothing changed, and the caller steps
+    the general way. Same bits as that way: the same kernel, arguments and order.
+
+    Build one with :meth:`compile` after a step the general way made.
+    """
+
+    __slots__ = ("plan", "stores", "sigs")
+
+    def __init__(self, plan, stores: List[Tuple[object, int]], sigs: List[tuple]):
+        self.plan, self.stores, self.sigs = plan, stores, sigs
+
+    @staticmethod
+    def compile(param_groups: Sequence[dict], work, grads: Dict[Tensor, Tensor],
+                keys: Dict[Tensor, str], stores: Dict[Tensor, object], layout, fmt,
+                moment_dtypes: Tuple[torch.dtype, torch.dtype]) -> Optional["StepProgram"]:
+        """The step the general way just made (``work``: ``{store: [(group, params)]}``,
+        ``grads``) as a program, or None where some part of it cannot be planned: a store
+        that is not resident (the pipeline moves its states), DTensor, offloaded or
+        non-contiguous parameters, gradients made contiguous for the kernel, states the
+        kernel does not take as they are, several devices, no compiled kernel."""
+        ext = load_extension()
+        if ext is None or force_reference() or not hasattr(ext, "StepPlan") or not grads:
+            return None
+        devices = {st.device for st in work}
+        if len(devices) != 1 or not all(isinstance(st, ResidentStore) for st in work):
+            return None
+        dev = next(iter(devices))
+        if dev.type not in ("cpu", "cuda") or (dev.type == "cuda"
+                                                and not getattr(ext, "with_cuda", False)):
+            return None
+        moments = "fp32" if not fmt.compressed else f"{fmt.name}-{fmt.rounding}"
+        plan = ext.StepPlan(moments)
+        try:
+            for group in param_groups:
+                ps = group["params"]
+                gi = plan.add_group(group, ps)
+                for j, p in enumerate(ps):
+                    if p in grads:
+                        if not _plan_entry(plan, gi, j, p, grads[p], keys[p], stores.get(p),
+                                           dev, layout, group, moment_dtypes):
+                            return None
+        except (RuntimeError, TypeError, ValueError):      # the op's checks refused a tensor
+            return None
+        return StepProgram(plan, [(st, st.layout_version) for st in work],
+                           [_group_sig(g) for g in param_groups])
+
+    def prepare(self, param_groups: Sequence[dict], grad_scale: float) -> Optional[list]:
+        """The Python half of a step: each store still as planned and checked by its own
+        pipeline (raising as the general way would: nothing changed), each group's
+        hyperparameters packed as the op takes them (``AdamHyper.pack()``). None: stale."""
+        for store, version in self.stores:
+            if store.closed or store.layout_version != version:
+                return None
+            with store.pipeline((), mode="rw", wait=False):
+                pass
+        if len(param_groups) != len(self.sigs):
+            return None
+        hypers = []
+        for group, sig in zip(param_groups, self.sigs):
+            if _group_sig(group) != sig:
+                return None
+            lr = group["lr"]
+            if isinstance(lr, Tensor):
+                lr = lr.item()
+            beta1, beta2 = group["betas"]
+            hypers.append([float(lr), float(beta1), float(beta2), float(group["eps"]),
+                           float(group["weight_decay"]), float(grad_scale),
+                           float(bool(group["adamw_mode"])), float(bool(group["maximize"]))])
+        return hypers
+
+    def run(self, param_groups: list, steps: Dict[str, int], hypers: list,
+            check_finite: bool) -> int:
+        """The native half (:data:`PLAN_OK`, :data:`PLAN_STALE` or :data:`PLAN_SKIPPED`); an
+        exception from it comes after the step counts advanced."""
+        return self.plan.run(param_groups, steps, hypers, check_finite)
+
+
+def _plan_entry(plan, gi: int, j: int, p: Tensor, g: Tensor, key: str, store, dev, layout,
+                group: dict, moment_dtypes) -> bool:
+    """Add parameter ``p`` (``j``-th of group ``gi``) to ``plan``; False where it cannot be
+    planned (the general way then steps it)."""
+    if type(p) not in (torch.nn.Parameter, Tensor) or local(p) is not p or store is None \
+            or is_offloaded(p) or p.grad is not g or not p.is_contiguous() or p.device != dev:
+        return False
+    st = {name: store.get(StateKey(key, name)) for name in layout.names(p, group)}
+    if (st["exp_avg"].dtype, st["exp_avg_sq"].dtype) != moment_dtypes:
+        return False
+    plan.add_entry(gi, j, key, key_hash(key), g, st["exp_avg"], st["exp_avg_sq"],
+                   st.get("max_exp_avg_sq"), st.get("master"), st.get("exp_avg_scale"),
+                   st.get("exp_avg_sq_scale"))
+    return True

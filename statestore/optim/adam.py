@@ -32,7 +32,7 @@ from ._moments import MomentFormat
 from ._staging import StagingPath, attach_staging
 from ._plan import work_of
 from ._table import fraction_store
-from ._units import UnitTensors
+from ._units import PLAN_STALE, StepProgram, UnitTensors, step_plans_enabled
 from .base import StateStoreOptimizer, may_prefetch
 
 __all__ = ["CPUAdam", "HybridAdam", "OPTIMIZER_METADATA_VERSION"]
@@ -131,6 +131,10 @@ class _StoreAdam(StateStoreOptimizer):
     def _setup_parts(self) -> None:
         self._stepper = BackwardStepper(self._table, self._planner(), type(self).__name__,
                                         self._apply_unit, self._release_grads)
+        #: the step compiled into a native plan (_units.py), or None; general steps before
+        #: the next compile attempt, and how many programs went stale at their first use
+        self._program: Optional[StepProgram] = None
+        self._program_wait, self._program_misses = 0, 0
         #: CUDA parameters over host or disk stores: page-locked staging on a side stream
         #: (docs/gpu.md); None while no parameter takes that path
         self._staging: Optional[StagingPath] = attach_staging(None, self, self._params,
@@ -162,6 +166,7 @@ class _StoreAdam(StateStoreOptimizer):
         super().__del__()
 
     def _group_added(self, params: Sequence[Tensor]) -> None:
+        self._program = None
         self._staging = attach_staging(self._staging, self, params, self._stores)
         super()._group_added(params)
 
@@ -182,7 +187,8 @@ class _StoreAdam(StateStoreOptimizer):
 
     def _forget_pending(self) -> None:
         """States were replaced (a load): a pass of ``update_in_backward`` under way is
-        forgotten."""
+        forgotten, and the compiled step with it."""
+        self._program = None
         self._stepper.forget()
 
     # ------------------------------------------------------------------ step
@@ -220,6 +226,8 @@ class _StoreAdam(StateStoreOptimizer):
         scale = grad_scale_of(div_scale, self.update_in_backward)
         self._check_usable()
         loss = self._run_closure(closure)
+        if self._program is not None and self._planned_step(1.0 if scale is None else scale):
+            return loss
         released = self._stepper.released
         work, grads = self._collect(released)
         self._stepper.before_step(work, grads)
@@ -244,7 +252,53 @@ class _StoreAdam(StateStoreOptimizer):
                     off.after_step()
             return loss
         self._run_step(work, grads, grad_scale, off.after_step if off is not None else None)
+        self._compile_step(work, grads, released)
         return loss
+
+    def _planned_step(self, grad_scale: float) -> bool:
+        """The step by the compiled program (``_units.py``, :class:`StepProgram`): True when
+        made (or skipped for non-finite gradients); False when something it depends on
+        changed (nothing changed: the caller steps the general way, and compiles again)."""
+        prog, stepper = self._program, self._stepper
+        if self._update_in_backward or stepper.released or stepper.spent \
+                or stepper.backward_failed or not step_plans_enabled():
+            self._program = None
+            return False
+        hypers = prog.prepare(self.param_groups, grad_scale)
+        if hypers is None:
+            self._program = None
+            return False
+        table = self._table
+        table.touched = False
+        try:
+            status = prog.run(self.param_groups, self._steps, hypers, self.skip_nonfinite)
+        except BaseException as e:      # after the counts advanced: refuse from now on
+            table.touched = True
+            table.step_failed({}, e)
+            raise
+        if status == PLAN_STALE:
+            self._program = None
+            return False
+        table.touched = True
+        self._program_misses = 0
+        return True
+
+    def _compile_step(self, work, grads: Dict[Tensor, Tensor], released) -> None:
+        """After a step the general way: compile it (the next steps, if alike, are made by
+        one native call). Programs that go stale at once (the gradients change from step to
+        step) are compiled ever more rarely, so a loop that never repeats pays little."""
+        if self._program_wait > 0:
+            self._program_wait -= 1
+            return
+        if released or self._update_in_backward or self._staging is not None \
+                or self._sharding is not None or not step_plans_enabled():
+            return
+        self._program = StepProgram.compile(self.param_groups, work, grads, self._keys,
+                                            self._stores, self._layout, self._moments,
+                                            self._moment_dtypes)
+        if self._program is not None:
+            self._program_wait = min(2 ** self._program_misses, 64) - 1
+            self._program_misses += 1
 
     def _unplanned_work(self, params: Sequence[Tensor]) -> Dict[StateStore, list]:
         """``update_in_backward`` with ``release_grads`` before a plan exists: ``params``
@@ -286,6 +340,7 @@ class _StoreAdam(StateStoreOptimizer):
         if value == self._update_in_backward:
             return
         self._stepper.check_switch(value, self.skip_nonfinite, self.process_group)
+        self._program = None
         self._stepper.reset()
         self._table.next_plans.clear()
         self._update_in_backward = value
