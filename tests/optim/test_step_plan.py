@@ -1,0 +1,309 @@
+"""The compiled step of CPUAdam/HybridAdam (``statestore/optim/_units.py``, ``StepProgram``;
+``csrc/adam/adam_ops.cpp``, ``StepPlan``): a step over resident stores that repeats the
+previous one is made by one native call. It must give the bits of the general step (run
+beside it with ``STATESTORE_STEP_PLAN=0``), notice everything it depends on changing (and
+then step the general way, changing nothing first), and do the same Python work whatever
+the number of parameters."""
+from __future__ import annotations
+
+import functools
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import statestore as ss
+from statestore.optim import CPUAdam, HybridAdam
+from statestore.optim import _units
+
+SIZES = [1, 7, 17, 256, 1000, 3, 0, 4099]       # SIMD tails, an empty parameter
+
+
+def _stores():
+    return {"device": lambda tmp: ss.DeviceStore("cpu"),
+            "pinned": lambda tmp: ss.PinnedCPUStore(),
+            "file": lambda tmp: ss.FileStore(str(tmp / "fs"))}
+
+
+def _params(dtype=torch.float32, sizes=SIZES, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [nn.Parameter(torch.randn(n, generator=g).to(dtype)) for n in sizes]
+
+
+def _grads(ps, step, skip=(), dtype=None):
+    g = torch.Generator().manual_seed(100 + step)
+    for i, p in enumerate(ps):
+        x = torch.randn(p.shape, generator=g) * 0.1
+        p.grad = None if i in skip else x.to(dtype or p.dtype)
+
+
+class _Runs:
+    """Counts the steps the compiled program made (``n``) and keeps its outcomes."""
+
+    def __init__(self, monkeypatch):
+        self.n, self.outcomes = 0, []
+        real = _units.StepProgram.run
+
+        def run(prog, *a, **kw):
+            out = real(prog, *a, **kw)
+            self.n += out == _units.PLAN_OK
+            self.outcomes.append(out)
+            return out
+        monkeypatch.setattr(_units.StepProgram, "run", run)
+
+
+def _twins(make_store, tmp_path, monkeypatch, cls=HybridAdam, pdtype=torch.float32, **kw):
+    """The same optimizer twice: (planned, general), the general one run with
+    STATESTORE_STEP_PLAN=0 around each of its calls."""
+    out = []
+    for name in ("plan", "general"):
+        (tmp_path / name).mkdir()
+        ps = _params(pdtype)
+        out.append((ps, cls(ps, lr=1e-2, weight_decay=0.1, state_store=make_store(tmp_path / name),
+                            **kw)))
+    return out
+
+
+def _general(monkeypatch, fn, *a, **kw):
+    with monkeypatch.context() as m:
+        m.setenv("STATESTORE_STEP_PLAN", "0")
+        return fn(*a, **kw)
+
+
+def _assert_same(a, b):
+    (pa, oa), (pb, ob) = a, b
+    for x, y in zip(pa, pb):
+        assert torch.equal(x, y)
+    sa, sb = oa.state_dict(), ob.state_dict()
+    assert sa["state"].keys() == sb["state"].keys()
+    for i in sa["state"]:
+        for k, v in sa["state"][i].items():
+            w = sb["state"][i][k]
+            assert torch.equal(v, w) if isinstance(v, torch.Tensor) else v == w, (i, k)
+
+
+@pytest.mark.parametrize("store", sorted(_stores()))
+@pytest.mark.parametrize("kw", [{}, {"amsgrad": True}, {"moment_dtype": "bf16"},
+                                {"moment_dtype": "int8"}, {"pdtype": torch.bfloat16},
+                                {"pdtype": torch.float16, "moment_dtype": "bf16"},
+                                {"adamw_mode": False, "maximize": True}],
+                         ids=["fp32", "amsgrad", "bf16m", "int8m", "bf16p", "fp16p-bf16m",
+                              "l2-max"])
+def test_planned_steps_are_the_general_steps_bit_for_bit(store, kw, tmp_path, monkeypatch):
+    runs = _Runs(monkeypatch)
+    a, b = _twins(_stores()[store], tmp_path, monkeypatch, **kw)
+    for step in range(5):
+        _grads(a[0], step)
+        _grads(b[0], step)
+        a[1].step()
+        _general(monkeypatch, b[1].step)
+    assert runs.n == 4           # every step but the first (which compiles)
+    _assert_same(a, b)
+
+
+def test_the_dispatcher_route_gives_the_same_bits(tmp_path, monkeypatch):
+    """The route CUDA plans take (the ``statestore::adam_`` op through the dispatcher, a call
+    per group), run on the CPU."""
+    from statestore import _C_adam
+    monkeypatch.setattr(_C_adam, "StepPlan", functools.partial(_C_adam.StepPlan, dispatch=True))
+    runs = _Runs(monkeypatch)
+    for kw in ({}, {"moment_dtype": "int8", "amsgrad": True}, {"pdtype": torch.bfloat16}):
+        d = tmp_path / str(len(kw))
+        d.mkdir()
+        a, b = _twins(_stores()["device"], d, monkeypatch, **kw)
+        for step in range(3):
+            _grads(a[0], step)
+            _grads(b[0], step)
+            a[1].step()
+            _general(monkeypatch, b[1].step)
+        _assert_same(a, b)
+    assert runs.n == 6
+
+
+def _change_grad_none(ps, opt, step):
+    _grads(ps, step, skip=(2,))
+
+
+def _change_grad_dtype(ps, opt, step):
+    for p in ps:
+        if hasattr(p, "grad_dtype"):
+            p.grad_dtype = None         # torch checks a gradient's dtype against it
+    _grads(ps, step, dtype=torch.bfloat16)
+
+
+def _change_grad_layout(ps, opt, step):
+    _grads(ps, step)
+    wide = torch.zeros(2 * ps[7].numel())
+    wide[::2] = ps[7].grad
+    ps[7].grad = wide[::2]          # the same values, not contiguous
+
+
+def _change_lr_and_betas(ps, opt, step):
+    _grads(ps, step)
+    opt.param_groups[0]["lr"] = torch.tensor(3e-3)
+    opt.param_groups[0]["betas"] = (0.8, 0.99)
+
+
+def _change_amsgrad(ps, opt, step):
+    _grads(ps, step)
+    opt.param_groups[0]["amsgrad"] = True
+
+
+def _change_param_data(ps, opt, step):
+    _grads(ps, step)
+    with torch.no_grad():
+        ps[3].data = ps[3].data.clone() + 1
+
+
+def _change_groups(ps, opt, step):
+    _grads(ps, step)
+    group = opt.param_groups[0]
+    extra = nn.Parameter(torch.ones(5))
+    extra.grad = torch.full((5,), 0.5)
+    ps.append(extra)
+    opt.add_param_group({"params": [extra], "lr": 2e-2})
+
+
+def _change_params_list(ps, opt, step):
+    _grads(ps, step)
+    group = opt.param_groups[0]["params"]
+    group[0], group[1] = group[1], group[0]
+
+
+def _change_store_reloaded(ps, opt, step, ck):
+    opt.state_store.save_checkpoint(ck, progress=False)
+    opt.state_store.load_checkpoint(ck, progress=False)
+    _grads(ps, step)
+
+
+def _change_state_dict_loaded(ps, opt, step):
+    opt.load_state_dict(opt.state_dict())
+    _grads(ps, step)
+
+
+CHANGES = {"grad-none": _change_grad_none, "grad-dtype": _change_grad_dtype,
+           "grad-layout": _change_grad_layout, "lr-betas": _change_lr_and_betas,
+           "amsgrad": _change_amsgrad, "param-data": _change_param_data,
+           "add-group": _change_groups, "params-list": _change_params_list,
+           "reload": _change_store_reloaded, "load-state-dict": _change_state_dict_loaded}
+
+
+@pytest.mark.parametrize("change", sorted(CHANGES))
+def test_a_change_replans_and_steps_as_the_general_way(change, tmp_path, monkeypatch):
+    """Steps 0-2, then a change of something a plan depends on before step 3, and steps 3-5:
+    the planned optimizer (stale plan, general step, a new plan) matches the general one bit
+    for bit, and plans again afterwards (lr and betas are read each step: no re-plan)."""
+    runs = _Runs(monkeypatch)
+    a, b = _twins(_stores()["device"], tmp_path, monkeypatch)
+    fn = CHANGES[change]
+    if change == "reload":
+        fn = functools.partial(fn, ck=str(tmp_path / "ck"))
+    for step in range(6):
+        for (ps, opt), plan in ((a, True), (b, False)):
+            if step == 3:
+                (fn if plan else functools.partial(_general, monkeypatch, fn))(ps, opt, step)
+            elif step == 4 and change in ("grad-none", "grad-dtype", "grad-layout"):
+                fn(ps, opt, step)      # the changed form again: a plan of its own
+            else:
+                _grads(ps, step)
+            if plan:
+                opt.step()
+            else:
+                _general(monkeypatch, opt.step)
+    _assert_same(a, b)
+    # steps 1, 2 planned; step 3 stale unless only lr/betas changed (a non-contiguous
+    # gradient is made contiguous for the kernel: not planned)
+    assert runs.n >= (5 if change == "lr-betas" else 2 if change == "grad-layout" else 3), \
+        runs.n
+
+
+def test_skip_nonfinite_skips_a_planned_step_whole(tmp_path, monkeypatch):
+    runs = _Runs(monkeypatch)
+    a, b = _twins(_stores()["device"], tmp_path, monkeypatch, skip_nonfinite=True)
+    for step in range(4):
+        for (ps, opt), plan in ((a, True), (b, False)):
+            _grads(ps, step)
+            if step == 2:
+                ps[4].grad[5] = float("inf")
+            if plan:
+                opt.step()
+            else:
+                _general(monkeypatch, opt.step)
+    _assert_same(a, b)
+    assert a[1].step_count(a[0][0]) == 3
+    assert runs.outcomes == [_units.PLAN_OK, _units.PLAN_SKIPPED, _units.PLAN_OK]
+
+
+def test_a_failure_after_the_counts_advanced_makes_the_optimizer_refuse(tmp_path, monkeypatch):
+    ps = _params()
+    opt = CPUAdam(ps, lr=1e-2, state_store=ss.DeviceStore("cpu"))
+    for step in range(2):
+        _grads(ps, step)
+        opt.step()
+    real = _units.StepProgram.run
+
+    def fails(prog, *a, **kw):
+        real(prog, *a, **kw)
+        raise RuntimeError("the kernel failed")
+    monkeypatch.setattr(_units.StepProgram, "run", fails)
+    _grads(ps, 2)
+    with pytest.raises(RuntimeError, match="the kernel failed"):
+        opt.step()
+    monkeypatch.undo()
+    with pytest.raises(ss.StateStoreError, match="failed part-way"):
+        opt.step()
+
+
+def test_stores_that_are_not_resident_are_not_planned(tmp_path, monkeypatch):
+    """NVMe states move through the pipeline: that step stays the general one."""
+    runs = _Runs(monkeypatch)
+    ps = _params()
+    with ss.NVMeStore(str(tmp_path / "nv")) as store:
+        opt = HybridAdam(ps, lr=1e-2, state_store=store)
+        for step in range(3):
+            _grads(ps, step)
+            opt.step()
+    assert runs.n == 0
+
+
+def _python_calls(n_params: int) -> int:
+    ps = _params(sizes=[16] * n_params)
+    opt = CPUAdam(ps, lr=1e-2, state_store=ss.DeviceStore("cpu"))
+    for step in range(3):
+        _grads(ps, step)
+        opt.step()
+    _grads(ps, 3)
+    calls = [0]
+
+    def prof(frame, event, arg):
+        calls[0] += event in ("call", "c_call")
+    sys.setprofile(prof)
+    try:
+        opt.step()
+    finally:
+        sys.setprofile(None)
+    assert opt.step_count(ps[0]) == 4
+    return calls[0]
+
+
+def test_a_planned_steps_python_work_does_not_grow_with_the_parameters():
+    assert _python_calls(5) == _python_calls(300)
+
+
+def test_layout_version_changes_with_the_states(tmp_path):
+    for make in _stores().values():
+        store = make(tmp_path)
+        v = [store.layout_version]
+        store.create("a/x", (3,))
+        v.append(store.layout_version)
+        store.put("a/x", torch.ones(3))
+        assert store.layout_version == v[-1]        # values change, not the layout
+        store.delete("a/x")
+        v.append(store.layout_version)
+        store.create("a/x", (3,))
+        store.clear()
+        v.append(store.layout_version)
+        store.close()
+        v.append(store.layout_version)
+        assert all(x < y for x, y in zip(v, v[1:])), v
