@@ -73,7 +73,6 @@ class StateStore(ABC):
             spec=self.spec, alignment=align, budget_bytes=budget_bytes,
             alloc_buffer=self._alloc_host_buffer, state_bytes=lambda: self._aligned_bytes)
         self._aligned_bytes = 0     # sum of _ring_bytes of the states, kept as they change
-        self._layout_version = 0    # see layout_version
         #: the attached optimizer and the last load (_record.py)
         self._record = CheckpointRecord()
         #: pipelines, streams and the prefetch kept between calls (``_access.py``)
@@ -170,7 +169,6 @@ class StateStore(ABC):
         # the backend's storage and the catalogue agree; then the initial values are written
         with with_initial_values(self, new, inits), deferred_signals():
             self._allocate(new)
-            self._layout_version += 1
             for k, spec in new:
                 self._specs[k] = spec
                 self._aligned_bytes += self._ring_bytes(spec)
@@ -197,7 +195,6 @@ class StateStore(ABC):
             self.spec(k)
         self.sync()
         with deferred_signals():        # the catalogue and the backend's storage agree
-            self._layout_version += 1
             for k in ks:
                 self._aligned_bytes -= self._ring_bytes(self._specs.pop(k))
                 self._in_flight.repaired(k)
@@ -368,7 +365,6 @@ class StateStore(ABC):
         self.cancel_prefetch()
         if any(k in self._specs for k, _, _, _ in rows) or not self.links.adopt(path, rows, names):
             return False
-        self._layout_version += 1
         for k, spec, _, _ in rows:
             self._specs[k] = spec
             self._aligned_bytes += self._ring_bytes(spec)
@@ -550,14 +546,6 @@ class StateStore(ABC):
     def closed(self) -> bool:
         return self._closed
 
-    @property
-    def layout_version(self) -> int:
-        """A number that changes whenever states are created, removed or replaced (``create``,
-        ``delete``, ``clear``, ``load_checkpoint``, ``close``): tensors a resident store
-        handed out before may no longer be its states once it changed. Optimizers that keep
-        a step's tensors between steps (``statestore/optim/_units.py``) check it."""
-        return self._layout_version
-
     def check_open(self) -> None:
         """Raise unless the store is open: what every call that uses the store checks first.
 
@@ -586,7 +574,6 @@ class StateStore(ABC):
             err = e
         finally:
             self._closed = True
-            self._layout_version += 1
             try:
                 self._close()
             finally:

@@ -229,24 +229,28 @@ void stream_copy(const at::Tensor& dst, const at::Tensor& src) {
 
 // ---- step plans -------------------------------------------------------------------------
 //
-// A StepPlan is an optimizer step over resident states compiled once (statestore/optim/
-// _units.py, StepProgram): per parameter, the parameter, its states' tensors and what its
-// gradient must look like; per param group, the group's dict and its "params" list. run()
-// then makes the whole step in one call:
-//   1. checks, changing nothing: the groups and their parameters are the planned objects, in
-//      order; every planned parameter still has its data, dtype and size, and a gradient of
-//      the planned dtype, strided, contiguous, of its shape, on its device; no other
-//      parameter of the groups has a gradient. Anything else: kPlanStale (the caller steps
-//      the general way and plans again).
-//   2. with check_finite, a gradient holding inf or nan: kPlanSkipped (nothing changed).
-//   3. each planned parameter's step count, read from the optimizer's `steps` dict (never
+// A StepPlan is an optimizer step compiled once (statestore/optim/_units.py, StepProgram):
+// per parameter, the parameter and what its gradient must look like; per param group, the
+// group's dict and its "params" list; and either each parameter's states (resident stores:
+// the store's live tensors, held) or the pipeline units of a streaming store (per unit, each
+// parameter range and where its states are in the unit's list of tensors). A step is then:
+//   begin(): 1. checks, changing nothing: the groups and their parameters are the planned
+//      objects, in order; every planned parameter still has its data, dtype and size, and a
+//      gradient of the planned dtype, strided, contiguous, of its shape, on its device; no
+//      other parameter of the groups has a gradient. Anything else: kPlanStale (the caller
+//      steps the general way and plans again).
+//      2. with check_finite, a gradient holding inf or nan: kPlanSkipped (nothing changed).
+//      3. each planned parameter's step count, read from the optimizer's `steps` dict (never
 //      cached here: resume does not depend on this object), plus one, and its bias
 //      correction as statestore.kernels._dispatch.bias_terms computes it (double math, the
-//      same libm calls); then the counts are written back, in the planned order.
-//   4. the kernel over every tensor of every group, without the GIL: on the CPU, the SIMD
-//      kernel of `adam_` in one parallel loop over all chunks; elsewhere (CUDA), one call of
-//      the `statestore::adam_` op per group through the dispatcher (one launch each).
-// Tensors are checked once, when planned, by checks::adam_jobs (the op's own checks).
+//      same libm calls); then the counts are written back in the planned order, each one's
+//      previous value first recorded in `undo` (None: it had none), as ParamTable does.
+//   then the kernel, without the GIL: run() (begin() and every parameter's states: on the
+//   CPU, the SIMD kernel of `adam_` in one parallel loop over all chunks; elsewhere (CUDA),
+//   the `statestore::adam_` op through the dispatcher, one call (one launch) per group), or
+//   run_unit() for each unit a streaming store's pipeline hands out.
+// Resident states are checked once, when planned, by checks::adam_jobs (the op's own
+// checks); a unit's tensors at each run_unit (cheap C++ checks, the same rules).
 constexpr int kPlanOk = 0;
 constexpr int kPlanStale = 1;
 constexpr int kPlanSkipped = 2;
@@ -299,13 +303,10 @@ class StepPlan {
   }
 
   // Parameter `member` of group `group` is updated each step: its key (the `steps` dict's),
-  // the key's hash (compressed moments' seeds), a gradient as it will come, and its states.
-  void add_entry(int64_t group, int64_t member, const pybind11::object& key, int64_t key_hash,
-                 const at::Tensor& grad, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
-                 const std::optional<at::Tensor>& max_exp_avg_sq,
-                 const std::optional<at::Tensor>& master,
-                 const std::optional<at::Tensor>& exp_avg_scale,
-                 const std::optional<at::Tensor>& exp_avg_sq_scale) {
+  // the key's hash (compressed moments' seeds) and a gradient as it will come. Returns its
+  // entry's index.
+  int64_t add_entry(int64_t group, int64_t member, const pybind11::object& key,
+                    int64_t key_hash, const at::Tensor& grad) {
     TORCH_CHECK(group >= 0 && group < static_cast<int64_t>(groups_.size()),
                 "StepPlan: no group ", group);
     Group& g = groups_[static_cast<size_t>(group)];
@@ -319,6 +320,10 @@ class StepPlan {
     } else {
       device_ = p.device();
     }
+    TORCH_CHECK(p.is_contiguous() && grad.layout() == at::kStrided &&
+                    grad.sizes() == p.sizes() && grad.device() == p.device() &&
+                    checks::storage_of(grad.scalar_type()) != DType::kNone,
+                "StepPlan: the parameter or its gradient cannot be planned");
     Entry e;
     e.group = static_cast<size_t>(group);
     e.param = p;
@@ -328,20 +333,22 @@ class StepPlan {
     e.p_dtype = p.scalar_type();
     e.numel = p.numel();
     e.g_dtype = grad.scalar_type();
-    e.exp_avg = exp_avg;
-    e.exp_avg_sq = exp_avg_sq;
-    e.max_exp_avg_sq = max_exp_avg_sq;
-    e.master = master;
-    e.exp_avg_scale = exp_avg_scale;
-    e.exp_avg_sq_scale = exp_avg_sq_scale;
-    TORCH_CHECK(grad.layout() == at::kStrided && grad.sizes() == p.sizes(),
-                "StepPlan: the gradient does not fit its parameter");
-    TORCH_CHECK(p.is_contiguous(), "StepPlan: the parameter is not contiguous");
-    TORCH_CHECK(max_exp_avg_sq.has_value() == amsgrad(group) || g.planned == 0,
-                "StepPlan: a group's parameters all keep max_exp_avg_sq or none does");
-    g.amsgrad = max_exp_avg_sq.has_value();
-    // the op's own checks, once: dtypes, sizes, contiguity, devices
-    const std::vector<at::Tensor> one_p{p}, one_g{grad}, one_m{exp_avg}, one_v{exp_avg_sq};
+    g.members[static_cast<size_t>(member)].entry = static_cast<int64_t>(entries_.size());
+    entries_.push_back(std::move(e));
+    return static_cast<int64_t>(entries_.size()) - 1;
+  }
+
+  // Resident stores: entry `entry`'s states, the store's live tensors (held by the plan).
+  void set_states(int64_t entry, const at::Tensor& grad, const at::Tensor& exp_avg,
+                  const at::Tensor& exp_avg_sq,
+                  const std::optional<at::Tensor>& max_exp_avg_sq,
+                  const std::optional<at::Tensor>& master,
+                  const std::optional<at::Tensor>& exp_avg_scale,
+                  const std::optional<at::Tensor>& exp_avg_sq_scale) {
+    TORCH_CHECK(units_.empty(), "StepPlan: a plan of units holds no states");
+    Entry& e = entry_at(entry);
+    TORCH_CHECK(grad.scalar_type() == e.g_dtype, "StepPlan: not the planned gradient");
+    const std::vector<at::Tensor> one_p{e.param}, one_g{grad}, one_m{exp_avg}, one_v{exp_avg_sq};
     std::vector<at::Tensor> ms, vs, vmax;
     if (exp_avg_scale.has_value()) ms.push_back(*exp_avg_scale);
     if (exp_avg_sq_scale.has_value()) vs.push_back(*exp_avg_sq_scale);
@@ -352,33 +359,67 @@ class StepPlan {
     const std::vector<int64_t> seeds = coding_.stochastic ? std::vector<int64_t>{0, 0}
                                                           : std::vector<int64_t>{};
     const at::Device dev = device_;
+    // the op's own checks, once: dtypes, sizes, contiguity, devices
     const std::vector<AdamTensorArgs> jobs = checks::adam_jobs(
         checks::AdamOpArgs{one_p, one_g, one_m, one_v, ms, vs, vmax, masters, unit, unit, seeds,
                            {}, hyper, moments_},
         dev.is_cpu() ? nullptr : &dev);
+    e.exp_avg = exp_avg;
+    e.exp_avg_sq = exp_avg_sq;
+    e.max_exp_avg_sq = max_exp_avg_sq;
+    e.master = master;
+    e.exp_avg_scale = exp_avg_scale;
+    e.exp_avg_sq_scale = exp_avg_sq_scale;
+    e.has_states = true;
     e.empty = jobs.empty();
     if (!e.empty) e.tmpl = jobs[0];
-    g.members[static_cast<size_t>(member)].entry = static_cast<int64_t>(entries_.size());
-    g.planned += 1;
-    entries_.push_back(std::move(e));
+  }
+
+  // Streaming stores: a new unit (its index).
+  int64_t add_unit() {
+    units_.emplace_back();
+    return static_cast<int64_t>(units_.size()) - 1;
+  }
+
+  // Elements [a, b) of entry `entry` are in unit `unit`, their states at these positions of
+  // the unit's list of tensors (-1: not kept).
+  void add_slice(int64_t unit, int64_t entry, int64_t a, int64_t b, int64_t exp_avg,
+                 int64_t exp_avg_sq, int64_t max_exp_avg_sq, int64_t master,
+                 int64_t exp_avg_scale, int64_t exp_avg_sq_scale) {
+    TORCH_CHECK(unit >= 0 && unit < static_cast<int64_t>(units_.size()), "StepPlan: no unit ",
+                unit);
+    TORCH_CHECK(device_.is_cpu(), "StepPlan: units are planned on the CPU only");
+    const Entry& e = entry_at(entry);
+    TORCH_CHECK(0 <= a && a <= b && b <= e.numel, "StepPlan: elements [", a, ", ", b,
+                ") of a parameter of ", e.numel);
+    TORCH_CHECK(exp_avg >= 0 && exp_avg_sq >= 0, "StepPlan: a slice without its moments");
+    TORCH_CHECK(coding_.kind != MomentKind::kInt8 ||
+                    (a % kQBlock == 0 && exp_avg_scale >= 0 && exp_avg_sq_scale >= 0),
+                "StepPlan: int8 moments need block-aligned slices and their scales");
+    TORCH_CHECK((master >= 0) == (e.p_dtype != at::kFloat) &&
+                    checks::storage_of(e.p_dtype) != DType::kNone,
+                "StepPlan: an fp32 master goes with a low-precision parameter, and only then");
+    units_[static_cast<size_t>(unit)].push_back(
+        Slice{static_cast<size_t>(entry), a, b, exp_avg, exp_avg_sq, max_exp_avg_sq, master,
+              exp_avg_scale, exp_avg_sq_scale});
   }
 
   int64_t size() const { return static_cast<int64_t>(entries_.size()); }
 
-  // One step (see above). `hypers`: per group, the op's `hyper` pack (AdamHyper.pack()).
-  int run(const pybind11::list& param_groups, const pybind11::dict& steps,
-          const std::vector<std::vector<double>>& hypers, bool check_finite) {
+  // Steps 1-3 above (`hypers`: per group, the op's `hyper` pack, AdamHyper.pack()).
+  int begin(const pybind11::list& param_groups, const pybind11::dict& steps,
+            const pybind11::dict& undo, const std::vector<std::vector<double>>& hypers,
+            bool check_finite) {
     // 1. checks
     const size_t ng = groups_.size();
     if (static_cast<size_t>(PyList_GET_SIZE(param_groups.ptr())) != ng || hypers.size() != ng)
       return kPlanStale;
-    std::vector<AdamHyper> hy;
-    hy.reserve(ng);
+    hy_.clear();
     for (const std::vector<double>& h : hypers) {
       if (h.size() != static_cast<size_t>(kAdamHyperLen) || !(std::isfinite(h[5]) && h[5] > 0) ||
           (h[6] != 0.0 && h[6] != 1.0) || (h[7] != 0.0 && h[7] != 1.0))
         return kPlanStale;
-      hy.push_back(AdamHyper{h[0], h[1], h[2], h[3], h[4], h[5], h[6] != 0.0, h[7] != 0.0});
+      hy_.push_back(AdamHyper{h[0], h[1], h[2], h[3], h[4], h[5], h[6] != 0.0, h[7] != 0.0});
     }
     grads_.assign(entries_.size(), at::Tensor());
     for (size_t gi = 0; gi < ng; ++gi) {
@@ -426,10 +467,10 @@ class StepPlan {
         return kPlanSkipped;
       }
     }
-    // 3. step counts and the kernel's arguments
+    // 3. step counts and the bias corrections
     const size_t n = entries_.size();
-    std::vector<int64_t> counts(n);
-    std::vector<double> step_sizes(n), bc2_sqrts(n);
+    counts_.resize(n);
+    scalars_.resize(n);
     for (size_t i = 0; i < n; ++i) {
       const Entry& e = entries_[i];
       PyObject* old = PyDict_GetItem(steps.ptr(), e.key.ptr());  // borrowed, or null
@@ -445,45 +486,116 @@ class StepPlan {
         c = static_cast<int64_t>(v) + 1;
       }
       if (c < 1) return kPlanStale;
-      const AdamHyper& h = hy[e.group];
+      const AdamHyper& h = hy_[e.group];
       const double s = static_cast<double>(c);
       const double den = 1.0 - std::pow(h.beta1, s);
       const double bc2 = 1.0 - std::pow(h.beta2, s);
       if (den == 0.0 || !(bc2 >= 0.0)) return kPlanStale;
-      counts[i] = c;
-      step_sizes[i] = h.lr / den;
-      bc2_sqrts[i] = std::sqrt(bc2);
+      counts_[i] = c;
+      scalars_[i] = {h.lr / den, std::sqrt(bc2)};
     }
-    jobs_.clear();
+    // From here on the step is made: each count's previous value recorded, then the count.
     for (size_t i = 0; i < n; ++i) {
-      const Entry& e = entries_[i];
-      if (e.empty) continue;
-      AdamTensorArgs t = e.tmpl;
-      t.g = grads_[i].data_ptr();
-      t.s = make_adam_scalars(hy[e.group], step_sizes[i], bc2_sqrts[i]);
-      if (coding_.stochastic) {
-        t.seed_m = moment_seed(e.key_hash, 0, counts[i]);
-        t.seed_v = moment_seed(e.key_hash, 1, counts[i]);
+      PyObject* key = entries_[i].key.ptr();
+      if (PyDict_GetItem(undo.ptr(), key) == nullptr) {
+        PyObject* old = PyDict_GetItem(steps.ptr(), key);
+        if (PyDict_SetItem(undo.ptr(), key, old != nullptr ? old : Py_None) != 0)
+          throw pybind11::error_already_set();
       }
-      jobs_.push_back(t);
+      pybind11::int_ v(counts_[i]);
+      if (PyDict_SetItem(steps.ptr(), key, v.ptr()) != 0) throw pybind11::error_already_set();
     }
-    // counts written back: from here on the step has happened (the kernel cannot fail on
-    // arguments the op checked when planned)
-    for (size_t i = 0; i < n; ++i) {
-      pybind11::int_ v(counts[i]);
-      if (PyDict_SetItem(steps.ptr(), entries_[i].key.ptr(), v.ptr()) != 0)
-        throw pybind11::error_already_set();
-    }
-    // 4. the kernel
+    return kPlanOk;
+  }
+
+  // begin(), then the kernel over every entry's held states (resident stores).
+  int run(const pybind11::list& param_groups, const pybind11::dict& steps,
+          const std::vector<std::vector<double>>& hypers, bool check_finite) {
+    TORCH_CHECK(units_.empty(), "StepPlan: a plan of units steps unit by unit (run_unit)");
+    pybind11::dict undo;
+    const int status = begin(param_groups, steps, undo, hypers, check_finite);
+    if (status != kPlanOk) return status;
     if (!dispatch_ && device_.is_cpu()) {
+      std::vector<AdamTensorArgs> jobs;
+      jobs.reserve(entries_.size());
+      for (size_t i = 0; i < entries_.size(); ++i) {
+        const Entry& e = entries_[i];
+        TORCH_CHECK(e.has_states, "StepPlan: a parameter without its states");
+        if (e.empty) continue;
+        AdamTensorArgs t = e.tmpl;
+        t.g = grads_[i].data_ptr();
+        finish_args(t, i);
+        jobs.push_back(t);
+      }
       pybind11::gil_scoped_release nogil;
-      run_chunked(jobs_, active().load()->adam);
+      run_chunked(jobs, active().load()->adam);
     } else {
-      dispatch_groups(hy, counts, step_sizes, bc2_sqrts);
+      dispatch_groups();
     }
     grads_.clear();
     return kPlanOk;
   }
+
+  // The kernel over unit `unit`, whose states the pipeline handed out as `tensors`; after a
+  // begin() that returned kPlanOk.
+  void run_unit(int64_t unit, const std::vector<at::Tensor>& tensors) {
+    TORCH_CHECK(unit >= 0 && unit < static_cast<int64_t>(units_.size()), "StepPlan: no unit ",
+                unit);
+    TORCH_CHECK(grads_.size() == entries_.size(), "StepPlan: run_unit before begin");
+    const MomentKind kind = coding_.kind;
+    const at::ScalarType mt = kind == MomentKind::kF32 ? at::kFloat
+                              : kind == MomentKind::kBF16 ? at::kBFloat16 : at::kChar;
+    const at::ScalarType vt = kind == MomentKind::kF32 ? at::kFloat
+                              : kind == MomentKind::kBF16 ? at::kBFloat16 : at::kByte;
+    std::vector<AdamTensorArgs> jobs;
+    for (const Slice& sl : units_[static_cast<size_t>(unit)]) {
+      const Entry& e = entries_[sl.entry];
+      const int64_t n = sl.b - sl.a;
+      const int64_t nb = (n + kQBlock - 1) / kQBlock;
+      auto state = [&](int64_t pos, at::ScalarType dt, int64_t numel) -> void* {
+        TORCH_CHECK(pos >= 0 && pos < static_cast<int64_t>(tensors.size()),
+                    "StepPlan: the unit has ", tensors.size(), " tensors, no ", pos);
+        const at::Tensor& t = tensors[static_cast<size_t>(pos)];
+        TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.scalar_type() == dt &&
+                        t.numel() == numel,
+                    "StepPlan: tensor ", pos, " of unit ", unit, " is not the planned state (",
+                    dt, ", ", numel, " elements)");
+        return t.data_ptr();
+      };
+      AdamTensorArgs t{};
+      t.kind = kind;
+      t.stochastic = coding_.stochastic;
+      t.m = state(sl.m, mt, n);
+      t.v = state(sl.v, vt, n);
+      if (kind == MomentKind::kInt8) {
+        t.m_scale = static_cast<float*>(state(sl.ms, at::kFloat, nb));
+        t.v_scale = static_cast<float*>(state(sl.vs, at::kFloat, nb));
+      }
+      if (sl.vmax >= 0) t.vmax = static_cast<float*>(state(sl.vmax, at::kFloat, n));
+      t.offset = kind == MomentKind::kF32 ? 0 : sl.a;
+      t.g_dtype = checks::storage_of(e.g_dtype);
+      const at::Tensor& g = grads_[sl.entry];
+      t.g = static_cast<const char*>(g.data_ptr()) + sl.a * static_cast<int64_t>(g.element_size());
+      char* pdata = static_cast<char*>(e.param.data_ptr());
+      if (sl.master >= 0) {
+        t.w = static_cast<float*>(state(sl.master, at::kFloat, n));
+        t.p_dtype = checks::storage_of(e.p_dtype);
+        t.p_out = pdata + sl.a * static_cast<int64_t>(e.param.element_size());
+      } else {
+        t.w = reinterpret_cast<float*>(pdata) + sl.a;
+        t.p_dtype = DType::kNone;
+        t.p_out = nullptr;
+      }
+      t.n = n;
+      finish_args(t, sl.entry);
+      if (n > 0) jobs.push_back(t);
+    }
+    pybind11::gil_scoped_release nogil;
+    run_chunked(jobs, active().load()->adam);
+  }
+
+  // After the last unit: the gradients are no longer held.
+  void end() { grads_.clear(); }
 
  private:
   struct Member {
@@ -494,8 +606,6 @@ class StepPlan {
   struct Group {
     pybind11::object dict;
     std::vector<Member> members;
-    size_t planned = 0;
-    bool amsgrad = false;
   };
   struct Entry {
     size_t group = 0;
@@ -506,18 +616,40 @@ class StepPlan {
     at::ScalarType p_dtype = at::kFloat;
     at::ScalarType g_dtype = at::kFloat;
     int64_t numel = 0;
-    at::Tensor exp_avg, exp_avg_sq;  // held: the plan's pointers stay valid
+    // resident stores: the states, held (the plan's pointers stay valid)
+    bool has_states = false;
+    at::Tensor exp_avg, exp_avg_sq;
     std::optional<at::Tensor> max_exp_avg_sq, master, exp_avg_scale, exp_avg_sq_scale;
     bool empty = false;  // no elements: its count advances, nothing to compute
     AdamTensorArgs tmpl{};
   };
+  struct Slice {
+    size_t entry;
+    int64_t a, b;
+    int64_t m, v, vmax, master, ms, vs;  // positions in the unit's tensors, -1: none
+  };
+  struct Scalars {
+    double step_size, bc2_sqrt;
+  };
 
-  bool amsgrad(int64_t group) const { return groups_[static_cast<size_t>(group)].amsgrad; }
+  Entry& entry_at(int64_t entry) {
+    TORCH_CHECK(entry >= 0 && entry < static_cast<int64_t>(entries_.size()),
+                "StepPlan: no entry ", entry);
+    return entries_[static_cast<size_t>(entry)];
+  }
+
+  // The step's scalars and seeds of entry i into t.
+  void finish_args(AdamTensorArgs& t, size_t i) const {
+    const Entry& e = entries_[i];
+    t.s = make_adam_scalars(hy_[e.group], scalars_[i].step_size, scalars_[i].bc2_sqrt);
+    if (coding_.stochastic) {
+      t.seed_m = moment_seed(e.key_hash, 0, counts_[i]);
+      t.seed_v = moment_seed(e.key_hash, 1, counts_[i]);
+    }
+  }
 
   // The op through the dispatcher, one call per group (CUDA: one launch each).
-  void dispatch_groups(const std::vector<AdamHyper>& hy, const std::vector<int64_t>& counts,
-                       const std::vector<double>& step_sizes,
-                       const std::vector<double>& bc2_sqrts) {
+  void dispatch_groups() {
     for (size_t gi = 0; gi < groups_.size(); ++gi) {
       std::vector<at::Tensor> ps, gs, ms, vs, mss, vss, vmax;
       c10::List<std::optional<at::Tensor>> masters;
@@ -527,6 +659,7 @@ class StepPlan {
       for (size_t i = 0; i < entries_.size(); ++i) {
         const Entry& e = entries_[i];
         if (e.group != gi) continue;
+        TORCH_CHECK(e.has_states, "StepPlan: a parameter without its states");
         ps.push_back(e.param);
         gs.push_back(grads_[i]);
         ms.push_back(e.exp_avg);
@@ -536,14 +669,14 @@ class StepPlan {
         if (e.max_exp_avg_sq.has_value()) vmax.push_back(*e.max_exp_avg_sq);
         masters.push_back(e.master);
         any_master = any_master || e.master.has_value();
-        sz.push_back(step_sizes[i]);
-        bc.push_back(bc2_sqrts[i]);
-        seeds.push_back(moment_seed(e.key_hash, 0, counts[i]));
-        seeds.push_back(moment_seed(e.key_hash, 1, counts[i]));
+        sz.push_back(scalars_[i].step_size);
+        bc.push_back(scalars_[i].bc2_sqrt);
+        seeds.push_back(moment_seed(e.key_hash, 0, counts_[i]));
+        seeds.push_back(moment_seed(e.key_hash, 1, counts_[i]));
       }
       if (ps.empty()) continue;
       if (!any_master) masters = c10::List<std::optional<at::Tensor>>();
-      const AdamHyper& h = hy[gi];
+      const AdamHyper& h = hy_[gi];
       const std::vector<double> pack{h.lr, h.beta1, h.beta2, h.eps, h.weight_decay,
                                      h.grad_scale, h.adamw_mode ? 1.0 : 0.0,
                                      h.maximize ? 1.0 : 0.0};
@@ -558,8 +691,13 @@ class StepPlan {
   at::Device device_{at::kCPU};
   std::vector<Group> groups_;
   std::vector<Entry> entries_;
-  std::vector<at::Tensor> grads_;      // during run(): each entry's gradient
-  std::vector<AdamTensorArgs> jobs_;   // during run(): the kernel's arguments
+  std::vector<std::vector<Slice>> units_;
+  // during a step (begin() to the end of run() or end()): each entry's gradient, count and
+  // scalars, each group's hyperparameters
+  std::vector<at::Tensor> grads_;
+  std::vector<int64_t> counts_;
+  std::vector<Scalars> scalars_;
+  std::vector<AdamHyper> hy_;
 };
 
 }  // namespace
@@ -596,15 +734,27 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("dispatch") = false)
       .def("add_group", &StepPlan::add_group, pybind11::arg("group"), pybind11::arg("params"))
       .def("add_entry", &StepPlan::add_entry, pybind11::arg("group"), pybind11::arg("member"),
-           pybind11::arg("key"), pybind11::arg("key_hash"), pybind11::arg("grad"),
+           pybind11::arg("key"), pybind11::arg("key_hash"), pybind11::arg("grad"))
+      .def("set_states", &StepPlan::set_states, pybind11::arg("entry"), pybind11::arg("grad"),
            pybind11::arg("exp_avg"), pybind11::arg("exp_avg_sq"),
            pybind11::arg("max_exp_avg_sq"), pybind11::arg("master"),
            pybind11::arg("exp_avg_scale"), pybind11::arg("exp_avg_sq_scale"))
+      .def("add_unit", &StepPlan::add_unit)
+      .def("add_slice", &StepPlan::add_slice, pybind11::arg("unit"), pybind11::arg("entry"),
+           pybind11::arg("a"), pybind11::arg("b"), pybind11::arg("exp_avg"),
+           pybind11::arg("exp_avg_sq"), pybind11::arg("max_exp_avg_sq"),
+           pybind11::arg("master"), pybind11::arg("exp_avg_scale"),
+           pybind11::arg("exp_avg_sq_scale"))
       .def("__len__", &StepPlan::size)
+      .def("begin", &StepPlan::begin, pybind11::arg("param_groups"), pybind11::arg("steps"),
+           pybind11::arg("undo"), pybind11::arg("hypers"), pybind11::arg("check_finite"),
+           "Checks, then the step counts: 0 done, 1 stale (nothing changed: step the general "
+           "way), 2 skipped (a gradient holds inf or nan; nothing changed)")
       .def("run", &StepPlan::run, pybind11::arg("param_groups"), pybind11::arg("steps"),
            pybind11::arg("hypers"), pybind11::arg("check_finite"),
-           "One step: 0 done, 1 stale (nothing changed: step the general way), 2 skipped "
-           "(a gradient holds inf or nan; nothing changed)");
+           "begin() and the kernel over the held states: 0 done, 1 stale, 2 skipped")
+      .def("run_unit", &StepPlan::run_unit, pybind11::arg("unit"), pybind11::arg("tensors"))
+      .def("end", &StepPlan::end);
 #ifdef STATESTORE_WITH_CUDA
   m.attr("with_cuda") = true;
 #else

@@ -58,6 +58,15 @@ class SlabStore(ResidentStore):
         self._tensors: Dict[StateKey, torch.Tensor] = {}
         self._slab_of: Dict[StateKey, _Slab] = {}
         self._slab_bytes = 0
+        self._layout_version = 0
+
+    @property
+    def layout_version(self) -> int:
+        """A number that changes whenever states are created or removed (``create``,
+        ``delete``, ``clear``, ``load_checkpoint``, ``close``): the live tensors handed out
+        before may no longer be the store's states once it changed. Optimizers that keep a
+        step's tensors between steps (``statestore/optim/_units.py``) check it."""
+        return self._layout_version
 
     def _new_slab(self, entries: Sequence[Tuple[StateKey, StateSpec]]
                   ) -> Tuple[torch.Tensor, Any, Dict[StateKey, int]]:
@@ -73,6 +82,7 @@ class SlabStore(ResidentStore):
 
     def _allocate(self, entries: Sequence[Tuple[StateKey, StateSpec]]) -> None:
         buf, handle, offsets = self._new_slab(entries)
+        self._layout_version += 1
         slab = _Slab(buf, handle, buf.numel())
         self._slab_bytes += slab.nbytes
         for k, spec in entries:
@@ -83,6 +93,7 @@ class SlabStore(ResidentStore):
             slab.live += 1
 
     def _free(self, keys: Sequence[StateKey]) -> None:
+        self._layout_version += 1
         for k in keys:
             del self._tensors[k]
             slab = self._slab_of.pop(k)
@@ -95,6 +106,7 @@ class SlabStore(ResidentStore):
         return self._tensors[key]
 
     def _close(self) -> None:
+        self._layout_version += 1
         slabs = {id(s): s for s in self._slab_of.values()}
         self._tensors.clear()
         self._slab_of.clear()

@@ -9,13 +9,13 @@ then made by one call, with no Python per parameter (:class:`StepProgram`).
 from __future__ import annotations
 
 import os
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 from .._types import StateKey
-from ..backends.base import ResidentStore
+from ..backends._slab import SlabStore
 from ..errors import StateStoreValueError
 from ..kernels import adam_step
 from ..kernels._dispatch import force_reference, load_extension
@@ -155,74 +155,111 @@ def step_plans_enabled() -> bool:
 
 
 class StepProgram:
-    """A step over resident stores compiled once into a native plan (``_C_adam.StepPlan``,
-    ``csrc/adam/adam_ops.cpp``) and then made by one call: the C++ side checks that the
-    groups, parameters and gradients are still those planned (their identity, data, dtype,
-    shape and layout; no other parameter has a gradient), advances each parameter's step
-    count in the optimizer's ``steps`` dict, computes the bias corrections as
-    :func:`statestore.kernels.adam_step` does, and runs the kernel over every tensor of
-    every group (the CPU kernel in one parallel loop; CUDA: one launch a group). Python's
-    work per step is per store and per group, never per parameter.
+    """A step compiled once into a native plan (``_C_adam.StepPlan``,
+    ``csrc/adam/adam_ops.cpp``) and then made with no Python per parameter: the C++ side
+    checks that the groups, parameters and gradients are still those planned (their
+    identity, data, dtype, shape and layout; no other parameter has a gradient), advances
+    each parameter's step count in the optimizer's ``steps`` dict, computes the bias
+    corrections as :func:`statestore.kernels.adam_step` does, and runs the kernel.
 
-    What the plan depends on and is checked at each :meth:`run`: each store's
-    :attr:`~statestore.StateStore.layout_version` (states created, removed, loaded) and its
-    own checks (``store.pipeline``: open, its files intact); each group's non-schedule
-    options; the parameter set and the gradients' presence, dtype, device and layout (in
-    C++). Anything else changed: :data:`PLAN_STALE`, nothing changed, and the caller steps
-    the general way. Same bits as that way: the same kernel, arguments and order.
+    Two kinds: over resident stores (:attr:`units` None) the plan holds every state's live
+    tensor and :meth:`run` makes the whole step in one call (the CPU kernel in one parallel
+    loop over every tensor; CUDA: one launch a group); over one streaming store (NVMe),
+    :attr:`units` is ``(store, pipeline units)``, the units of the step the general way
+    planned, and the caller runs the store's pipeline over them, calling
+    ``plan.run_unit(i, tensors)`` for each unit after ``plan.begin(...)`` (the pipeline's
+    reads ahead, writes behind and prefetch stay as they are).
+
+    What the plan depends on and is checked at each step: a resident store's
+    ``layout_version`` (``backends/_slab.py``: states created, removed, loaded) and its own
+    checks (``store.pipeline``: open, its files intact; a streaming store's pipeline checks
+    the planned units' slices); each
+    group's non-schedule options; the parameter set and the gradients' presence, dtype,
+    device and layout (in C++). Anything else changed: :data:`PLAN_STALE`, nothing changed,
+    and the caller steps the general way. Same bits as that way: the same kernel, arguments
+    and order.
 
     Build one with :meth:`compile` after a step the general way made.
     """
 
-    __slots__ = ("plan", "stores", "sigs")
+    __slots__ = ("plan", "stores", "sigs", "units")
 
-    def __init__(self, plan, stores: List[Tuple[object, int]], sigs: List[tuple]):
-        self.plan, self.stores, self.sigs = plan, stores, sigs
+    def __init__(self, plan, stores: List[Tuple[object, int]], sigs: List[tuple],
+                 units: Optional[tuple] = None):
+        self.plan, self.stores, self.sigs, self.units = plan, stores, sigs, units
 
     @staticmethod
     def compile(param_groups: Sequence[dict], work, grads: Dict[Tensor, Tensor],
                 keys: Dict[Tensor, str], stores: Dict[Tensor, object], layout, fmt,
-                moment_dtypes: Tuple[torch.dtype, torch.dtype]) -> Optional["StepProgram"]:
+                moment_dtypes: Tuple[torch.dtype, torch.dtype],
+                plan_of: Callable) -> Optional["StepProgram"]:
         """The step the general way just made (``work``: ``{store: [(group, params)]}``,
-        ``grads``) as a program, or None where some part of it cannot be planned: a store
-        that is not resident (the pipeline moves its states), DTensor, offloaded or
-        non-contiguous parameters, gradients made contiguous for the kernel, states the
-        kernel does not take as they are, several devices, no compiled kernel."""
+        ``grads``; ``plan_of(store, items)``: the pipeline units it used) as a program, or
+        None where some part of it cannot be planned: resident and streaming stores mixed,
+        or several streaming ones, DTensor, offloaded or non-contiguous parameters,
+        gradients made contiguous for the kernel, states the kernel does not take as they
+        are, several devices, no compiled kernel."""
         ext = load_extension()
         if ext is None or force_reference() or not hasattr(ext, "StepPlan") or not grads:
             return None
         devices = {st.device for st in work}
-        if len(devices) != 1 or not all(isinstance(st, ResidentStore) for st in work):
+        resident = all(isinstance(st, SlabStore) for st in work)
+        if len(devices) != 1 or not (resident or (len(work) == 1 and not
+                                                  next(iter(work)).resident)):
             return None
         dev = next(iter(devices))
-        if dev.type not in ("cpu", "cuda") or (dev.type == "cuda"
-                                                and not getattr(ext, "with_cuda", False)):
+        if dev.type not in ("cpu", "cuda") or (dev.type == "cuda" and not resident) or (
+                dev.type == "cuda" and not getattr(ext, "with_cuda", False)):
             return None
         moments = "fp32" if not fmt.compressed else f"{fmt.name}-{fmt.rounding}"
         plan = ext.StepPlan(moments)
+        entry_of: Dict[Tensor, int] = {}
         try:
             for group in param_groups:
                 ps = group["params"]
                 gi = plan.add_group(group, ps)
                 for j, p in enumerate(ps):
-                    if p in grads:
-                        if not _plan_entry(plan, gi, j, p, grads[p], keys[p], stores.get(p),
-                                           dev, layout, group, moment_dtypes):
-                            return None
-        except (RuntimeError, TypeError, ValueError):      # the op's checks refused a tensor
+                    if p not in grads:
+                        continue
+                    g = grads[p]
+                    if type(p) not in (torch.nn.Parameter, Tensor) or local(p) is not p \
+                            or is_offloaded(p) or p.grad is not g or p.device != dev \
+                            or stores.get(p) is None:
+                        return None
+                    entry_of[p] = plan.add_entry(gi, j, keys[p], key_hash(keys[p]), g)
+                    if resident and not _set_states(plan, entry_of[p], p, g, keys[p],
+                                                    stores[p], layout, group, moment_dtypes):
+                        return None
+            units = None
+            if not resident:
+                store = next(iter(work))
+                all_units, meta = plan_of(store, work[store])
+                for group, entries in meta:
+                    u = plan.add_unit()
+                    pos = 0
+                    for p, a, b, names in entries:
+                        at = {name: pos + i for i, name in enumerate(names)}
+                        pos += len(names)
+                        plan.add_slice(u, entry_of[p], a, b, *(at.get(n, -1) for n in (
+                            "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master",
+                            "exp_avg_scale", "exp_avg_sq_scale")))
+                units = (store, all_units)
+        except (RuntimeError, TypeError, ValueError, KeyError):     # a tensor was refused
             return None
-        return StepProgram(plan, [(st, st.layout_version) for st in work],
-                           [_group_sig(g) for g in param_groups])
+        return StepProgram(plan, [(st, getattr(st, "layout_version", 0)) for st in work],
+                           [_group_sig(g) for g in param_groups], units)
 
     def prepare(self, param_groups: Sequence[dict], grad_scale: float) -> Optional[list]:
-        """The Python half of a step: each store still as planned and checked by its own
-        pipeline (raising as the general way would: nothing changed), each group's
-        hyperparameters packed as the op takes them (``AdamHyper.pack()``). None: stale."""
-        for store, version in self.stores:
-            if store.closed or store.layout_version != version:
-                return None
-            with store.pipeline((), mode="rw", wait=False):
-                pass
+        """The Python half of a step's checks: each store still as planned (a resident one
+        also checked by its own pipeline, raising as the general way would: nothing
+        changed), each group's hyperparameters packed as the op takes them
+        (``AdamHyper.pack()``). None: stale."""
+        if self.units is None:          # resident: the plan holds the states' tensors
+            for store, version in self.stores:
+                if store.closed or store.layout_version != version:
+                    return None
+                with store.pipeline((), mode="rw", wait=False):
+                    pass
         if len(param_groups) != len(self.sigs):
             return None
         hypers = []
@@ -240,22 +277,19 @@ class StepProgram:
 
     def run(self, param_groups: list, steps: Dict[str, int], hypers: list,
             check_finite: bool) -> int:
-        """The native half (:data:`PLAN_OK`, :data:`PLAN_STALE` or :data:`PLAN_SKIPPED`); an
-        exception from it comes after the step counts advanced."""
+        """A resident program's step in one native call (:data:`PLAN_OK`,
+        :data:`PLAN_STALE` or :data:`PLAN_SKIPPED`); an exception from it comes after the
+        step counts advanced."""
         return self.plan.run(param_groups, steps, hypers, check_finite)
 
 
-def _plan_entry(plan, gi: int, j: int, p: Tensor, g: Tensor, key: str, store, dev, layout,
-                group: dict, moment_dtypes) -> bool:
-    """Add parameter ``p`` (``j``-th of group ``gi``) to ``plan``; False where it cannot be
-    planned (the general way then steps it)."""
-    if type(p) not in (torch.nn.Parameter, Tensor) or local(p) is not p or store is None \
-            or is_offloaded(p) or p.grad is not g or not p.is_contiguous() or p.device != dev:
-        return False
+def _set_states(plan, entry: int, p: Tensor, g: Tensor, key: str, store, layout, group: dict,
+                moment_dtypes) -> bool:
+    """Give ``plan``'s entry of ``p`` its states' live tensors; False where the kernel does
+    not take them as they are (the general way then steps it, or says what is wrong)."""
     st = {name: store.get(StateKey(key, name)) for name in layout.names(p, group)}
     if (st["exp_avg"].dtype, st["exp_avg_sq"].dtype) != moment_dtypes:
         return False
-    plan.add_entry(gi, j, key, key_hash(key), g, st["exp_avg"], st["exp_avg_sq"],
-                   st.get("max_exp_avg_sq"), st.get("master"), st.get("exp_avg_scale"),
-                   st.get("exp_avg_sq_scale"))
+    plan.set_states(entry, g, st["exp_avg"], st["exp_avg_sq"], st.get("max_exp_avg_sq"),
+                    st.get("master"), st.get("exp_avg_scale"), st.get("exp_avg_sq_scale"))
     return True

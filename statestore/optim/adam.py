@@ -32,7 +32,7 @@ from ._moments import MomentFormat
 from ._staging import StagingPath, attach_staging
 from ._plan import work_of
 from ._table import fraction_store
-from ._units import PLAN_STALE, StepProgram, UnitTensors, step_plans_enabled
+from ._units import PLAN_OK, PLAN_STALE, StepProgram, UnitTensors, step_plans_enabled
 from .base import StateStoreOptimizer, may_prefetch
 
 __all__ = ["CPUAdam", "HybridAdam", "OPTIMIZER_METADATA_VERSION"]
@@ -269,19 +269,46 @@ class _StoreAdam(StateStoreOptimizer):
             self._program = None
             return False
         table = self._table
-        table.touched = False
-        try:
-            status = prog.run(self.param_groups, self._steps, hypers, self.skip_nonfinite)
-        except BaseException as e:      # after the counts advanced: refuse from now on
-            table.touched = True
-            table.step_failed({}, e)
-            raise
+        if prog.units is not None:
+            status = self._planned_units(prog, hypers)
+        else:
+            table.touched = False
+            try:
+                status = prog.run(self.param_groups, self._steps, hypers, self.skip_nonfinite)
+            except BaseException as e:      # after the counts advanced: refuse from now on
+                table.touched = True
+                table.step_failed({}, e)
+                raise
         if status == PLAN_STALE:
             self._program = None
             return False
         table.touched = True
         self._program_misses = 0
         return True
+
+    def _planned_units(self, prog: StepProgram, hypers: list) -> int:
+        """A streaming store's planned step: the counts (rolled back as the general way's
+        if the pipeline fails before a unit changed), then the pipeline over the planned
+        units, each updated by one native call, and the next step's prefetch."""
+        plan, (store, units) = prog.plan, prog.units
+        with self._table.stepping(()) as undo:
+            self._step_undo = undo
+            try:
+                status = plan.begin(self.param_groups, self._steps, undo, hypers,
+                                    self.skip_nonfinite)
+                if status != PLAN_OK:
+                    return status
+                with store.pipeline(units, mode="rw", wait=False) as pipe:
+                    for i, tensors in enumerate(pipe):
+                        self._touch()
+                        plan.run_unit(i, tensors)
+            finally:
+                plan.end()
+                self._step_undo = {}
+        if may_prefetch(store):
+            store.prefetch(units, mode="rw")
+            self._prefetching.add(store)
+        return PLAN_OK
 
     def _compile_step(self, work, grads: Dict[Tensor, Tensor], released) -> None:
         """After a step the general way: compile it (the next steps, if alike, are made by
@@ -295,7 +322,7 @@ class _StoreAdam(StateStoreOptimizer):
             return
         self._program = StepProgram.compile(self.param_groups, work, grads, self._keys,
                                             self._stores, self._layout, self._moments,
-                                            self._moment_dtypes)
+                                            self._moment_dtypes, self._plan)
         if self._program is not None:
             self._program_wait = min(2 ** self._program_misses, 64) - 1
             self._program_misses += 1

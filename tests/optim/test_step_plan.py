@@ -16,14 +16,17 @@ from torch import nn
 import statestore as ss
 from statestore.optim import CPUAdam, HybridAdam
 from statestore.optim import _units
+from statestore.optim import adam as adam_mod
 
 SIZES = [1, 7, 17, 256, 1000, 3, 0, 4099]       # SIMD tails, an empty parameter
 
 
 def _stores():
+    # nvme: a budget that cuts the largest parameter into several pipeline units
     return {"device": lambda tmp: ss.DeviceStore("cpu"),
             "pinned": lambda tmp: ss.PinnedCPUStore(),
-            "file": lambda tmp: ss.FileStore(str(tmp / "fs"))}
+            "file": lambda tmp: ss.FileStore(str(tmp / "fs")),
+            "nvme": lambda tmp: ss.NVMeStore(str(tmp / "nv"), budget_bytes=1 << 16)}
 
 
 def _params(dtype=torch.float32, sizes=SIZES, seed=0):
@@ -39,18 +42,24 @@ def _grads(ps, step, skip=(), dtype=None):
 
 
 class _Runs:
-    """Counts the steps the compiled program made (``n``) and keeps its outcomes."""
+    """Counts the steps the compiled program made (``n``) and keeps the outcomes of the
+    resident programs' native calls."""
 
     def __init__(self, monkeypatch):
         self.n, self.outcomes = 0, []
-        real = _units.StepProgram.run
+        real, real_step = _units.StepProgram.run, adam_mod._StoreAdam._planned_step
 
         def run(prog, *a, **kw):
             out = real(prog, *a, **kw)
-            self.n += out == _units.PLAN_OK
             self.outcomes.append(out)
             return out
+
+        def planned_step(opt, *a, **kw):
+            out = real_step(opt, *a, **kw)
+            self.n += out
+            return out
         monkeypatch.setattr(_units.StepProgram, "run", run)
+        monkeypatch.setattr(adam_mod._StoreAdam, "_planned_step", planned_step)
 
 
 def _twins(make_store, tmp_path, monkeypatch, cls=HybridAdam, pdtype=torch.float32, **kw):
@@ -231,7 +240,7 @@ def test_skip_nonfinite_skips_a_planned_step_whole(tmp_path, monkeypatch):
             else:
                 _general(monkeypatch, opt.step)
     _assert_same(a, b)
-    assert a[1].step_count(a[0][0]) == 3
+    assert a[1].step_count(a[0][0]) == 3 and runs.n == 3
     assert runs.outcomes == [_units.PLAN_OK, _units.PLAN_SKIPPED, _units.PLAN_OK]
 
 
@@ -255,18 +264,25 @@ def test_a_failure_after_the_counts_advanced_makes_the_optimizer_refuse(tmp_path
         opt.step()
 
 
-def test_stores_that_are_not_resident_are_not_planned(tmp_path, monkeypatch):
-    """NVMe states move through the pipeline: that step stays the general one."""
-    runs = _Runs(monkeypatch)
-    ps = _params()
-    with ss.NVMeStore(str(tmp_path / "nv")) as store:
-        opt = HybridAdam(ps, lr=1e-2, state_store=store)
-        for step in range(3):
-            _grads(ps, step)
-            opt.step()
-    assert runs.n == 0
-
-
+def test_a_streaming_store_is_planned_unit_by_unit(tmp_path, monkeypatch):
+    """NVMe: the planned step runs the store's pipeline over the planned units (several
+    for the largest parameter), prefetches the next step's, and gives the general bits;
+    a pipeline read failing before any unit changed rolls the counts back, as the general
+    step does."""
+    calls = []
+    a, b = _twins(_stores()["nvme"], tmp_path, monkeypatch)
+    plan_cls = type(None)
+    for step in range(4):
+        _grads(a[0], step)
+        _grads(b[0], step)
+        a[1].step()
+        _general(monkeypatch, b[1].step)
+        prog = a[1]._program
+        calls.append(prog is not None and prog.units is not None and len(prog.units[1]))
+    _assert_same(a, b)
+    assert calls[-1] and calls[-1] > 1, calls
+    for (_, opt) in (a, b):
+        opt.state_store.close()
 def _python_calls(n_params: int) -> int:
     ps = _params(sizes=[16] * n_params)
     opt = CPUAdam(ps, lr=1e-2, state_store=ss.DeviceStore("cpu"))
@@ -292,7 +308,9 @@ def test_a_planned_steps_python_work_does_not_grow_with_the_parameters():
 
 
 def test_layout_version_changes_with_the_states(tmp_path):
-    for make in _stores().values():
+    for name, make in _stores().items():
+        if name == "nvme":          # streaming: nothing held between steps
+            continue
         store = make(tmp_path)
         v = [store.layout_version]
         store.create("a/x", (3,))
@@ -307,3 +325,49 @@ def test_layout_version_changes_with_the_states(tmp_path):
         store.close()
         v.append(store.layout_version)
         assert all(x < y for x, y in zip(v, v[1:])), v
+
+
+@pytest.mark.parametrize("after_units", [0, 1])
+def test_a_read_failing_in_a_planned_streaming_step(after_units, tmp_path, monkeypatch):
+    """NVMe, planned: a read failing before any unit changed raises and rolls the step
+    counts back (the same step then succeeds and matches the general way); failing after a
+    unit changed, the optimizer refuses to go on (its parameters hold two steps)."""
+    import errno
+    a, b = _twins(_stores()["nvme"], tmp_path, monkeypatch)
+    for step in range(3):
+        _grads(a[0], step)
+        _grads(b[0], step)
+        a[1].step()
+        _general(monkeypatch, b[1].step)
+    ps, opt = a
+    assert opt._program is not None and opt._program.units is not None
+    opt.state_store.cancel_prefetch()           # every read of the step comes after this
+    engine, touched = opt.state_store.engine, [0]
+    real = adam_mod._StoreAdam._touch
+
+    def touch(self):
+        if touched[0] == after_units:
+            engine._inject_fault_for_testing(op="read", count=1000, err=errno.EIO)
+        touched[0] += 1
+        real(self)
+    if after_units == 0:
+        engine._inject_fault_for_testing(op="read", count=1000, err=errno.EIO)
+    else:
+        monkeypatch.setattr(adam_mod._StoreAdam, "_touch", touch)
+    before = {k: opt.step_count(p) for k, p in enumerate(ps)}
+    _grads(ps, 3)
+    with pytest.raises(ss.StateStoreIOError):
+        opt.step()
+    engine._inject_fault_for_testing(op="read", count=0)
+    monkeypatch.setattr(adam_mod._StoreAdam, "_touch", real)
+    if after_units:
+        with pytest.raises(ss.StateStoreError, match="failed part-way"):
+            opt.step()
+    else:
+        assert {k: opt.step_count(p) for k, p in enumerate(ps)} == before
+        opt.step()
+        _grads(b[0], 3)
+        _general(monkeypatch, b[1].step)
+        _assert_same(a, b)
+    for (_, o) in (a, b):
+        o.state_store.close()

@@ -123,6 +123,7 @@ def test_read_eio_mid_step_stops_the_optimizer(kind, engine, tmp_path, monkeypat
     naming the file; the optimizer then refuses to step or checkpoint (its parameters hold two
     steps); the previous checkpoint resumes exactly."""
     import statestore.optim._units as adam_mod      # where the optimizer calls the kernel
+    monkeypatch.setenv("STATESTORE_STEP_PLAN", "0")     # (the planned step: test_step_plan.py)
     sdir, ck = str(tmp_path / "s"), str(tmp_path / "ck")
     leaks = F.Leaks()
     store = F.make_store(kind, sdir, engine)
