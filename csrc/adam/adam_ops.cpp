@@ -26,6 +26,9 @@
 
 #include "adam/adam_checks.h"
 #include "adam/adam_kernels.h"
+#ifdef STATESTORE_WITH_CUDA
+#include "cuda/fused_adam.h"
+#endif
 
 namespace statestore {
 namespace cpu {
@@ -246,9 +249,11 @@ void stream_copy(const at::Tensor& dst, const at::Tensor& src) {
 //      same libm calls); then the counts are written back in the planned order, each one's
 //      previous value first recorded in `undo` (None: it had none), as ParamTable does.
 //   then the kernel, without the GIL: run() (begin() and every parameter's states: on the
-//   CPU, the SIMD kernel of `adam_` in one parallel loop over all chunks; elsewhere (CUDA),
-//   the `statestore::adam_` op through the dispatcher, one call (one launch) per group), or
-//   run_unit() for each unit a streaming store's pipeline hands out.
+//   CPU, the SIMD kernel of `adam_` in one parallel loop over all chunks; on CUDA, one
+//   table of every tensor of every group copied to device memory and one launch,
+//   cuda::run_adam_jobs; with `dispatch`, the `statestore::adam_` op through the dispatcher,
+//   one call per group, the op's own route), or run_unit() for each unit a streaming
+//   store's pipeline hands out.
 // Resident states are checked once, when planned, by checks::adam_jobs (the op's own
 // checks); a unit's tensors at each run_unit (cheap C++ checks, the same rules).
 constexpr int kPlanOk = 0;
@@ -515,22 +520,33 @@ class StepPlan {
     pybind11::dict undo;
     const int status = begin(param_groups, steps, undo, hypers, check_finite);
     if (status != kPlanOk) return status;
-    if (!dispatch_ && device_.is_cpu()) {
-      std::vector<AdamTensorArgs> jobs;
-      jobs.reserve(entries_.size());
-      for (size_t i = 0; i < entries_.size(); ++i) {
-        const Entry& e = entries_[i];
-        TORCH_CHECK(e.has_states, "StepPlan: a parameter without its states");
-        if (e.empty) continue;
-        AdamTensorArgs t = e.tmpl;
-        t.g = grads_[i].data_ptr();
-        finish_args(t, i);
-        jobs.push_back(t);
-      }
+    if (dispatch_ || !(device_.is_cpu() || device_.is_cuda())) {
+      dispatch_groups();
+      grads_.clear();
+      return kPlanOk;
+    }
+    std::vector<AdamTensorArgs> jobs;
+    jobs.reserve(entries_.size());
+    for (size_t i = 0; i < entries_.size(); ++i) {
+      const Entry& e = entries_[i];
+      TORCH_CHECK(e.has_states, "StepPlan: a parameter without its states");
+      if (e.empty) continue;
+      AdamTensorArgs t = e.tmpl;
+      t.g = grads_[i].data_ptr();
+      finish_args(t, i);
+      jobs.push_back(t);
+    }
+    if (device_.is_cpu()) {
       pybind11::gil_scoped_release nogil;
       run_chunked(jobs, active().load()->adam);
     } else {
-      dispatch_groups();
+#ifdef STATESTORE_WITH_CUDA
+      // every tensor of every group: one table in device memory, one launch
+      pybind11::gil_scoped_release nogil;
+      ::statestore::cuda::run_adam_jobs(jobs.data(), jobs.size(), device_.index());
+#else
+      TORCH_CHECK(false, "StepPlan: this build of statestore has no CUDA kernels");
+#endif
     }
     grads_.clear();
     return kPlanOk;

@@ -19,5 +19,13 @@ constexpr int64_t kCudaChunk = 16384;
 int launch_fused_adam(const AdamTensorArgs* meta, const int64_t* chunk_prefix, int ntensors,
                       int64_t nchunks, bool amsgrad, int num_sms, void* stream);
 
+// Updates every tensor of `jobs` (host array of n AdamTensorArgs in checks::adam_jobs' form:
+// device pointers on CUDA device `device_index`, one moment encoding) on the current stream:
+// the table and its chunk prefix are copied to device memory in one transfer and one kernel
+// launch updates them all (two where amsgrad and plain tensors are mixed). A step plan's CUDA
+// route (csrc/adam/adam_ops.cpp, StepPlan). Defined in fused_adam_binding.cpp (CUDA builds);
+// raises (c10::Error) when a launch fails.
+void run_adam_jobs(const AdamTensorArgs* jobs, size_t n, int device_index);
+
 }  // namespace cuda
 }  // namespace statestore

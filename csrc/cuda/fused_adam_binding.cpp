@@ -78,6 +78,42 @@ void adam_cuda(STATESTORE_ADAM_OP_PARAMS) {
               cudaGetErrorString(static_cast<cudaError_t>(err)));
 }
 
+}  // namespace
+
+void run_adam_jobs(const AdamTensorArgs* jobs, size_t n, int device_index) {
+  if (n == 0) return;
+  const at::Device dev(at::kCUDA, static_cast<c10::DeviceIndex>(device_index));
+  const c10::cuda::CUDAGuard guard(dev);
+  const bool fp32 = jobs[0].kind == MomentKind::kF32;
+  const int64_t chunk = fp32 ? kCudaChunk : kQBlock;
+  const int num_sms = sm_count(dev);
+  void* stream = c10::cuda::getCurrentCUDAStream().stream();
+  for (const bool amsgrad : {false, true}) {
+    std::vector<AdamTensorArgs> meta;
+    for (size_t i = 0; i < n; ++i) {
+      TORCH_CHECK(jobs[i].kind == jobs[0].kind, "run_adam_jobs: one moment encoding per call");
+      if ((jobs[i].vmax != nullptr) == amsgrad && jobs[i].n > 0) meta.push_back(jobs[i]);
+    }
+    if (meta.empty()) continue;
+    std::vector<int64_t> prefix(1, 0);
+    for (const AdamTensorArgs& t : meta) prefix.push_back(prefix.back() + (t.n + chunk - 1) / chunk);
+    size_t prefix_off = 0;
+    at::Tensor dmeta = upload_meta(meta, prefix, dev, &prefix_off);
+    const char* base = static_cast<const char*>(dmeta.data_ptr());
+    const auto* dm = reinterpret_cast<const AdamTensorArgs*>(base);
+    const auto* dp = reinterpret_cast<const int64_t*>(base + prefix_off);
+    const int count = static_cast<int>(meta.size());
+    const int err = fp32 ? launch_fused_adam(dm, dp, count, prefix.back(), amsgrad, num_sms, stream)
+                         : launch_fused_adam_moments(dm, dp, count, prefix.back(), amsgrad,
+                                                     meta[0].kind == MomentKind::kInt8, num_sms,
+                                                     stream);
+    TORCH_CHECK(err == 0, "adam_: CUDA kernel launch failed: ",
+                cudaGetErrorString(static_cast<cudaError_t>(err)));
+  }
+}
+
+namespace {
+
 bool grads_finite_cuda(at::TensorList grads) {
   if (grads.empty()) return true;
   std::vector<at::Tensor> flags;

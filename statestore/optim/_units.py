@@ -191,11 +191,13 @@ class StepProgram:
     @staticmethod
     def compile(param_groups: Sequence[dict], work, grads: Dict[Tensor, Tensor],
                 keys: Dict[Tensor, str], stores: Dict[Tensor, object], layout, fmt,
-                moment_dtypes: Tuple[torch.dtype, torch.dtype],
-                plan_of: Callable) -> Optional["StepProgram"]:
+                moment_dtypes: Tuple[torch.dtype, torch.dtype], plan_of: Callable,
+                check_finite: bool = False) -> Optional["StepProgram"]:
         """The step the general way just made (``work``: ``{store: [(group, params)]}``,
-        ``grads``; ``plan_of(store, items)``: the pipeline units it used) as a program, or
-        None where some part of it cannot be planned: resident and streaming stores mixed,
+        ``grads``; ``plan_of(store, items)``: the pipeline units it used; ``check_finite``:
+        ``skip_nonfinite``) as a program, or None where some part of it cannot be planned:
+        CUDA gradients checked for inf/nan (that check stays the general way's), resident
+        and streaming stores mixed,
         or several streaming ones, DTensor, offloaded or non-contiguous parameters,
         gradients made contiguous for the kernel, states the kernel does not take as they
         are, several devices, no compiled kernel."""
@@ -208,8 +210,8 @@ class StepProgram:
                                                   next(iter(work)).resident)):
             return None
         dev = next(iter(devices))
-        if dev.type not in ("cpu", "cuda") or (dev.type == "cuda" and not resident) or (
-                dev.type == "cuda" and not getattr(ext, "with_cuda", False)):
+        if dev.type not in ("cpu", "cuda") or (dev.type == "cuda" and (
+                not resident or check_finite or not getattr(ext, "with_cuda", False))):
             return None
         moments = "fp32" if not fmt.compressed else f"{fmt.name}-{fmt.rounding}"
         plan = ext.StepPlan(moments)

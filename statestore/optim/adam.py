@@ -322,7 +322,8 @@ class _StoreAdam(StateStoreOptimizer):
             return
         self._program = StepProgram.compile(self.param_groups, work, grads, self._keys,
                                             self._stores, self._layout, self._moments,
-                                            self._moment_dtypes, self._plan)
+                                            self._moment_dtypes, self._plan,
+                                            self.skip_nonfinite)
         if self._program is not None:
             self._program_wait = min(2 ** self._program_misses, 64) - 1
             self._program_misses += 1

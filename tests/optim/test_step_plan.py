@@ -371,3 +371,34 @@ def test_a_read_failing_in_a_planned_streaming_step(after_units, tmp_path, monke
         _assert_same(a, b)
     for (_, o) in (a, b):
         o.state_store.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kw", [{}, {"amsgrad": True}, {"moment_dtype": "int8"},
+                                {"pdtype": torch.bfloat16}], ids=["fp32", "amsgrad", "int8m",
+                                                                   "bf16p"])
+def test_cuda_planned_steps_are_the_general_steps_bit_for_bit(kw, tmp_path, monkeypatch):
+    """DeviceStore("cuda"): the plan's one table and one launch for every tensor of every
+    group give the bits of the general way's launch per group (two groups here)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    runs = _Runs(monkeypatch)
+    out = []
+    for name in ("plan", "general"):
+        ps = [nn.Parameter(p.detach().cuda()) for p in _params(kw.get("pdtype", torch.float32))]
+        groups = [{"params": ps[:4]}, {"params": ps[4:], "lr": 3e-3, "weight_decay": 0.0}]
+        opt = HybridAdam(groups, lr=1e-2, weight_decay=0.1, state_store=ss.DeviceStore("cuda"),
+                         **{k: v for k, v in kw.items() if k != "pdtype"})
+        out.append((ps, opt))
+    for step in range(4):
+        for (ps, opt), plan in zip(out, (True, False)):
+            g = torch.Generator().manual_seed(100 + step)
+            for p in ps:
+                p.grad = (torch.randn(p.shape, generator=g) * 0.1).to(p.dtype).cuda()
+            if plan:
+                opt.step()
+            else:
+                _general(monkeypatch, opt.step)
+    torch.cuda.synchronize()
+    assert runs.n == 3
+    _assert_same(out[0], out[1])
