@@ -2,7 +2,9 @@
 floors (PCIe, disk, CPU Adam).
 
 Table 1, states on the GPU (``DeviceStore("cuda")``, the fused CUDA kernel): HybridAdam's
-``step()`` against ``torch.optim.AdamW(fused=True)`` on the same parameters and gradients, and
+``step()`` (its step plan: one launch, docs/kernels.md "Step plans"; and, in the last
+columns, the same step made the general way, ``STATESTORE_STEP_PLAN=0``) against
+``torch.optim.AdamW(fused=True)`` on the same parameters and gradients, and
 the HBM floor: the bytes a step must move (fp32 params: read p, g, m, v, write p, m, v = 28 B a
 parameter; bf16/fp16 params with fp32 masters: read g 2, master, m, v 12, write master, m, v 12,
 p 2 = 28 B too; torch runs on the fp32 masters with fp32 gradients: 28 B) over the device's
@@ -122,6 +124,15 @@ def _step_bytes(param_dtype: str, moments: str) -> int:
     return 2 + 4 + 4 + 2 + 4 * width         # g, master r/w, p written
 
 
+def _general_step(opt) -> None:
+    """``opt.step()`` made the general way (``STATESTORE_STEP_PLAN=0``, no step plan)."""
+    os.environ["STATESTORE_STEP_PLAN"] = "0"
+    try:
+        opt.step()
+    finally:
+        os.environ.pop("STATESTORE_STEP_PLAN", None)
+
+
 def device_table(n_list, ntensors, dtypes, reps, moments=("fp32",)):
     import statestore as ss
     from statestore.optim import HybridAdam
@@ -145,19 +156,31 @@ def device_table(n_list, ntensors, dtypes, reps, moments=("fp32",)):
             for r, p in zip(ref, params):
                 r.grad = p.grad.float()
             theirs = torch.optim.AdamW(ref, lr=1e-3, weight_decay=0.01, fused=True)
-            t = _interleaved({"ours": ours.step, "torch": theirs.step}, reps)
+            # the same optimizer made the general way (STATESTORE_STEP_PLAN=0: a launch per
+            # group after Python per tensor, as before step plans), on a copy
+            gparams = [nn.Parameter(p.detach().clone()) for p in params]
+            for q, p in zip(gparams, params):
+                q.grad = p.grad.clone()
+            gstore = ss.DeviceStore(DEV)
+            general = HybridAdam(gparams, lr=1e-3, weight_decay=0.01, state_store=gstore,
+                                 moment_dtype=mom)
+            t = _interleaved({"ours": ours.step, "torch": theirs.step,
+                              "general": lambda: _general_step(general)}, reps)
             floor = _step_bytes(name, mom) * n / hbm
             rows.append((f"{n / (1 << 20):.0f}M", name, mom, _ms(t["ours"]), _ms(t["torch"]),
                          f"{t['torch'] / t['ours']:.2f}x", _ms(floor),
-                         f"{floor / t['ours'] * 100:.0f}%"))
+                         f"{floor / t['ours'] * 100:.0f}%", _ms(t["general"]),
+                         f"{t['torch'] / t['general']:.2f}x"))
             store.close()
-            del params, ref, ours, theirs
+            gstore.close()
+            del params, ref, ours, theirs, gparams, general
             torch.cuda.empty_cache()
     print(f"\n### HybridAdam on CUDA vs torch.optim.AdamW(fused=True), {ntensors} tensors "
           f"(device copy bandwidth {hbm / 1e9:.0f} GB/s)\n")
     print("| params | param dtype | moments | HybridAdam step (ms) | torch fused AdamW, fp32 "
-          "moments (ms) | speed-up (torch / ours) | HBM floor (ms) | floor / ours |")
-    print("|---|---|---|---|---|---|---|---|")
+          "moments (ms) | speed-up (torch / ours) | HBM floor (ms) | floor / ours | HybridAdam "
+          "the general way (ms) | torch / general |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print("| " + " | ".join(r) + " |")
 
