@@ -124,7 +124,8 @@ def measure_checkpoints(kind: str, k: int, n: int, rounds: int, root: str):
     try:
         for r in range(rounds):
             d = tempfile.mkdtemp(dir=root, prefix="ck-")
-            ck, pt, dc = os.path.join(d, "ours"), os.path.join(d, "torch.pt"), os.path.join(d, "dcp")
+            ck, pt = os.path.join(d, "ours"), os.path.join(d, "torch.pt")
+            dc = os.path.join(d, "dcp")
             out["save"].append(clock(lambda: store.save_checkpoint(ck, progress=False)))
             out["torch_save"].append(clock(lambda: torch.save(theirs.state_dict(), pt)))
             with warnings.catch_warnings():         # one process, no process group

@@ -167,7 +167,6 @@ def _change_param_data(ps, opt, step):
 
 def _change_groups(ps, opt, step):
     _grads(ps, step)
-    group = opt.param_groups[0]
     extra = nn.Parameter(torch.ones(5))
     extra.grad = torch.full((5,), 0.5)
     ps.append(extra)
@@ -266,12 +265,9 @@ def test_a_failure_after_the_counts_advanced_makes_the_optimizer_refuse(tmp_path
 
 def test_a_streaming_store_is_planned_unit_by_unit(tmp_path, monkeypatch):
     """NVMe: the planned step runs the store's pipeline over the planned units (several
-    for the largest parameter), prefetches the next step's, and gives the general bits;
-    a pipeline read failing before any unit changed rolls the counts back, as the general
-    step does."""
+    for the largest parameter) and gives the general bits."""
     calls = []
     a, b = _twins(_stores()["nvme"], tmp_path, monkeypatch)
-    plan_cls = type(None)
     for step in range(4):
         _grads(a[0], step)
         _grads(b[0], step)
