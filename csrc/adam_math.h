@@ -255,8 +255,7 @@ constexpr float k2m24 = 5.9604644775390625e-08f;         // 2^-24
 // Counter-based hash of element i (its index in the parameter, low 32 bits) under a
 // per-tensor, per-step seed: the random bits of stochastic rounding. Two multiply-xorshift
 // rounds (constants from Wellons' hash search), after a Weyl step over the index.
-SS_HD uint32_t ss_hash32(uint32_t seed, uint32_t i) {
-  uint32_t x = i * 0x9E3779B1u + seed;
+SS_HD uint32_t ss_mix32(uint32_t x) {
   x ^= x >> 16;
   x *= 0x7FEB352Du;
   x ^= x >> 15;
@@ -264,6 +263,7 @@ SS_HD uint32_t ss_hash32(uint32_t seed, uint32_t i) {
   x ^= x >> 16;
   return x;
 }
+SS_HD uint32_t ss_hash32(uint32_t seed, uint32_t i) { return ss_mix32(i * 0x9E3779B1u + seed); }
 
 // Uniform in [0, 1) from 24 hash bits (exact in float).
 SS_HD float ss_uniform(uint32_t h) { return static_cast<float>(h >> 8) * k2m24; }

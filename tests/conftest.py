@@ -38,6 +38,16 @@ KNOWN_GAPS = {
 }
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """torch on one thread for a module's tests (``pytestmark =
+    pytest.mark.usefixtures("one_torch_thread")``), its thread count restored after."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests over a CUDA line of BACKENDS get the ``cuda`` mark; ``cuda`` tests skip without
     CUDA (fail with STATESTORE_REQUIRE_CUDA=1, as ``make gpu-test`` sets).

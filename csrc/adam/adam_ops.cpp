@@ -262,14 +262,8 @@ constexpr int kPlanSkipped = 2;
 
 // _quant.py's moment_seed: the seed of state `which` of a parameter whose key hashes to `kh`,
 // at step count `step`.
-uint32_t hash_scalar(uint32_t x) {
-  x ^= x >> 16;
-  x *= 0x7FEB352Du;
-  x ^= x >> 15;
-  x *= 0x846CA68Bu;
-  x ^= x >> 16;
-  return x;
-}
+// (its mixing rounds are adam_math.h's ss_mix32, the element hash's)
+uint32_t hash_scalar(uint32_t x) { return ss_mix32(x); }
 uint32_t moment_seed(uint32_t kh, int which, int64_t step) {
   return hash_scalar(kh ^ hash_scalar(static_cast<uint32_t>(static_cast<uint64_t>(step) * 2u +
                                                             static_cast<uint64_t>(which))));

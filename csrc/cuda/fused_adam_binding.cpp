@@ -46,6 +46,30 @@ int sm_count(const at::Device& dev) {
   return num_sms;
 }
 
+// One launch over `meta` (every tensor of one moment encoding, all with or all without
+// amsgrad's max): its chunk prefix and the table uploaded to `dev`, the fp32 or the
+// compressed-moment kernel on the current stream.
+void launch_jobs(const std::vector<AdamTensorArgs>& meta, const at::Device& dev, bool amsgrad,
+                 int num_sms) {
+  const bool fp32 = meta[0].kind == MomentKind::kF32;
+  const int64_t chunk = fp32 ? kCudaChunk : kQBlock;
+  std::vector<int64_t> prefix(1, 0);
+  for (const AdamTensorArgs& t : meta) prefix.push_back(prefix.back() + (t.n + chunk - 1) / chunk);
+  size_t prefix_off = 0;
+  at::Tensor dmeta = upload_meta(meta, prefix, dev, &prefix_off);
+  const char* base = static_cast<const char*>(dmeta.data_ptr());
+  const auto* dm = reinterpret_cast<const AdamTensorArgs*>(base);
+  const auto* dp = reinterpret_cast<const int64_t*>(base + prefix_off);
+  const int n = static_cast<int>(meta.size());
+  void* stream = c10::cuda::getCurrentCUDAStream().stream();
+  const int err = fp32 ? launch_fused_adam(dm, dp, n, prefix.back(), amsgrad, num_sms, stream)
+                       : launch_fused_adam_moments(dm, dp, n, prefix.back(), amsgrad,
+                                                   meta[0].kind == MomentKind::kInt8, num_sms,
+                                                   stream);
+  TORCH_CHECK(err == 0, "adam_: CUDA kernel launch failed: ",
+              cudaGetErrorString(static_cast<cudaError_t>(err)));
+}
+
 // The `statestore::adam_` op on CUDA, every encoding of the moments: the arguments are
 // checked once (checks::adam_jobs, shared with the CPU op), then one launch updates every
 // tensor: fp32 moments in chunks of kCudaChunk elements, compressed ones in int8-sized blocks
@@ -57,25 +81,7 @@ void adam_cuda(STATESTORE_ADAM_OP_PARAMS) {
   const c10::cuda::CUDAGuard guard(dev);
   const std::vector<AdamTensorArgs> meta = checks::adam_jobs(STATESTORE_ADAM_OP_ARGS, &dev);
   if (meta.empty()) return;
-  const bool fp32 = meta[0].kind == MomentKind::kF32;
-  const int64_t chunk = fp32 ? kCudaChunk : kQBlock;
-  std::vector<int64_t> prefix(1, 0);
-  for (const AdamTensorArgs& t : meta) prefix.push_back(prefix.back() + (t.n + chunk - 1) / chunk);
-  size_t prefix_off = 0;
-  at::Tensor dmeta = upload_meta(meta, prefix, dev, &prefix_off);
-  const char* base = static_cast<const char*>(dmeta.data_ptr());
-  const auto* dm = reinterpret_cast<const AdamTensorArgs*>(base);
-  const auto* dp = reinterpret_cast<const int64_t*>(base + prefix_off);
-  const int n = static_cast<int>(meta.size());
-  const bool amsgrad = !max_exp_avg_sqs.empty();
-  const int num_sms = sm_count(dev);
-  void* stream = c10::cuda::getCurrentCUDAStream().stream();
-  const int err = fp32 ? launch_fused_adam(dm, dp, n, prefix.back(), amsgrad, num_sms, stream)
-                       : launch_fused_adam_moments(dm, dp, n, prefix.back(), amsgrad,
-                                                   meta[0].kind == MomentKind::kInt8, num_sms,
-                                                   stream);
-  TORCH_CHECK(err == 0, "adam_: CUDA kernel launch failed: ",
-              cudaGetErrorString(static_cast<cudaError_t>(err)));
+  launch_jobs(meta, dev, !max_exp_avg_sqs.empty(), sm_count(dev));
 }
 
 }  // namespace
@@ -84,31 +90,14 @@ void run_adam_jobs(const AdamTensorArgs* jobs, size_t n, int device_index) {
   if (n == 0) return;
   const at::Device dev(at::kCUDA, static_cast<c10::DeviceIndex>(device_index));
   const c10::cuda::CUDAGuard guard(dev);
-  const bool fp32 = jobs[0].kind == MomentKind::kF32;
-  const int64_t chunk = fp32 ? kCudaChunk : kQBlock;
   const int num_sms = sm_count(dev);
-  void* stream = c10::cuda::getCurrentCUDAStream().stream();
   for (const bool amsgrad : {false, true}) {
     std::vector<AdamTensorArgs> meta;
     for (size_t i = 0; i < n; ++i) {
       TORCH_CHECK(jobs[i].kind == jobs[0].kind, "run_adam_jobs: one moment encoding per call");
       if ((jobs[i].vmax != nullptr) == amsgrad && jobs[i].n > 0) meta.push_back(jobs[i]);
     }
-    if (meta.empty()) continue;
-    std::vector<int64_t> prefix(1, 0);
-    for (const AdamTensorArgs& t : meta) prefix.push_back(prefix.back() + (t.n + chunk - 1) / chunk);
-    size_t prefix_off = 0;
-    at::Tensor dmeta = upload_meta(meta, prefix, dev, &prefix_off);
-    const char* base = static_cast<const char*>(dmeta.data_ptr());
-    const auto* dm = reinterpret_cast<const AdamTensorArgs*>(base);
-    const auto* dp = reinterpret_cast<const int64_t*>(base + prefix_off);
-    const int count = static_cast<int>(meta.size());
-    const int err = fp32 ? launch_fused_adam(dm, dp, count, prefix.back(), amsgrad, num_sms, stream)
-                         : launch_fused_adam_moments(dm, dp, count, prefix.back(), amsgrad,
-                                                     meta[0].kind == MomentKind::kInt8, num_sms,
-                                                     stream);
-    TORCH_CHECK(err == 0, "adam_: CUDA kernel launch failed: ",
-                cudaGetErrorString(static_cast<cudaError_t>(err)));
+    if (!meta.empty()) launch_jobs(meta, dev, amsgrad, num_sms);
   }
 }
 

@@ -35,7 +35,7 @@ from torch import Tensor
 from .._regions import Region
 from ..errors import StateStoreError, StateStoreValueError
 
-__all__ = ["is_dtensor", "local", "local_shape", "local_grad", "DTensorParams", "as_param_layout",
+__all__ = ["contiguous_strides", "is_dtensor", "local", "local_shape", "local_grad", "DTensorParams", "as_param_layout",
            "local_state", "region_of", "sharded_over_ranks", "any_rank"]
 
 
@@ -306,10 +306,11 @@ def as_param_layout(p: Tensor, t: Tensor) -> Tensor:
         return t
     from torch.distributed.tensor import DTensor
     return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False,
-                              shape=p.shape, stride=_contiguous_strides(p.shape))
+                              shape=p.shape, stride=contiguous_strides(p.shape))
 
 
-def _contiguous_strides(shape) -> tuple:
+def contiguous_strides(shape) -> tuple:
+    """The strides of a contiguous tensor of ``shape``."""
     out, acc = [], 1
     for s in reversed(tuple(shape)):
         out.append(acc)

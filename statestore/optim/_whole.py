@@ -25,17 +25,9 @@ import torch
 from torch import Tensor
 
 from .._regions import Region
-from ._dtensor import local, region_of, sharded_over_ranks
+from ._dtensor import contiguous_strides, local, region_of, sharded_over_ranks
 
 __all__ = ["WholeUpdates"]
-
-
-def _contiguous_strides(shape) -> tuple:
-    out, acc = [], 1
-    for s in reversed(tuple(shape)):
-        out.append(acc)
-        acc *= s
-    return tuple(reversed(out))
 
 
 class WholeUpdates:
@@ -64,7 +56,7 @@ class WholeUpdates:
         from torch.distributed.tensor import DTensor
         shard = t.detach().reshape(local(p).shape)
         d = DTensor.from_local(shard, p.device_mesh, p.placements, run_check=False,
-                               shape=p.shape, stride=_contiguous_strides(p.shape))
+                               shape=p.shape, stride=contiguous_strides(p.shape))
         return d.full_tensor()
 
     def proxy(self, p: Tensor, grad: Tensor) -> Tensor:

@@ -13,12 +13,8 @@ from statestore.optim import StoreOptimizer, store_optimizer
 O = torch.optim
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# torch's own step and ours on one thread each (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 class DataSGD(torch.optim.Optimizer):

@@ -16,12 +16,8 @@ from statestore.optim import StoreOptimizer
 O = torch.optim
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# torch's own step and ours on one thread each (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 SHAPES = [(7,), (16, 16), (33,), (3, 5), (1,), (64,), (300,)]

@@ -12,12 +12,8 @@ from statestore.optim import HybridAdam, StoreOptimizer
 STEPS, MORE = 3, 2
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# torch's own step and ours on one thread each (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _model(seed=0):
