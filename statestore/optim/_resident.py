@@ -18,12 +18,13 @@ step checks, before changing anything: the groups and their parameters (identity
 the structure of each group's hyperparameters (:func:`~statestore.optim._torch_layout.
 group_structure`; values such as ``lr`` are read at each step), every parameter has a
 gradient of its dtype and shape, the parameters' data is where it was, the stores are open
-and hold as many states, the step counts are the plan's. Anything else, and loads,
+and their layout is the one planned (``layout_version``: no state created, deleted or
+loaded since), the step counts are the plan's. Anything else, and loads,
 ``load_state_dict`` and ``add_param_group`` (which drop the plan), takes the general step,
 after which the plan is built anew. Only ``DeviceStore`` and ``PinnedCPUStore`` qualify:
 their states are fixed tensors from creation to deletion, which the plan holds (a state
-deleted and created again directly on the store, not through ``optimizer.state``, between
-two steps of one plan is not seen; the store's count of states is).
+deleted and created again directly on the store between two steps changes the layout
+version: the general step runs).
 """
 from __future__ import annotations
 
@@ -195,7 +196,7 @@ class ResidentPlan:
         if not plan.batches or not all(b._finish() for b in plan.batches):
             return None
         plan.stores = list({id(b.store): b.store for b in plan.batches}.values())
-        plan.lens = [len(s) for s in plan.stores]
+        plan.lens = [s.layout_version for s in plan.stores]
         plan.keys = [k for b in plan.batches for k in b.keys]
         return plan
 
@@ -209,7 +210,7 @@ class ResidentPlan:
             if list(map(id, g["params"])) != ids or layout.structure_of(g) != st:
                 return None
         for s, n in zip(self.stores, self.lens):
-            if s.closed or len(s) != n:
+            if s.closed or s.layout_version != n:
                 return None
         if not all(p.grad is None for p in self.idle):
             return None

@@ -152,6 +152,23 @@ def test_a_hyperparameter_crossing_zero_and_a_closed_store():
         _step_both(6, want, ref, got, opt)
 
 
+def test_a_state_deleted_and_created_again_on_the_store_takes_the_general_step():
+    """A state deleted and created again directly on the store between two steps (same count
+    of states, new memory): the remembered step must not write into the old tensor."""
+    kw = dict(lr=0.1, momentum=0.9)
+    want, ref, got, opt = _pair(O.SGD, kw)
+    for s in range(3):
+        _step_both(s, want, ref, got, opt)
+    store, key = opt.state_store, ("w1", "momentum_buffer")
+    saved = store.get(key).clone()
+    store.delete([key])
+    store.create(key, saved.shape, saved.dtype, saved)
+    for s in range(3, 6):
+        _step_both(s, want, ref, got, opt)
+        _same(want, got)
+    assert torch.equal(store.get(key), ref.state[want[1]]["momentum_buffer"])
+
+
 def test_frozen_and_unsuited_parameters():
     """A parameter that never gets a gradient stays out of the plan; a bf16 parameter (never
     joined) or one above the size joined updates take keeps the general step."""
