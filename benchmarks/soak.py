@@ -301,6 +301,11 @@ def trainer(cfg: Dict[str, Any], launch: int, max_steps: int) -> None:
     and training goes back to the last checkpoint in this process."""
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")         # ResumeWarning of the in-process way back
+    if cfg["interrupts"]:
+        # Ctrl-C is a KeyboardInterrupt here however the soak was started: a shell starts a
+        # background job (`soak.py ... &`) with SIGINT ignored, which Python then keeps, and
+        # every SIGINT the parent sends would be lost (a soak without a single Ctrl-C)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     with open(cfg["status"], "r+b") as f:
         status = mmap.mmap(f.fileno(), _STATUS.size)
     _phase(status, 1, 0)
@@ -679,6 +684,9 @@ def run(args: argparse.Namespace) -> int:
             problems.append(f"final state at step {r['step']} differs from the reference")
     else:
         problems.append("the final trainer wrote no final state")
+    if fig["sigints"] >= 20 and not any(k.startswith("KeyboardInterrupt") for k in fig["events"]):
+        problems.append(f"{fig['sigints']} SIGINTs sent and not one KeyboardInterrupt caught: "
+                        f"the trainers did not get Ctrl-C (the run tested kills only)")
     leftovers = _temporaries(cfg["ckpt"])
     n_stale, b_stale = _stale_store_bytes(cfg)
     elapsed = time.monotonic() - t0
