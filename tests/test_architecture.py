@@ -1,5 +1,6 @@
 """The package's structure, as docs/architecture.md states it: modules a reader can hold, no
-module reaching into another's private names, and an import graph without cycles."""
+module reaching into another's private names, an import graph without cycles, and functions
+of at most 80 lines."""
 import ast
 import os
 from pathlib import Path
@@ -268,3 +269,21 @@ def test_no_class_is_a_mixin_of_its_subclasses():
         if reads:
             bad.append(f"{path.relative_to(ROOT.parent)}: {name} reads {', '.join(reads)}")
     assert not bad, "base classes using their subclasses' attributes (mixins):\n" + "\n".join(bad)
+
+
+MAX_FUNCTION_LINES = 80
+
+
+def test_no_function_is_long():
+    """Every function and method, its docstring included, fits in MAX_FUNCTION_LINES lines:
+    a longer one is split into functions that each do one thing."""
+    bad = []
+    for path in MODULES.values():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    bad.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}: {node.name} "
+                               f"has {n} lines")
+    assert not bad, (f"functions over {MAX_FUNCTION_LINES} lines (split them):\n"
+                     + "\n".join(bad))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Dict, List, Optional, Set
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from ..distributed import Collective
 from ..errors import CheckpointError, RankLostError
@@ -222,26 +222,8 @@ def _save_collective_locked(store, path: str, comm, error, fs, root, shard_bytes
         raise CheckpointError(f"collective save of checkpoint {path!r} failed on rank "
                               f"{early[0][0]}: {early[0][1]}; nothing was written")
     save_id = first_round[0][0]
-    # A state held by several ranks (replicated, not sharded) is written once, by the lowest;
-    # a state held as a region by the lowest rank holding that region (replicas of a shard,
-    # HSDP's, write it once; empty regions write nothing).
-    # A state of a sharded parameter not shaped like its region (NAdam's mu_product,
-    # Adafactor's row and column variances; not int8 scales) is held whole, the same on every
-    # rank: written once, by the lowest rank.
     blockwise = set(blockwise_states(json.loads(meta_json)).values())
-    whole = {str(k) for k in store.keys() if k.param in regions and k.state not in blockwise
-             and tuple(store.spec(k).shape) != regions[k.param].shape}
-    first: Dict[str, int] = {}
-    holder: Dict[tuple, int] = {}
-    for r, (_, ks, _, regs) in enumerate(first_round):
-        for k in ks:
-            first.setdefault(k, r)
-        for name, reg in regs.items():
-            holder.setdefault((name, reg), r)
-    keys = [k for k in store.keys()
-            if (regions[k.param].numel > 0 and holder[(k.param, regions[k.param])] == comm.rank
-                if k.param in regions and str(k) not in whole
-                else first[str(k)] == comm.rank)]
+    keys, whole = _keys_to_write(store, comm.rank, first_round, regions, blockwise)
     written = _Written()
     bar = save_progress(store, keys, root, progress)
     rows: List[ManifestRow] = []
@@ -261,16 +243,8 @@ def _save_collective_locked(store, path: str, comm, error, fs, root, shard_bytes
     status, committed = None, False
     if not failed and comm.rank == 0:
         try:
-            all_rows = merge_rows([g[0] for g in gathered], [f[3] for f in first_round],
-                                  blockwise)
-            # The commit names every rank's shards: each must be here, in the directory the
-            # manifest goes to, before it is renamed into place over a good checkpoint.
-            missing = missing_shards(fs, root, all_rows)
-            if missing:
-                raise not_shared_error(path, missing)
-            merged = merge_metadata([g[1] for g in gathered], [g[0] for g in gathered])
-            write_manifest(fs, root, all_rows, merged, save_id, written,
-                           world_size=comm.world)
+            _commit(fs, root, path, gathered, first_round, blockwise, save_id, written,
+                    comm.world)
         except Exception as e:
             error = e
             status = f"{type(e).__name__}: {e}"
@@ -296,3 +270,43 @@ def _save_collective_locked(store, path: str, comm, error, fs, root, shard_bytes
                               f"{who[0]}: {who[1]}; the previous checkpoint (if any) is intact")
     if comm.rank == 0:
         remove_stale(fs, root, save_id)
+
+
+def _keys_to_write(store, rank: int, first_round: list, regions: Dict[str, Region],
+                   blockwise: Set[str]) -> Tuple[list, Set[str]]:
+    """The keys of ``store`` this rank writes, given every rank's keys and regions
+    (``first_round``), and the states of sharded parameters that are held whole.
+
+    A state held by several ranks (replicated, not sharded) is written once, by the lowest;
+    a state held as a region by the lowest rank holding that region (replicas of a shard,
+    HSDP's, write it once; empty regions write nothing).
+    A state of a sharded parameter not shaped like its region (NAdam's mu_product,
+    Adafactor's row and column variances; not int8 scales) is held whole, the same on every
+    rank: written once, by the lowest rank."""
+    whole = {str(k) for k in store.keys() if k.param in regions and k.state not in blockwise
+             and tuple(store.spec(k).shape) != regions[k.param].shape}
+    first: Dict[str, int] = {}
+    holder: Dict[tuple, int] = {}
+    for r, (_, ks, _, regs) in enumerate(first_round):
+        for k in ks:
+            first.setdefault(k, r)
+        for name, reg in regs.items():
+            holder.setdefault((name, reg), r)
+    keys = [k for k in store.keys()
+            if (regions[k.param].numel > 0 and holder[(k.param, regions[k.param])] == rank
+                if k.param in regions and str(k) not in whole
+                else first[str(k)] == rank)]
+    return keys, whole
+
+
+def _commit(fs, root: str, path: str, gathered: list, first_round: list, blockwise: Set[str],
+            save_id: str, written: _Written, world: int) -> None:
+    """Rank 0 writes the manifest naming every rank's rows (``gathered``)."""
+    all_rows = merge_rows([g[0] for g in gathered], [f[3] for f in first_round], blockwise)
+    # The commit names every rank's shards: each must be here, in the directory the
+    # manifest goes to, before it is renamed into place over a good checkpoint.
+    missing = missing_shards(fs, root, all_rows)
+    if missing:
+        raise not_shared_error(path, missing)
+    merged = merge_metadata([g[1] for g in gathered], [g[0] for g in gathered])
+    write_manifest(fs, root, all_rows, merged, save_id, written, world_size=world)

@@ -16,7 +16,7 @@ import itertools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, NoReturn, Optional, Sequence, Tuple
 
 import pyarrow as pa
 
@@ -162,45 +162,23 @@ class ManifestRow(Mapping):
             raise bad("null field")
         if len(shape) > MAX_NDIM:
             raise bad(f"{len(shape)} dimensions (at most {MAX_NDIM})")
-        reg = None
-        if region is not None:
-            if None in region or any(d is None for v in region for d in v):
-                raise bad("null field")
-            if len(region[0]) > MAX_NDIM:
-                raise bad(f"{len(region[0])} dimensions (at most {MAX_NDIM})")
-            reg = Region.of(region[0], region[1], shape)
-            problem = reg.problem()
-            if problem:
-                raise bad(f"bad region: {clip(problem, 200)}")
+        reg = None if region is None else _parse_region(region, shape, bad)
         if seen is not None:
             ident = (key, reg.offsets if reg is not None else None)
             if ident in seen:
                 raise bad("listed twice")
             seen.add(ident)
         if key != f"{param}/{state}" or not param or not state or "/" in state:
-            try:
-                StateKey.parse(key)
-            except ValueError:
-                raise bad("not a state key (expected 'param/state')") from None
-            raise bad("key disagrees with param/state columns")
+            _refuse_key(key, bad)
         if offset < 0:
             raise bad("negative shape or offset")
         spec = cache.get((dtype, *shape))
         if spec is None:
-            if any(d < 0 for d in shape):
-                raise bad("negative shape or offset")
-            try:
-                spec = StateSpec(tuple(shape), dtype_from_name(dtype))
-            except ValueError as e:
-                raise bad(clip(str(e), 200)) from None
-            cache[(dtype, *shape)] = spec
+            spec = cache[(dtype, *shape)] = _parse_spec(shape, dtype, bad)
         if spec.nbytes != nbytes:
             raise bad(f"{nbytes} bytes listed, shape and dtype give {spec.nbytes}")
         if ("file", name) not in cache:
-            if "/" in name or "\\" in name or "\0" in name or name in ("", ".", "..") \
-                    or len(name.encode("utf-8", "surrogatepass")) > 255:
-                raise bad(f"bad file name {clip(name)} (a plain name in the checkpoint "
-                          f"directory is expected)")
+            _check_file_name(name, bad)
             cache["file", name] = True
         if reg is None:
             whole = cache.get(("whole", spec.shape))
@@ -210,6 +188,50 @@ class ManifestRow(Mapping):
                        spec, StateKey(param, state), spec.shape, whole)
         return cls(key, param, state, name, offset, nbytes, spec.shape, dtype, checksum, spec,
                    StateKey(param, state), reg.global_shape, reg.offsets)
+
+
+# The checks of ManifestRow.parse that run once per region, key problem, spec or file name
+# (``bad(problem)`` is the row's error).
+def _parse_region(region: Sequence[Any], shape: Sequence[int],
+                  bad: Callable[[str], CheckpointCorruptError]) -> Region:
+    """The region of a row of ``shape`` from its :data:`REGION_COLUMNS` values."""
+    if None in region or any(d is None for v in region for d in v):
+        raise bad("null field")
+    if len(region[0]) > MAX_NDIM:
+        raise bad(f"{len(region[0])} dimensions (at most {MAX_NDIM})")
+    reg = Region.of(region[0], region[1], shape)
+    problem = reg.problem()
+    if problem:
+        raise bad(f"bad region: {clip(problem, 200)}")
+    return reg
+
+
+def _refuse_key(key: str, bad: Callable[[str], CheckpointCorruptError]) -> NoReturn:
+    """Raise for a key that disagrees with its row's param/state columns."""
+    try:
+        StateKey.parse(key)
+    except ValueError:
+        raise bad("not a state key (expected 'param/state')") from None
+    raise bad("key disagrees with param/state columns")
+
+
+def _parse_spec(shape: Sequence[int], dtype: str,
+                bad: Callable[[str], CheckpointCorruptError]) -> StateSpec:
+    """The spec of a row's ``shape`` and ``dtype`` name."""
+    if any(d < 0 for d in shape):
+        raise bad("negative shape or offset")
+    try:
+        return StateSpec(tuple(shape), dtype_from_name(dtype))
+    except ValueError as e:
+        raise bad(clip(str(e), 200)) from None
+
+
+def _check_file_name(name: str, bad: Callable[[str], CheckpointCorruptError]) -> None:
+    """A row's shard file is a plain name in the checkpoint directory."""
+    if "/" in name or "\\" in name or "\0" in name or name in ("", ".", "..") \
+            or len(name.encode("utf-8", "surrogatepass")) > 255:
+        raise bad(f"bad file name {clip(name)} (a plain name in the checkpoint "
+                  f"directory is expected)")
 
 
 _FIELD_NAMES: Tuple[str, ...] = tuple(f.name for f in fields(ManifestRow))

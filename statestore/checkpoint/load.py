@@ -112,21 +112,7 @@ def load_checkpoint(store, path: str, *, progress: Optional[bool] = None,
         known = store.regions       # an attached FSDP2 optimizer's shards (torch's order)
         m = read_manifest(path)
         rank, world = (comm.rank, comm.world) if comm is not None else (0, 1)
-        targets = plan_regions(m, rank, world, known)
-        if targets is not None:     # regions saved or needed (docs/checkpoint-format.md)
-            rows, assembled, regions = split_rows(m, targets)
-        later: List[ManifestRow] = []
-        if targets is not None:
-            later = [r for r in m.rows if r.param in regions]
-        else:
-            rows, assembled, regions = m.rows, [], {}
-            if world > 1:
-                numels: Dict[str, int] = {}
-                for r in m.rows:
-                    numels.setdefault(r.param, r.spec.numel)
-                owners = owners_from_metadata(m.metadata, numels, world)
-                rows = [r for r in m.rows if owners[r.param] == rank]
-                later = [r for r in m.rows if owners[r.param] != rank]
+        rows, assembled, regions, later = _rows_of_rank(m, rank, world, known)
         _check_headers(m, rows, assembled)      # a checkpoint refused here changed nothing
     except BaseException as e:
         if comm is None:
@@ -134,6 +120,36 @@ def load_checkpoint(store, path: str, *, progress: Optional[bool] = None,
         agree(comm, e)
     if comm is not None:
         agree(comm, None)       # another rank's refusal: refused here too, nothing changed
+    _replace_states(store, m, rows, progress, link, assembled, comm)
+    store.record_regions(regions)
+    # then an optimizer already on the store takes the checkpoint's steps
+    store.record_load(m.metadata,
+                      Deferred(path, m.info.get("save_id"), later, rank, world, dict(regions))
+                      if later else None, group if later else None)
+
+
+def _rows_of_rank(m: Manifest, rank: int, world: int, known: Any):
+    """``(rows to load, assembled regions, regions, rows left on disk)``: this rank's part
+    of the checkpoint, by region when regions were saved or are needed
+    (docs/checkpoint-format.md), else by the optimizer's partition at ``world`` ranks."""
+    targets = plan_regions(m, rank, world, known)
+    if targets is not None:
+        rows, assembled, regions = split_rows(m, targets)
+        return rows, assembled, regions, [r for r in m.rows if r.param in regions]
+    if world <= 1:
+        return m.rows, [], {}, []
+    numels: Dict[str, int] = {}
+    for r in m.rows:
+        numels.setdefault(r.param, r.spec.numel)
+    owners = owners_from_metadata(m.metadata, numels, world)
+    return ([r for r in m.rows if owners[r.param] == rank], [], {},
+            [r for r in m.rows if owners[r.param] != rank])
+
+
+def _replace_states(store, m: Manifest, rows: List[ManifestRow], progress: Optional[bool],
+                    link: bool, assembled: List[Assembly], comm: Optional[Collective]) -> None:
+    """Replace the store's states with ``rows``; on failure (on any rank of ``comm``) the
+    store is left empty."""
     # The store's states are replaced (or, on failure, removed): the metadata of the optimizer
     # that used them no longer describes them. Detached, an optimizer built next takes its
     # step counts from this checkpoint, not from the optimizer the store had before.
@@ -153,11 +169,6 @@ def load_checkpoint(store, path: str, *, progress: Optional[bool] = None,
             with deferred_signals():    # another rank's load failed: this one fails too
                 store.clear()
             raise
-    store.record_regions(regions)
-    # then an optimizer already on the store takes the checkpoint's steps
-    store.record_load(m.metadata,
-                      Deferred(path, m.info.get("save_id"), later, rank, world, dict(regions))
-                      if later else None, group if later else None)
 
 
 def agree(comm: Collective, error: Optional[BaseException]) -> None:

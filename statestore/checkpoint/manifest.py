@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -136,6 +136,28 @@ def read_manifest(path: str, progress: Optional[bool] = False) -> Manifest:
         CheckpointError: the manifest is of another format version.
     """
     fs, root = resolve(path)
+    mpath = _find_manifest(fs, root, path)
+    table = _read_table(fs, mpath)
+    smeta = {k.decode(errors="replace"): v.decode(errors="replace")
+             for k, v in (table.schema.metadata or {}).items()}
+    version, names = _check_schema(mpath, table, smeta)
+    metadata = _read_metadata(mpath, smeta)
+    try:
+        columns = {n: _column_values(table.column(n)) for n in names}
+    except Exception as e:
+        raise CheckpointCorruptError(f"{mpath}: unreadable manifest: {e}") from e
+    rows = _parse_rows(mpath, table.num_rows, names, columns, progress)
+    for problem in tiling_problems(rows):
+        raise CheckpointCorruptError(f"{mpath}: {problem}")
+    _check_digest(mpath, names, columns, smeta)
+    info = {"format": FORMAT_NAME, "format_version": int(version),
+            "statestore_version": smeta.get("statestore.version"),
+            "save_id": smeta.get("statestore.save_id"), "checksum": CHECKSUM}
+    return Manifest(fs, root, rows, metadata, info)
+
+
+def _find_manifest(fs, root: str, path: str) -> str:
+    """The manifest's path in the checkpoint directory ``root`` (``path`` as given)."""
     mpath = join(root, MANIFEST)
     try:
         found = exists(fs, mpath)
@@ -149,9 +171,12 @@ def read_manifest(path: str, progress: Optional[bool] = False) -> Manifest:
         raise CheckpointNotFoundError(f"cannot look for a checkpoint at {path!r}: {e}") from e
     if not found:
         raise CheckpointNotFoundError(f"no checkpoint at {path!r}")
-    table = _read_table(fs, mpath)
-    smeta = {k.decode(errors="replace"): v.decode(errors="replace")
-             for k, v in (table.schema.metadata or {}).items()}
+    return mpath
+
+
+def _check_schema(mpath: str, table, smeta: Dict[str, str]) -> Tuple[str, Tuple[str, ...]]:
+    """The manifest's format version and column names, once its format, version, checksum
+    and columns (each once, of its type) are this statestore's."""
     if smeta.get("statestore.format") != FORMAT_NAME:
         raise CheckpointCorruptError(f"{mpath}: not a statestore checkpoint manifest")
     version = smeta.get("statestore.format_version")
@@ -174,6 +199,11 @@ def read_manifest(path: str, progress: Optional[bool] = False) -> Manifest:
             want = (REGION_SCHEMA if n in REGION_COLUMNS else SCHEMA).field(n).type
             raise CheckpointCorruptError(f"{mpath}: manifest column {n!r} has type "
                                          f"{table.schema.field(n).type}, expected {want}")
+    return version, names
+
+
+def _read_metadata(mpath: str, smeta: Dict[str, str]) -> Any:
+    """The optimizer metadata the manifest carries, checked for shape."""
     try:
         metadata = json.loads(smeta.get("statestore.metadata", "{}"))
     except (ValueError, RecursionError) as e:
@@ -182,23 +212,17 @@ def read_manifest(path: str, progress: Optional[bool] = False) -> Manifest:
     problem = optimizer_metadata_problem(metadata)
     if problem:
         raise CheckpointCorruptError(f"{mpath}: optimizer metadata: {problem}")
-    try:
-        columns = {n: _column_values(table.column(n)) for n in names}
-    except Exception as e:
-        raise CheckpointCorruptError(f"{mpath}: unreadable manifest: {e}") from e
+    return metadata
+
+
+def _parse_rows(mpath: str, num_rows: int, names: Tuple[str, ...], columns: Dict[str, list],
+                progress: Optional[bool]) -> List[ManifestRow]:
+    """The manifest's rows from its decoded ``columns``, each checked."""
     seen: set = set()
     base = [columns[n] for n in COLUMNS]
     regions = zip(*(columns[n] for n in REGION_COLUMNS)) if len(names) > len(COLUMNS) \
         else itertools.repeat(None)
     cache: dict = {}
-    values = progress_bar(table.num_rows, "manifest", progress, unit="tensor",
+    values = progress_bar(num_rows, "manifest", progress, unit="tensor",
                           iterable=zip(zip(*base), regions))
-    rows: List[ManifestRow] = [ManifestRow.parse(vals, mpath, seen, reg, cache)
-                               for vals, reg in values]
-    for problem in tiling_problems(rows):
-        raise CheckpointCorruptError(f"{mpath}: {problem}")
-    _check_digest(mpath, names, columns, smeta)
-    info = {"format": FORMAT_NAME, "format_version": int(version),
-            "statestore_version": smeta.get("statestore.version"),
-            "save_id": smeta.get("statestore.save_id"), "checksum": CHECKSUM}
-    return Manifest(fs, root, rows, metadata, info)
+    return [ManifestRow.parse(vals, mpath, seen, reg, cache) for vals, reg in values]

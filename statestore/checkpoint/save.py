@@ -56,6 +56,18 @@ def save_checkpoint(store, path: str, *, shard_bytes: int = DEFAULT_SHARD_BYTES,
         StateStoreIOError: writing failed (names the file); ``errno.EBUSY`` when another
             save to the same local path is in progress.
     """
+    _check_arguments(store, shard_bytes, metadata, link)
+    store.check_open()
+    group = store.process_group if isinstance(process_group, str) and process_group == "auto" \
+        else process_group
+    if group is not None:
+        return save_collective(store, path, group, shard_bytes, progress, metadata, link)
+    _check_whole(store, path)
+    _save_alone(store, path, shard_bytes, progress, metadata, link)
+
+
+def _check_arguments(store, shard_bytes: Any, metadata: Any, link: Any) -> None:
+    """The arguments' types and values (before the store is asked anything)."""
     check_store(store)
     if not isinstance(link, bool):
         raise StateStoreValueError(f"link must be True or False, got {link!r}")
@@ -64,11 +76,11 @@ def save_checkpoint(store, path: str, *, shard_bytes: int = DEFAULT_SHARD_BYTES,
     if metadata is not None and not isinstance(metadata, dict):
         raise StateStoreValueError(f"metadata must be a dict or None, got "
                                    f"{type(metadata).__name__}")
-    store.check_open()
-    group = store.process_group if isinstance(process_group, str) and process_group == "auto" \
-        else process_group
-    if group is not None:
-        return save_collective(store, path, group, shard_bytes, progress, metadata, link)
+
+
+def _check_whole(store, path: str) -> None:
+    """A save that is not collective: the store holds every state, and no more than a
+    manifest may list."""
     if store.regions:
         name, reg = next(iter(store.regions.items()))
         raise CheckpointError(
@@ -85,6 +97,11 @@ def save_checkpoint(store, path: str, *, shard_bytes: int = DEFAULT_SHARD_BYTES,
         raise CheckpointError(f"checkpoint {path!r}: the store holds {len(store)} states, more "
                               f"than the {MAX_ROWS} a manifest may list "
                               f"(statestore.checkpoint.MAX_ROWS)")
+
+
+def _save_alone(store, path: str, shard_bytes: int, progress: Optional[bool],
+                metadata: Optional[dict], link: bool) -> None:
+    """Write the shards, then commit the manifest, under the path's save lock."""
     store.sync()
     meta_json = metadata_json(store, metadata)     # bad metadata: no directory is created
     fs, root = prepare_root(path)

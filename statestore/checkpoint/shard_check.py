@@ -233,7 +233,24 @@ def check_shard_header(m: Manifest, name: str, rows: Sequence[ManifestRow]) -> i
             disagrees with the manifest or with itself (the message names the problem).
     """
     fpath = join(m.root, name)
-    keys = [r["key"] for r in rows]
+    size = _shard_size(m, fpath, [r["key"] for r in rows])
+    header, n = _read_header(m, fpath, size, len(rows))
+    data_start = 8 + n
+    _check_rows(fpath, header, data_start, size, rows)
+    # The whole file, not only the listed tensors: layout, exact length, zero pads.
+    check_layout(fpath, header, data_start, size)
+    pads = pad_ranges(header, data_start)
+    if pads:
+        try:
+            with m.fs.open(fpath, "rb") as f:
+                check_zeros(f, fpath, pads)
+        except OSError as e:
+            raise CheckpointCorruptError(f"{fpath}: cannot read the shard: {e}") from None
+    return size
+
+
+def _shard_size(m: Manifest, fpath: str, keys: List[str]) -> int:
+    """The size of the shard at ``fpath``, a regular file with room for a header length."""
     try:
         if is_local(m.fs):     # before opening it: a FIFO would block, /dev/zero never end
             check_local_file(m.root, fpath, "the shard")
@@ -246,28 +263,19 @@ def check_shard_header(m: Manifest, name: str, rows: Sequence[ManifestRow]) -> i
         raise CheckpointCorruptError(f"{fpath}: cannot read the shard: {e}") from None
     if not is_int(size) or size < 8:
         raise CheckpointCorruptError(f"{fpath}: truncated (no safetensors header)")
+    return size
+
+
+def _read_header(m: Manifest, fpath: str, size: int, nrows: int) -> Tuple[Dict[str, Any], int]:
+    """The shard's decoded safetensors header and its length in bytes, bounded before it is
+    decoded by the file's size and the manifest's ``nrows`` tensors in it."""
     try:
         with m.fs.open(fpath, "rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
             if n > min(size - 8, MAX_HEADER):
                 raise CheckpointCorruptError(f"{fpath}: header length {n} exceeds the file "
                                              f"({size} bytes)")
-            # every JSON object has a '{' byte (escapes exist only inside strings), so this
-            # bounds the entries from above before any is decoded (read in chunks: a refused
-            # header costs no more memory than a chunk)
-            claimed, left = -1, n
-            while left:
-                chunk = f.read(min(left, _ZERO_CHUNK))
-                if not chunk:
-                    break
-                claimed += chunk.count(b"{")
-                left -= len(chunk)
-            most = max_header_entries(len(rows), size - 8 - n)
-            if claimed > most:
-                raise CheckpointCorruptError(
-                    f"{fpath}: the shard header ({n} bytes) describes up to {claimed} tensors; "
-                    f"a shard of {len(rows)} listed tensors and {size - 8 - n} data bytes has "
-                    f"at most {most}; refused before decoding it")
+            _bound_entries(f, fpath, n, size, nrows)
             f.seek(8)
             text = f.read(n).decode("utf-8")     # (the bytes freed before decoding the JSON)
             header = decode_header(text)
@@ -282,7 +290,35 @@ def check_shard_header(m: Manifest, name: str, rows: Sequence[ManifestRow]) -> i
                                      f"{type(e).__name__}: {str(e)[:200]}") from None
     except OSError as e:
         raise CheckpointCorruptError(f"{fpath}: cannot read the shard: {e}") from None
-    data_start = 8 + n
+    return header, n
+
+
+def _bound_entries(f, fpath: str, n: int, size: int, nrows: int) -> None:
+    """Refuse a header of ``n`` bytes (read from ``f``, just past its length) that may
+    describe more tensors than the shard can hold.
+
+    Every JSON object has a '{' byte (escapes exist only inside strings), so this bounds the
+    entries from above before any is decoded (read in chunks: a refused header costs no more
+    memory than a chunk)."""
+    claimed, left = -1, n
+    while left:
+        chunk = f.read(min(left, _ZERO_CHUNK))
+        if not chunk:
+            break
+        claimed += chunk.count(b"{")
+        left -= len(chunk)
+    most = max_header_entries(nrows, size - 8 - n)
+    if claimed > most:
+        raise CheckpointCorruptError(
+            f"{fpath}: the shard header ({n} bytes) describes up to {claimed} tensors; "
+            f"a shard of {nrows} listed tensors and {size - 8 - n} data bytes has "
+            f"at most {most}; refused before decoding it")
+
+
+def _check_rows(fpath: str, header: Dict[str, Any], data_start: int, size: int,
+                rows: Sequence[ManifestRow]) -> None:
+    """Each of the manifest's ``rows`` is in the header as the manifest says, inside the
+    file, and overlaps no other."""
     prev_end, prev_key = data_start, None
     for r in sorted(rows, key=lambda r: (r["offset"], r["nbytes"])):
         h = header.get(r["key"])
@@ -306,16 +342,6 @@ def check_shard_header(m: Manifest, name: str, rows: Sequence[ManifestRow]) -> i
                                          f"{clip(prev_key)}")
         if r["nbytes"]:
             prev_end, prev_key = r["offset"] + r["nbytes"], r["key"]
-    # The whole file, not only the listed tensors: layout, exact length, zero pads.
-    check_layout(fpath, header, data_start, size)
-    pads = pad_ranges(header, data_start)
-    if pads:
-        try:
-            with m.fs.open(fpath, "rb") as f:
-                check_zeros(f, fpath, pads)
-        except OSError as e:
-            raise CheckpointCorruptError(f"{fpath}: cannot read the shard: {e}") from None
-    return size
 
 
 def by_file(rows: Iterable[ManifestRow]) -> Dict[str, List[ManifestRow]]:

@@ -331,84 +331,115 @@ class TensorNVMeEngine:
         if op in "fsx":
             self._control(batch[0])
             return
-        if self._off is None:
-            if all(r.op != "w" for r in batch):     # nothing was ever written: no key exists
-                for r in batch:
-                    if r.op == "d":
-                        r.fut.set_result(0)
-                    else:
-                        r.fut.set_exception(self._error(errno.ENOENT, r, "no such key (never "
-                                                        "written, or lost to an earlier failure)"))
-                return
-            try:
-                self._open()
-            except StateStoreIOError as e:
-                for r in batch:
-                    r.fut.set_exception(e)
-                return
+        if self._off is None and not self._open_for(batch):
+            return
         off = self._off
+        started, hold = self._start_batch(batch, off)   # hold: alive until synchronized
+        # Its binding's sync_read_events() waits for *write* events: wait for everything.
+        failed = self._synchronize(started)
+        if failed:
+            return
+        put_back = self._complete(started, off)
+        if put_back and self._synchronize(put_back):
+            return
+        for r in put_back:
+            self._sums[r.key] = (r.nbytes, r.digest)
+            self._count("bytes_read", r.nbytes, put_back=1)
+            r.fut.set_result(r.nbytes)
+        self._dirty += sum(r.nbytes for r in started if r.op == "w") + \
+            sum(r.nbytes for r in put_back)
+        if self._dirty >= self.cache_bytes:
+            self._write_back()
+
+    def _open_for(self, batch: List[_Req]) -> bool:
+        """Open TensorNVMe for ``batch``; False when the batch is answered without it."""
+        if all(r.op != "w" for r in batch):     # nothing was ever written: no key exists
+            for r in batch:
+                if r.op == "d":
+                    r.fut.set_result(0)
+                else:
+                    r.fut.set_exception(self._error(errno.ENOENT, r, "no such key (never "
+                                                    "written, or lost to an earlier failure)"))
+            return False
+        try:
+            self._open()
+        except StateStoreIOError as e:
+            for r in batch:
+                r.fut.set_exception(e)
+            return False
+        return True
+
+    def _start_batch(self, batch: List[_Req], off) -> Tuple[List[_Req], List[torch.Tensor]]:
+        """Submit each request; those refused are answered. Returns the started requests and
+        the scratch views TensorNVMe reads into (kept until synchronized)."""
         started: List[_Req] = []
-        hold: List[torch.Tensor] = []       # scratch views TensorNVMe reads into, until synchronized
-        scratch_at = 0
-        free_space = None
+        hold: List[torch.Tensor] = []
+        room: List[Any] = [0, None]         # scratch bytes used, free bytes on the filesystem
         for r in batch:
-            old = self._sums.get(r.key)
             try:
                 if r.op == "r":
-                    if old is None:
-                        raise self._error(errno.ENOENT, r, "no such key (never written, or lost "
-                                          "to an earlier failure)")
-                    if old[0] != r.nbytes:
-                        raise self._error(errno.EINVAL, r, f"the key holds {old[0]} bytes")
-                    r.fault = self._take_fault("read")
-                    if r.fault is not None and r.fault[0] == "error":
-                        # As a request refused before it reached the disk: the bytes stay.
-                        raise self._error(r.fault[1], r, os.strerror(r.fault[1]))
-                    r.tensor = _exact_tensor(r.keep, r.ptr, r.nbytes)
-                    r.digest = old[1]
-                    off.async_read(r.tensor, r.key, None)
-                    self._sums.pop(r.key)       # TensorNVMe forgot it; put back once verified
-                    started.append(r)
-                    continue
-                if r.op == "w":
-                    r.fault = self._take_fault("write")
-                    if r.fault is not None and r.fault[0] == "error":
-                        raise self._error(r.fault[1], r, os.strerror(r.fault[1]))
-                    if free_space is None:
-                        st = os.fstatvfs(self._fd)
-                        free_space = st.f_bavail * st.f_frsize
-                    if r.nbytes > free_space:
-                        raise self._error(errno.ENOSPC, r, f"{os.strerror(errno.ENOSPC)} "
-                                          f"({free_space} bytes free on its filesystem)")
-                    free_space -= r.nbytes
-                if old is not None:             # free the old bytes first (a rewrite leaks them)
-                    tmp = self._scratch_view(scratch_at, old[0])
-                    scratch_at += old[0]
-                    hold.append(tmp)
-                    off.async_read(tmp, r.key, None)
-                    self._sums.pop(r.key)
-                    r.freed = True
-                if r.op == "d":
-                    started.append(r)
-                    continue
-                r.tensor = _exact_tensor(r.keep, r.ptr, r.nbytes)
-                r.digest = _digest(r.tensor)
-                src = r.tensor
-                if r.fault is not None:        # "short": half the bytes land, unreported
-                    src = r.tensor.clone()
-                    src[r.nbytes // 2:] = 0
-                    r.keep = (r.keep, src)
-                off.async_write(src, r.key, None)
+                    self._start_read(r, off)
+                else:
+                    self._start_change(r, off, hold, room)
                 started.append(r)
             except StateStoreIOError as e:
                 # No traceback: its frames would keep TensorNVMe's object alive past close().
                 r.fut.set_exception(e.with_traceback(None))
             except Exception as e:  # noqa: BLE001 - tensornvme raises RuntimeError
                 r.fut.set_exception(self._error(errno.EIO, r, str(e)))
-        # Its binding's sync_read_events() waits for *write* events: wait for everything.
-        failed = self._synchronize(started)
-        if failed:
+        return started, hold
+
+    def _start_read(self, r: _Req, off) -> None:
+        old = self._sums.get(r.key)
+        if old is None:
+            raise self._error(errno.ENOENT, r, "no such key (never written, or lost "
+                              "to an earlier failure)")
+        if old[0] != r.nbytes:
+            raise self._error(errno.EINVAL, r, f"the key holds {old[0]} bytes")
+        r.fault = self._take_fault("read")
+        if r.fault is not None and r.fault[0] == "error":
+            # As a request refused before it reached the disk: the bytes stay.
+            raise self._error(r.fault[1], r, os.strerror(r.fault[1]))
+        r.tensor = _exact_tensor(r.keep, r.ptr, r.nbytes)
+        r.digest = old[1]
+        off.async_read(r.tensor, r.key, None)
+        self._sums.pop(r.key)       # TensorNVMe forgot it; put back once verified
+
+    def _start_change(self, r: _Req, off, hold: List[torch.Tensor], room: List[Any]) -> None:
+        """Submit a write or a discard: the key's old bytes are freed first."""
+        old = self._sums.get(r.key)
+        if r.op == "w":
+            r.fault = self._take_fault("write")
+            if r.fault is not None and r.fault[0] == "error":
+                raise self._error(r.fault[1], r, os.strerror(r.fault[1]))
+            if room[1] is None:
+                st = os.fstatvfs(self._fd)
+                room[1] = st.f_bavail * st.f_frsize
+            if r.nbytes > room[1]:
+                raise self._error(errno.ENOSPC, r, f"{os.strerror(errno.ENOSPC)} "
+                                  f"({room[1]} bytes free on its filesystem)")
+            room[1] -= r.nbytes
+        if old is not None:             # free the old bytes first (a rewrite leaks them)
+            tmp = self._scratch_view(room[0], old[0])
+            room[0] += old[0]
+            hold.append(tmp)
+            off.async_read(tmp, r.key, None)
+            self._sums.pop(r.key)
+            r.freed = True
+        if r.op == "d":
             return
+        r.tensor = _exact_tensor(r.keep, r.ptr, r.nbytes)
+        r.digest = _digest(r.tensor)
+        src = r.tensor
+        if r.fault is not None:        # "short": half the bytes land, unreported
+            src = r.tensor.clone()
+            src[r.nbytes // 2:] = 0
+            r.keep = (r.keep, src)
+        off.async_write(src, r.key, None)
+
+    def _complete(self, started: List[_Req], off) -> List[_Req]:
+        """Answer the synchronized writes and discards, verify the reads; returns the reads
+        whose bytes were written back under their key (reading freed it)."""
         put_back: List[_Req] = []
         for r in started:
             if r.op == "w":
@@ -436,16 +467,7 @@ class TensorNVMeEngine:
                 except Exception as e:  # noqa: BLE001
                     r.fut.set_exception(self._error(errno.EIO, r, f"putting the block back "
                                                     f"failed: {e}; the block is lost"))
-        if put_back and self._synchronize(put_back):
-            return
-        for r in put_back:
-            self._sums[r.key] = (r.nbytes, r.digest)
-            self._count("bytes_read", r.nbytes, put_back=1)
-            r.fut.set_result(r.nbytes)
-        self._dirty += sum(r.nbytes for r in started if r.op == "w") + \
-            sum(r.nbytes for r in put_back)
-        if self._dirty >= self.cache_bytes:
-            self._write_back()
+        return put_back
 
     def _write_back(self) -> None:
         """Bound the page cache's share of the file: write it back and drop it (an error

@@ -10,7 +10,7 @@ bits, as the tests check.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -84,42 +84,18 @@ def adam_step_moments(
     n = len(params)
     if n == 0:
         return
-    if kind not in MOMENT_KINDS:
-        raise ValueError(f"adam_step_moments: kind must be one of {sorted(MOMENT_KINDS)}, "
-                         f"got {kind!r}")
-    if rounding not in Q.ROUNDINGS:
-        raise ValueError(f"adam_step_moments: rounding must be one of {Q.ROUNDINGS}, got "
-                         f"{rounding!r}")
-    for name, lst in (("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs),
-                      ("steps", steps), ("seeds", seeds), ("offsets", offsets)):
-        if len(lst) != n:
-            raise ValueError(f"adam_step_moments: {name} has {len(lst)} entries, params has {n}")
-    if kind == "int8":
-        if exp_avg_scales is None or exp_avg_sq_scales is None \
-                or len(exp_avg_scales) != n or len(exp_avg_sq_scales) != n:
-            raise ValueError("adam_step_moments: int8 needs exp_avg_scales and "
-                             "exp_avg_sq_scales, one tensor per param")
-        for i, off in enumerate(offsets):
-            if off % Q.BLOCK:
-                raise ValueError(f"adam_step_moments: offsets[{i}] = {off} is not a multiple "
-                                 f"of the int8 block ({Q.BLOCK})")
+    _check_lists(n, kind, rounding, (("grads", grads), ("exp_avgs", exp_avgs),
+                                     ("exp_avg_sqs", exp_avg_sqs), ("steps", steps),
+                                     ("seeds", seeds), ("offsets", offsets)),
+                 offsets, exp_avg_scales, exp_avg_sq_scales)
     kw = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
               adamw_mode=adamw_mode, maximize=maximize, grad_scale=grad_scale)
     ms_l = list(exp_avg_scales) if exp_avg_scales is not None else [None] * n
     vs_l = list(exp_avg_sq_scales) if exp_avg_sq_scales is not None else [None] * n
     vmax_l = list(max_exp_avg_sqs) if amsgrad else [None] * n
     mas_l = list(masters) if masters is not None else [None] * n
-    ext = None if force_reference() else load_extension()
-    fused, slow = [], []
-    for i in range(n):
-        dev = params[i].device.type
-        can = ext is not None and (
-            dev == "cpu" or (dev == "cuda" and getattr(ext, "with_cuda", False)))
-        if can and _fused_ok(kind, params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], ms_l[i],
-                             vs_l[i], vmax_l[i], mas_l[i]):
-            fused.append(i)
-        else:
-            slow.append(i)
+    fused, slow = _split_fused(kind, params, grads, exp_avgs, exp_avg_sqs, ms_l, vs_l, vmax_l,
+                               mas_l)
     with torch.no_grad():
         if fused:
             pick = lambda lst: [lst[i] for i in fused]  # noqa: E731
@@ -133,6 +109,48 @@ def adam_step_moments(
         if slow:
             _unfused(slow, params, grads, exp_avgs, exp_avg_sqs, ms_l, vs_l, vmax_l, mas_l,
                      kind, rounding, steps, seeds, offsets, amsgrad, masters is not None, kw)
+
+
+def _check_lists(n: int, kind: str, rounding: str, lists, offsets: Sequence[int],
+                 exp_avg_scales: Optional[Sequence[Tensor]],
+                 exp_avg_sq_scales: Optional[Sequence[Tensor]]) -> None:
+    """:func:`adam_step_moments`' encoding, and its ``(name, list)`` ``lists`` of ``n``
+    entries each (int8: with scales, and block-aligned offsets)."""
+    if kind not in MOMENT_KINDS:
+        raise ValueError(f"adam_step_moments: kind must be one of {sorted(MOMENT_KINDS)}, "
+                         f"got {kind!r}")
+    if rounding not in Q.ROUNDINGS:
+        raise ValueError(f"adam_step_moments: rounding must be one of {Q.ROUNDINGS}, got "
+                         f"{rounding!r}")
+    for name, lst in lists:
+        if len(lst) != n:
+            raise ValueError(f"adam_step_moments: {name} has {len(lst)} entries, params has {n}")
+    if kind == "int8":
+        if exp_avg_scales is None or exp_avg_sq_scales is None \
+                or len(exp_avg_scales) != n or len(exp_avg_sq_scales) != n:
+            raise ValueError("adam_step_moments: int8 needs exp_avg_scales and "
+                             "exp_avg_sq_scales, one tensor per param")
+        for i, off in enumerate(offsets):
+            if off % Q.BLOCK:
+                raise ValueError(f"adam_step_moments: offsets[{i}] = {off} is not a multiple "
+                                 f"of the int8 block ({Q.BLOCK})")
+
+
+def _split_fused(kind, params, grads, ms, vs, m_sc, v_sc, vmax, masters
+                 ) -> Tuple[List[int], List[int]]:
+    """The indices the compiled kernels update, and the others (:func:`_unfused`)."""
+    ext = None if force_reference() else load_extension()
+    fused, slow = [], []
+    for i in range(len(params)):
+        dev = params[i].device.type
+        can = ext is not None and (
+            dev == "cpu" or (dev == "cuda" and getattr(ext, "with_cuda", False)))
+        if can and _fused_ok(kind, params[i], grads[i], ms[i], vs[i], m_sc[i], v_sc[i],
+                             vmax[i], masters[i]):
+            fused.append(i)
+        else:
+            slow.append(i)
+    return fused, slow
 
 
 def _unfused(idx: List[int], params, grads, ms, vs, m_sc, v_sc, vmax, masters, kind,

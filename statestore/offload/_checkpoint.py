@@ -29,7 +29,7 @@ import os
 import struct
 import json
 import uuid
-from typing import Dict, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
 import xxhash
@@ -247,62 +247,83 @@ def load_checkpoint(handle: OffloadSeam, path: str, optimizer_store=None) -> Non
     try:
         header, data_start = _read_header(f, fpath)
         # 1. every tensor present, of the right shape and dtype, and intact
-        plan = []
-        problems = []
-        for n, t in entries.items():
-            h = header.get(n)
-            if not isinstance(h, dict):
-                problems.append(f"{n!r} is missing from the model file")
-                continue
-            try:
-                dtype = dtype_from_name(h["dtype"])
-                shape = tuple(int(d) for d in h["shape"])
-                a, b = (int(x) for x in h["data_offsets"])
-            except (KeyError, TypeError, ValueError):
-                raise CheckpointCorruptError(f"{fpath}: bad header entry for {n!r}") from None
-            if shape != tuple(t.shape) or dtype != t.dtype:
-                problems.append(f"{n!r}: {tuple(t.shape)} {t.dtype} in the model, {shape} "
-                                f"{dtype} in the checkpoint")
-                continue
-            if b - a != t.numel() * t.dtype.itemsize:
-                raise CheckpointCorruptError(f"{fpath}: tensor {n!r} has {b - a} bytes, "
-                                             f"expected {t.numel() * t.dtype.itemsize}")
-            plan.append((n, t, data_start + a, b - a))
-        if problems:
-            raise CheckpointMismatchError(f"checkpoint {path!r} does not match the model:\n  "
-                                          + "\n  ".join(problems))
-        for n, t, start, nbytes in plan:
-            h = xxhash.xxh3_64()
-            try:
-                for _, b in _pieces(f, start, nbytes, piece):
-                    h.update(b)
-            except EOFError:
-                raise CheckpointCorruptError(f"{fpath}: tensor {n!r} is truncated") from None
-            if n in sums and h.hexdigest() != sums[n]:
-                raise CheckpointCorruptError(f"{fpath}: tensor {n!r} fails its checksum (file "
-                                             f"altered or damaged)")
+        plan = _plan_model_load(entries, header, data_start, fpath, path)
+        _verify_model(f, plan, sums, piece, fpath)
         # 2. the optimizer's states, then the parameters and buffers
         if optimizer_store is not None:
             optimizer_store.load_checkpoint(path)
-        done = set()
-        for n, t, start, nbytes in plan:
-            if handle_of(t) is handle:
-                if t in done:
-                    continue            # a tied weight's other name: the same parameter
-                done.add(t)
-                _load_param(handle, t, f, start, nbytes, piece)
-            else:
-                if not nbytes:
-                    continue
-                f.seek(start)
-                raw = bytearray(f.read(nbytes))
-                if len(raw) != nbytes:
-                    raise CheckpointCorruptError(f"{fpath}: tensor {n!r} is truncated")
-                with torch.no_grad():
-                    t.copy_(torch.frombuffer(raw, dtype=torch.uint8).view(t.dtype).view(t.shape))
+        _load_model(handle, f, plan, piece, fpath)
     finally:
         f.close()
     handle.store.sync()
+
+
+def _plan_model_load(entries: Dict[str, Tensor], header: Dict[str, Any], data_start: int,
+                     fpath: str, path: str) -> List[Tuple[str, Tensor, int, int]]:
+    """``(name, tensor, file offset, bytes)`` of each of the model's tensors, once every one
+    is in the model file with the model's shape and dtype (else one error listing them)."""
+    plan = []
+    problems = []
+    for n, t in entries.items():
+        h = header.get(n)
+        if not isinstance(h, dict):
+            problems.append(f"{n!r} is missing from the model file")
+            continue
+        try:
+            dtype = dtype_from_name(h["dtype"])
+            shape = tuple(int(d) for d in h["shape"])
+            a, b = (int(x) for x in h["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointCorruptError(f"{fpath}: bad header entry for {n!r}") from None
+        if shape != tuple(t.shape) or dtype != t.dtype:
+            problems.append(f"{n!r}: {tuple(t.shape)} {t.dtype} in the model, {shape} "
+                            f"{dtype} in the checkpoint")
+            continue
+        if b - a != t.numel() * t.dtype.itemsize:
+            raise CheckpointCorruptError(f"{fpath}: tensor {n!r} has {b - a} bytes, "
+                                         f"expected {t.numel() * t.dtype.itemsize}")
+        plan.append((n, t, data_start + a, b - a))
+    if problems:
+        raise CheckpointMismatchError(f"checkpoint {path!r} does not match the model:\n  "
+                                      + "\n  ".join(problems))
+    return plan
+
+
+def _verify_model(f, plan: List[Tuple[str, Tensor, int, int]], sums: Dict[str, Any],
+                  piece: int, fpath: str) -> None:
+    """Every planned tensor is whole in the model file and matches its checksum."""
+    for n, t, start, nbytes in plan:
+        h = xxhash.xxh3_64()
+        try:
+            for _, b in _pieces(f, start, nbytes, piece):
+                h.update(b)
+        except EOFError:
+            raise CheckpointCorruptError(f"{fpath}: tensor {n!r} is truncated") from None
+        if n in sums and h.hexdigest() != sums[n]:
+            raise CheckpointCorruptError(f"{fpath}: tensor {n!r} fails its checksum (file "
+                                         f"altered or damaged)")
+
+
+def _load_model(handle: OffloadSeam, f, plan: List[Tuple[str, Tensor, int, int]],
+                piece: int, fpath: str) -> None:
+    """The planned tensors' bytes into the handle's parameters (through its store) and into
+    the model's other tensors (in place)."""
+    done = set()
+    for n, t, start, nbytes in plan:
+        if handle_of(t) is handle:
+            if t in done:
+                continue            # a tied weight's other name: the same parameter
+            done.add(t)
+            _load_param(handle, t, f, start, nbytes, piece)
+        else:
+            if not nbytes:
+                continue
+            f.seek(start)
+            raw = bytearray(f.read(nbytes))
+            if len(raw) != nbytes:
+                raise CheckpointCorruptError(f"{fpath}: tensor {n!r} is truncated")
+            with torch.no_grad():
+                t.copy_(torch.frombuffer(raw, dtype=torch.uint8).view(t.dtype).view(t.shape))
 
 
 def _load_param(handle: OffloadSeam, p: Tensor, f, start: int, nbytes: int, piece: int) -> None:

@@ -214,44 +214,10 @@ def pick_up(store, table: ParamTable, param_groups: List[dict], layout, *, owner
         ValueError, TypeError: a saved hyperparameter fails the constructor's checks.
     """
     keys = table.keys
-    ours = {keys[p]: p for p, s in table.stores.items() if s is store}
-    # DTensor parameters: the store holds (and a load fetches) each one's local shard
-    regions = {n: region_of(p) for n, p in ours.items()}
-    if store.deferred is not None:      # else nothing to load, and pyarrow stays unimported
-        store.load_deferred(list(ours), {n: r for n, r in regions.items() if r is not None})
-    store.record_regions({n: r or Region.whole(local(ours[n]).shape) for n, r in regions.items()})
-    if sharded:                              # drop states other ranks own
-        every_name = set(keys.values())
-        theirs = [k for k in store.keys() if k.param in every_name and k.param not in ours]
-        if theirs:
-            store.delete(theirs)
+    ours = _claim_states(store, table, sharded)
     raw_ckpt = store.loaded_metadata
-    ckpt, ckpt_foreign = part(raw_ckpt) if isinstance(raw_ckpt, dict) else ({}, set())
-    if loaded:
-        meta, foreign, from_ckpt = ckpt, ckpt_foreign, True
-    else:
-        try:
-            raw = store.metadata()
-        except StateStoreError:
-            if len(store):  # an earlier optimizer that failed part-way: its states are mixed
-                raise
-            raw = None      # ... on a store emptied since: nothing of it to pick up
-        meta, foreign = part(raw)
-        # Hyperparameters come from a checkpoint, not from an earlier optimizer on the
-        # store, unless that optimizer took the checkpoint's when it was loaded and has not
-        # stepped since (an optimizer of torch's resume order still alive when a new one is
-        # built), or the store's metadata has no part for this optimizer but the checkpoint
-        # has (another optimizer sharing the store was built first).
-        from_ckpt = raw is not None and (raw is raw_ckpt or (
-            bool(ckpt) and meta.get("steps") == ckpt.get("steps")
-            and meta.get("param_groups") == ckpt.get("param_groups")))
-        if not meta and ckpt:
-            meta, foreign, from_ckpt = ckpt, foreign | ckpt_foreign, True
-    stored_params: Dict[str, Dict[str, Any]] = {}
-    for k in store.keys():
-        # not a parameter's data (offload_parameters), nor another optimizer's state
-        if k.state != PARAM_STATE and k.param not in foreign:
-            stored_params.setdefault(k.param, {})[k.state] = store.spec(k)
+    meta, foreign, from_ckpt = _metadata_to_check(store, raw_ckpt, loaded, part)
+    stored_params = _stored_params(store, foreign)
     if not loaded and not stored_params and not meta.get("params"):
         return
     every = {keys[p]: p for p in table.params}
@@ -264,23 +230,7 @@ def pick_up(store, table: ParamTable, param_groups: List[dict], layout, *, owner
     for name in sorted(set(stored_params) - set(ours)):
         report.add("parameters with states in the store, not in the optimizer",
                    f"unexpected parameter {name!r} in the store")
-    new_hyper: List[Dict[str, Any]] = [{} for _ in param_groups]
-    if saved_groups is not None:
-        if len(saved_groups) != len(param_groups):
-            report.add("param groups", f"the checkpoint has {len(saved_groups)} param "
-                       f"groups, the optimizer {len(param_groups)}")
-        else:
-            for i, (g, sg) in enumerate(zip(param_groups, saved_groups)):
-                ck = [n for n in sg.get("params", [])]
-                op = [keys[p] for p in g["params"]]
-                if set(ck) != set(op):
-                    only_ck = [n for n in ck if n not in set(op)]
-                    only_op = [n for n in op if n not in set(ck)]
-                    report.add("param groups", f"param group {i}: {len(ck)} parameters in "
-                               f"the checkpoint, {len(op)} in the optimizer (only in the "
-                               f"checkpoint: {short_names(only_ck) or 'none'}; only in the "
-                               f"optimizer: {short_names(only_op) or 'none'})")
-                new_hyper[i] = layout.group_from_saved(sg, g)
+    new_hyper = _match_groups(report, param_groups, saved_groups, keys, layout)
     if saved is not None:
         _check_params(report, saved, every)
     groups = {p: {**g, **h} for g, h in zip(param_groups, new_hyper) for p in g["params"]}
@@ -295,16 +245,109 @@ def pick_up(store, table: ParamTable, param_groups: List[dict], layout, *, owner
         layout.check_group({**g, **h})
     # ResumeWarning (a failed load cleared the store: it raises, and says so itself)
     warn_replaced(param_groups, new_hyper, table.steps, ours, loaded and raw_ckpt is not None)
-    # apply: a group becomes the saved one (as torch's load_state_dict), its parameters
-    # and this optimizer's own hyperparameters kept where the checkpoint has none
+    _apply_groups(param_groups, new_hyper, saved_groups, keep)
+    if saved_groups is not None and from_ckpt and not loaded:     # the load-first order
+        table.lr_after_load = lrs_to_check(param_groups, saved_groups)
+    _apply_steps(table, meta, ours, stored_params, loaded)
+
+
+def _claim_states(store, table: ParamTable, sharded: bool) -> Dict[str, Tensor]:
+    """The optimizer's parameters kept in ``store``, by key, once their states are there:
+    deferred states loaded, regions recorded and, when ``sharded``, other ranks' dropped."""
+    keys = table.keys
+    ours = {keys[p]: p for p, s in table.stores.items() if s is store}
+    # DTensor parameters: the store holds (and a load fetches) each one's local shard
+    regions = {n: region_of(p) for n, p in ours.items()}
+    if store.deferred is not None:      # else nothing to load, and pyarrow stays unimported
+        store.load_deferred(list(ours), {n: r for n, r in regions.items() if r is not None})
+    store.record_regions({n: r or Region.whole(local(ours[n]).shape) for n, r in regions.items()})
+    if sharded:                              # drop states other ranks own
+        every_name = set(keys.values())
+        theirs = [k for k in store.keys() if k.param in every_name and k.param not in ours]
+        if theirs:
+            store.delete(theirs)
+    return ours
+
+
+def _metadata_to_check(store, raw_ckpt: Any, loaded: bool,
+                       part: Callable[[Any], Tuple[dict, Set[str]]]
+                       ) -> Tuple[dict, Set[str], bool]:
+    """The metadata to check the store's states against: ``(metadata, the other optimizers'
+    parameter keys, whether its hyperparameters come from a checkpoint)``."""
+    ckpt, ckpt_foreign = part(raw_ckpt) if isinstance(raw_ckpt, dict) else ({}, set())
+    if loaded:
+        return ckpt, ckpt_foreign, True
+    try:
+        raw = store.metadata()
+    except StateStoreError:
+        if len(store):  # an earlier optimizer that failed part-way: its states are mixed
+            raise
+        raw = None      # ... on a store emptied since: nothing of it to pick up
+    meta, foreign = part(raw)
+    # Hyperparameters come from a checkpoint, not from an earlier optimizer on the
+    # store, unless that optimizer took the checkpoint's when it was loaded and has not
+    # stepped since (an optimizer of torch's resume order still alive when a new one is
+    # built), or the store's metadata has no part for this optimizer but the checkpoint
+    # has (another optimizer sharing the store was built first).
+    from_ckpt = raw is not None and (raw is raw_ckpt or (
+        bool(ckpt) and meta.get("steps") == ckpt.get("steps")
+        and meta.get("param_groups") == ckpt.get("param_groups")))
+    if not meta and ckpt:
+        return ckpt, foreign | ckpt_foreign, True
+    return meta, foreign, from_ckpt
+
+
+def _stored_params(store, foreign: Set[str]) -> Dict[str, Dict[str, Any]]:
+    """The specs of the states in ``store``, by parameter key and state name."""
+    stored_params: Dict[str, Dict[str, Any]] = {}
+    for k in store.keys():
+        # not a parameter's data (offload_parameters), nor another optimizer's state
+        if k.state != PARAM_STATE and k.param not in foreign:
+            stored_params.setdefault(k.param, {})[k.state] = store.spec(k)
+    return stored_params
+
+
+def _match_groups(report: MismatchReport, param_groups: List[dict],
+                  saved_groups: Optional[List[dict]], keys: Dict[Tensor, str],
+                  layout) -> List[Dict[str, Any]]:
+    """Each group's hyperparameters from the checkpoint's group of the same position (none
+    without ``saved_groups``); groups whose parameters differ are reported."""
+    new_hyper: List[Dict[str, Any]] = [{} for _ in param_groups]
+    if saved_groups is None:
+        return new_hyper
+    if len(saved_groups) != len(param_groups):
+        report.add("param groups", f"the checkpoint has {len(saved_groups)} param "
+                   f"groups, the optimizer {len(param_groups)}")
+        return new_hyper
+    for i, (g, sg) in enumerate(zip(param_groups, saved_groups)):
+        ck = [n for n in sg.get("params", [])]
+        op = [keys[p] for p in g["params"]]
+        if set(ck) != set(op):
+            only_ck = [n for n in ck if n not in set(op)]
+            only_op = [n for n in op if n not in set(ck)]
+            report.add("param groups", f"param group {i}: {len(ck)} parameters in "
+                       f"the checkpoint, {len(op)} in the optimizer (only in the "
+                       f"checkpoint: {short_names(only_ck) or 'none'}; only in the "
+                       f"optimizer: {short_names(only_op) or 'none'})")
+        new_hyper[i] = layout.group_from_saved(sg, g)
+    return new_hyper
+
+
+def _apply_groups(param_groups: List[dict], new_hyper: List[Dict[str, Any]],
+                  saved_groups: Optional[List[dict]], keep: Collection[str]) -> None:
+    """A group becomes the saved one (as torch's load_state_dict), its parameters and this
+    optimizer's own hyperparameters kept where the checkpoint has none."""
     for g, h, sg in zip(param_groups, new_hyper, saved_groups or [None] * len(new_hyper)):
         if sg is not None:
             for k in [k for k in g if k not in h and k not in ("params", "param_names")
                       and k not in keep]:
                 del g[k]
         g.update(h)
-    if saved_groups is not None and from_ckpt and not loaded:     # the load-first order
-        table.lr_after_load = lrs_to_check(param_groups, saved_groups)
+
+
+def _apply_steps(table: ParamTable, meta: dict, ours: Dict[str, Tensor],
+                 stored_params: Dict[str, Dict[str, Any]], loaded: bool) -> None:
+    """The step counts of the parameters with states in the store, from ``meta``."""
     steps = meta.get("steps", {})
     steps = steps if isinstance(steps, dict) else {}
     for name in ours:
