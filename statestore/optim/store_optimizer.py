@@ -100,6 +100,9 @@ class StoreOptimizer(StateStoreOptimizer):
         state_store: where states live. None: next to the parameters (a
             :class:`~statestore.DeviceStore` per parameter device).
         process_group: shard states over a ``torch.distributed`` group (as ``CPUAdam``'s).
+        skip_nonfinite: when True, a step whose gradients hold inf or nan changes nothing
+            (no parameter, state or step count), as ``HybridAdam``'s; over sharded
+            parameters every rank skips or none does.
         elementwise: whether ``optimizer_cls`` updates each element from that element alone,
             so that fp32/fp64 parameters may be cut into units smaller than a parameter.
             None: True for torch's element-wise classes, False otherwise (Adafactor, Muon,
@@ -121,7 +124,8 @@ class StoreOptimizer(StateStoreOptimizer):
     """
 
     def __init__(self, optimizer_cls: type, params, *, state_store: Optional[StateStore] = None,
-                 process_group=None, elementwise: Optional[bool] = None, **kwargs):
+                 process_group=None, elementwise: Optional[bool] = None,
+                 skip_nonfinite: bool = False, **kwargs):
         check_class(optimizer_cls)
         kwargs = ctor_kwargs(optimizer_cls, kwargs)
         if elementwise is None:
@@ -134,6 +138,8 @@ class StoreOptimizer(StateStoreOptimizer):
                                   f"elementwise=True would change its results")
         self.optimizer_cls = optimizer_cls
         self._kwargs = kwargs
+        #: skip a step whose gradients hold inf or nan (nothing changes)
+        self.skip_nonfinite = bool(skip_nonfinite)
         # the class's defaults, its constructor's checks of kwargs (its own messages)
         template = optimizer_cls([torch.empty(2, 2, device="meta")], **kwargs)
         #: the optimizer instance each unit's update runs on (its groups and state swapped in)
@@ -176,20 +182,18 @@ class StoreOptimizer(StateStoreOptimizer):
         self._created = set()
         self._layout.stepping(True)
         try:
-            plan = self._resident
-            if plan is None:
-                loss = super().step(closure)
-            else:
-                if closure is not None and not callable(closure):
-                    raise TypeError(f"closure must be callable or None, got "
-                                    f"{type(closure).__name__}")
-                self._check_usable()
-                loss = self._run_closure(closure)
-                with torch.no_grad():
+            if closure is not None and not callable(closure):
+                raise TypeError(f"closure must be callable or None, got "
+                                f"{type(closure).__name__}")
+            self._check_usable()
+            loss = self._run_closure(closure)
+            with torch.no_grad():
+                plan = self._resident
+                if plan is not None:
                     if self._run_resident(plan):
                         return loss
                     self._resident = None
-                    self._general_step()
+                self._general_step()
             self._plan_resident()
             return loss
         finally:
@@ -200,7 +204,7 @@ class StoreOptimizer(StateStoreOptimizer):
     def _general_step(self) -> None:
         """The base's step after its closure (:meth:`StateStoreOptimizer.step`)."""
         work, grads = self._collect()
-        if grads:
+        if grads and not self._skipped(list(grads.values())):
             self._ensure_states(work)
             self._run_step(work, grads)
 
@@ -209,6 +213,8 @@ class StoreOptimizer(StateStoreOptimizer):
         grads = plan.grads(self.param_groups, self._steps, self._layout)
         if grads is None:
             return False
+        if self._skipped([g for gs, _ in grads for g in gs]):
+            return True
         groups = plan.groups
         with self._table.stepping(plan.keys) as undo:
             self._step_undo = undo
@@ -224,6 +230,11 @@ class StoreOptimizer(StateStoreOptimizer):
             finally:
                 self._step_undo = {}
         return True
+
+    def _skipped(self, grads: List[Tensor]) -> bool:
+        """Whether this step is skipped: ``skip_nonfinite`` and ``grads`` (every rank's,
+        over sharded parameters) hold inf or nan."""
+        return self.skip_nonfinite and not self._dtensors.all_finite(grads)
 
     def _plan_resident(self) -> None:
         """After a general step: the plan of the next ones, when it applies (tried again
