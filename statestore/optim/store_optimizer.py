@@ -31,8 +31,9 @@ from ..store import StateStore
 from ._dtensor import local, local_grad
 from ._plan import ensure_states
 from ._resident import ResidentPlan, Scalars, joined_view, state_kinds
-from ._torch_layout import (ELEMENTWISE, WHOLE, TorchLayout, check_class, class_name,
-                            ctor_kwargs, make_step)
+from ._rounding import round_into, seed_of
+from ._torch_layout import (ELEMENTWISE, WHOLE, TorchLayout, check_class, check_state_dtype,
+                            class_name, ctor_kwargs, make_step)
 from ._whole import WholeUpdates
 from .base import StateStoreOptimizer
 
@@ -103,6 +104,13 @@ class StoreOptimizer(StateStoreOptimizer):
         skip_nonfinite: when True, a step whose gradients hold inf or nan changes nothing
             (no parameter, state or step count), as ``HybridAdam``'s; over sharded
             parameters every rank skips or none does.
+        state_dtype: ``"fp32"`` (default: every state as the class keeps it) or ``"bf16"``:
+            every floating state the class keeps in a wider dtype (fp32 moments, momentum
+            buffers...) is kept in the store as bf16; the class is handed it converted to its
+            own dtype and computes as it does, and its result is written back stochastically
+            rounded (:mod:`statestore.optim._rounding`: seeded by the parameter, the state
+            and the step, so a resumed run is bit for bit the uninterrupted one).
+            ``state_dict()`` holds the class's dtypes; a loaded one is rounded to nearest.
         elementwise: whether ``optimizer_cls`` updates each element from that element alone,
             so that fp32/fp64 parameters may be cut into units smaller than a parameter.
             None: True for torch's element-wise classes, False otherwise (Adafactor, Muon,
@@ -112,7 +120,8 @@ class StoreOptimizer(StateStoreOptimizer):
 
     Raises:
         TypeError: ``optimizer_cls`` is not an optimizer class.
-        StateStoreValueError: LBFGS, SparseAdam, or ``foreach=True`` (and the like).
+        StateStoreValueError: LBFGS, SparseAdam, ``foreach=True`` (and the like), or a
+            ``state_dtype`` other than ``"fp32"`` and ``"bf16"``.
         ValueError: ``optimizer_cls``'s own checks of its arguments (its messages).
 
     Attributes:
@@ -125,8 +134,9 @@ class StoreOptimizer(StateStoreOptimizer):
 
     def __init__(self, optimizer_cls: type, params, *, state_store: Optional[StateStore] = None,
                  process_group=None, elementwise: Optional[bool] = None,
-                 skip_nonfinite: bool = False, **kwargs):
+                 skip_nonfinite: bool = False, state_dtype: str = "fp32", **kwargs):
         check_class(optimizer_cls)
+        check_state_dtype(state_dtype)
         kwargs = ctor_kwargs(optimizer_cls, kwargs)
         if elementwise is None:
             elementwise = optimizer_cls.__name__ in ELEMENTWISE and \
@@ -165,7 +175,11 @@ class StoreOptimizer(StateStoreOptimizer):
         #: units (:meth:`_plan`)
         self._plan_sigs: Dict[int, tuple] = {}
         self._plan_metas: Dict[int, list] = {}
-        layout = TorchLayout(optimizer_cls, kwargs, elementwise)
+        layout = TorchLayout(optimizer_cls, kwargs, elementwise, state_dtype)
+        #: floating states kept in a lower dtype than the class's (``state_dtype="bf16"``):
+        #: each parameter updated alone, neither joined nor by the resident plan (both hand
+        #: the class the store's tensors as they lie)
+        self._low = layout.low is not None
         #: sharded DTensor parameters a class needing the whole tensor updates gathered
         self._whole = WholeUpdates(not elementwise)
         super().__init__(params, dict(template.defaults), layout, state_store=state_store,
@@ -242,7 +256,7 @@ class StoreOptimizer(StateStoreOptimizer):
         if self._resident_wait > 0:
             self._resident_wait -= 1
             return
-        if os.environ.get("STATESTORE_RESIDENT_PLAN", "1") != "0":     # for comparisons
+        if os.environ.get("STATESTORE_RESIDENT_PLAN", "1") != "0" and not self._low:
             self._resident = None if self._sharding is not None else ResidentPlan.build(
                 self.param_groups, self._keys, self._stores, self._steps, self._layout,
                 _JOIN_ELEMS)
@@ -361,7 +375,8 @@ class StoreOptimizer(StateStoreOptimizer):
         for p, a, b, names in entries:
             w = local(p)
             kinds = None
-            if (layout.elementwise and w is p and w.dtype in (torch.float32, torch.float64)
+            if (layout.elementwise and not self._low and w is p
+                    and w.dtype in (torch.float32, torch.float64)
                     and 0 < b - a <= _JOIN_ELEMS
                     and len(names) == len(layout.probe_of(p).names)):
                 kinds = state_kinds(layout, p, names, dev)
@@ -457,7 +472,7 @@ class StoreOptimizer(StateStoreOptimizer):
             proxies.append(proxy)
             if first:
                 fresh.append(proxy)
-                given.append((p, key, names, ts, {}, []))
+                given.append((p, key, names, ts, {}, [], a, count))
                 continue
             state, moved = self._given_state(p, key, a, names, ts, proxy.device, new)
             if self._whole.covers(p):
@@ -465,23 +480,23 @@ class StoreOptimizer(StateStoreOptimizer):
             kind = layout.step_kind()
             if kind is not None:
                 state["step"] = make_step(kind, count, proxy.device)
-            given.append((p, key, names, ts, state, moved))
+            given.append((p, key, names, ts, state, moved, a, count))
         worker = self._worker
         states = defaultdict(dict)
         if fresh:                       # the class's constructor may create states (Adagrad)
             states.update(self.optimizer_cls([dict(hyper, params=fresh)], **self._kwargs).state)
-        for proxy, (_, _, _, _, state, _) in zip(proxies, given):
+        for proxy, (_, _, _, _, state, *_) in zip(proxies, given):
             if state:
                 states[proxy] = dict(state)
         worker.param_groups = [dict(hyper, params=proxies)]
         worker.state = states
         try:
             self._class_step(worker)
-            for proxy, (p, key, names, ts, state, moved) in zip(proxies, given):
+            for proxy, (p, key, names, ts, state, moved, a, count) in zip(proxies, given):
                 after = worker.state.get(proxy, {})
                 if self._whole.covers(p):   # this rank's region of the parameter and states
                     after = self._whole.finish(p, proxy, after)
-                self._take_states(after, p, key, names, ts, state, moved)
+                self._take_states(after, p, key, names, ts, state, moved, (a, count + 1))
         finally:
             worker.param_groups, worker.state = [], defaultdict(dict)
         for proxy, target, ptr, key in placed:
@@ -549,8 +564,9 @@ class StoreOptimizer(StateStoreOptimizer):
             # a tensor of its own (a view): the class may assign its .data
             v = t.detach() if math.prod(shape) == n and t.numel() != n else t.view(shape)
             target = w_dev if layout.on_param_device(name, p) else torch.device("cpu")
-            if v.device != target:
-                dv = v.to(target)
+            cd = layout.class_dtype(name, p) if self._low else v.dtype
+            if v.device != target or v.dtype != cd:
+                dv = v.to(target, cd)           # bf16 states: the class's dtype, rounded back
                 moved.append((v, dv))
                 v = dv
             state[name] = v
@@ -566,19 +582,30 @@ class StoreOptimizer(StateStoreOptimizer):
         return state, moved
 
     def _take_states(self, after: Dict[str, Any], p: Tensor, key: str, names: List[str],
-                     ts: List[Tensor], given: Dict[str, Any], moved) -> None:
+                     ts: List[Tensor], given: Dict[str, Any], moved, at=(0, 0)) -> None:
         """Put the states the class left for ``p`` into the unit's tensors ``ts`` (those it
-        replaced rather than updated in place: its new states, SGD's first momentum)."""
+        replaced rather than updated in place: its new states, SGD's first momentum). A
+        state kept in a lower dtype than the class's (``state_dtype="bf16"``) is the class's
+        result stochastically rounded, seeded by ``key``, the state's name and the step
+        written (``at``: ``(first element of the unit, step)``) and indexed by element of
+        the state (the same bits however the parameter is cut into units)."""
+        start, step = at
+        n = local(p).numel()
         for name, t in zip(names, ts):
             got = after.get(name)
             if not isinstance(got, Tensor):
                 raise StateStoreError(f"{class_name(self.optimizer_cls)} left no tensor "
                                       f"{name!r} for parameter {key!r} after its step")
+            if self._low and t.dtype != got.dtype:
+                offset = start if math.prod(self._layout.spec(name, p)[0]) == n else 0
+                round_into(t, got, seed_of(key, name, step), offset)
+                continue
             was = given.get(name)
             if got is not was or (t.data_ptr() != got.data_ptr() and t.device == got.device):
                 t.copy_(got.reshape(t.shape))       # replaced, or its .data reassigned
         for v, dv in moved:
-            v.copy_(dv)
+            if v.dtype == dv.dtype:
+                v.copy_(dv)
         unknown = [n for n in after if n != "step" and n not in names
                    and n not in self._layout.probe_of(p).names]
         if unknown:
