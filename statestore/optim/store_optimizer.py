@@ -28,14 +28,16 @@ from torch import Tensor
 from .._types import StateKey
 from ..errors import StateStoreError
 from ..store import StateStore
-from ._dtensor import local, local_grad
+from ._args import check_arguments
+from ._dtensor import local
 from ._plan import ensure_states
 from ._resident import ResidentPlan, Scalars, joined_view, state_kinds
 from ._rounding import round_into, seed_of
+from ._torch_backward import InBackward
 from ._torch_layout import (ELEMENTWISE, WHOLE, TorchLayout, check_class, check_state_dtype,
                             class_name, ctor_kwargs, make_step)
+from ._torch_units import Noting, parts, range_proxy, replace_data
 from ._whole import WholeUpdates
-from .base import StateStoreOptimizer
 
 __all__ = ["StoreOptimizer"]
 
@@ -43,52 +45,9 @@ __all__ = ["StoreOptimizer"]
 #: (:meth:`StoreOptimizer._update_joined`): below it, the class's own Python per parameter
 #: costs more than its arithmetic
 _JOIN_ELEMS = 1 << 16
-#: elements of one joined update at most (it copies parameters, gradients and states)
-_JOIN_TOTAL = 1 << 20
 
 
-def _parts(items: list) -> List[list]:
-    """``items`` (``((parameter, start, stop, ...), gradient)``) in runs of at most
-    :data:`_JOIN_TOTAL` elements."""
-    parts, cur, size = [], [], 0
-    for it in items:
-        n = it[0][2] - it[0][1]
-        if cur and size + n > _JOIN_TOTAL:
-            parts.append(cur)
-            cur, size = [], 0
-        cur.append(it)
-        size += n
-    if cur:
-        parts.append(cur)
-    return parts
-
-
-class _Noting:
-    """``store`` as :func:`~statestore.optim._plan.ensure_states` uses it, noting in
-    ``created`` the keys it creates."""
-
-    __slots__ = ("_store", "_created")
-
-    def __init__(self, store: StateStore, created: set):
-        self._store, self._created = store, created
-
-    def __contains__(self, key) -> bool:
-        return key in self._store
-
-    def create_many(self, entries) -> None:
-        """Create them name by name (every parameter's first state, then every second...):
-        a resident store then lays each name's states back to back, which a joined update
-        takes as one view (:func:`~statestore.optim._resident.joined_view`)."""
-        order: Dict[str, int] = {}
-        entries = sorted(entries, key=lambda e: order.setdefault(e[0].state, len(order)))
-        self._store.create_many(entries)
-        self._created.update(e[0] for e in entries)
-
-    def __getattr__(self, name: str):
-        return getattr(self._store, name)
-
-
-class StoreOptimizer(StateStoreOptimizer):
+class StoreOptimizer(InBackward):
     """A ``torch.optim.Optimizer`` running ``optimizer_cls``'s update over states kept in a
     :class:`~statestore.StateStore`.
 
@@ -111,6 +70,16 @@ class StoreOptimizer(StateStoreOptimizer):
             rounded (:mod:`statestore.optim._rounding`: seeded by the parameter, the state
             and the step, so a resumed run is bit for bit the uninterrupted one).
             ``state_dict()`` holds the class's dtypes; a loaded one is rounded to nearest.
+        update_in_backward: update each parameter during ``backward()`` as soon as its
+            gradient is final (a gradient hook), as ``HybridAdam``'s: the same bits as
+            ``step()`` (``optimizer_cls``'s), the same refusals (gradients changed between
+            backward and ``step()``: clipping, unscaling, accumulation) and failure contract
+            (:mod:`statestore.optim._in_backward`); ``step()`` updates what backward could
+            not. Not with ``skip_nonfinite`` or a ``process_group`` (``ValueError``), nor with
+            a class needing the whole tensor over DTensor parameters sharded over several
+            ranks (``StateStoreError``).
+        release_grads: with ``update_in_backward``, set ``param.grad = None`` once backward
+            applied it.
         elementwise: whether ``optimizer_cls`` updates each element from that element alone,
             so that fp32/fp64 parameters may be cut into units smaller than a parameter.
             None: True for torch's element-wise classes, False otherwise (Adafactor, Muon,
@@ -122,7 +91,11 @@ class StoreOptimizer(StateStoreOptimizer):
         TypeError: ``optimizer_cls`` is not an optimizer class.
         StateStoreValueError: LBFGS, SparseAdam, ``foreach=True`` (and the like), or a
             ``state_dtype`` other than ``"fp32"`` and ``"bf16"``.
-        ValueError: ``optimizer_cls``'s own checks of its arguments (its messages).
+        StateStoreError: ``update_in_backward`` for a class needing the whole tensor over
+            DTensor parameters sharded over several ranks.
+        ValueError: ``optimizer_cls``'s own checks of its arguments (its messages);
+            ``release_grads`` without ``update_in_backward``, ``update_in_backward`` with
+            ``skip_nonfinite`` or a ``process_group``.
 
     Attributes:
         optimizer_cls: the class whose update runs.
@@ -134,9 +107,14 @@ class StoreOptimizer(StateStoreOptimizer):
 
     def __init__(self, optimizer_cls: type, params, *, state_store: Optional[StateStore] = None,
                  process_group=None, elementwise: Optional[bool] = None,
-                 skip_nonfinite: bool = False, state_dtype: str = "fp32", **kwargs):
+                 skip_nonfinite: bool = False, state_dtype: str = "fp32",
+                 update_in_backward: bool = False, release_grads: bool = False, **kwargs):
         check_class(optimizer_cls)
         check_state_dtype(state_dtype)
+        check_arguments("StoreOptimizer", state_store=None, nvme_offload_fraction=0.0,
+                        nvme_offload_dir=None, bias_correction=True, unused={},
+                        skip_nonfinite=skip_nonfinite, process_group=process_group,
+                        update_in_backward=update_in_backward, release_grads=release_grads)
         kwargs = ctor_kwargs(optimizer_cls, kwargs)
         if elementwise is None:
             elementwise = optimizer_cls.__name__ in ELEMENTWISE and \
@@ -182,8 +160,12 @@ class StoreOptimizer(StateStoreOptimizer):
         self._low = layout.low is not None
         #: sharded DTensor parameters a class needing the whole tensor updates gathered
         self._whole = WholeUpdates(not elementwise)
+        #: update_in_backward: the step made during backward (_torch_backward.py)
+        self._init_backward(update_in_backward, release_grads)
         super().__init__(params, dict(template.defaults), layout, state_store=state_store,
                          process_group=process_group)
+        if update_in_backward:
+            self._check_backward(self._params)
 
     def _collect(self, released=(), contiguous: bool = True, fp64: bool = False):
         return super()._collect(released, contiguous=True, fp64=True)
@@ -192,7 +174,8 @@ class StoreOptimizer(StateStoreOptimizer):
         """One step of ``optimizer_cls`` over every parameter with a gradient (see
         :meth:`StateStoreOptimizer.step`). Over resident stores, a step like the last is
         made by the plan remembered from it (:mod:`statestore.optim._resident`)."""
-        self._scalars = {}
+        if not self._update_in_backward:     # else backward may have begun a parameter
+            self._scalars = {}
         self._created = set()
         self._layout.stepping(True)
         try:
@@ -201,6 +184,10 @@ class StoreOptimizer(StateStoreOptimizer):
                                 f"{type(closure).__name__}")
             self._check_usable()
             loss = self._run_closure(closure)
+            if self._update_in_backward:
+                with torch.no_grad():
+                    self._backward_step()
+                return loss
             with torch.no_grad():
                 plan = self._resident
                 if plan is not None:
@@ -266,12 +253,18 @@ class StoreOptimizer(StateStoreOptimizer):
         else:
             self._resident_backoff = 0
 
+    def _gathered(self, p: Tensor) -> bool:
+        return self._whole.covers(p)
+
     def _forget_pending(self) -> None:
+        self._stepper.forget()
         self._unit_plans.clear()
         self._resident = None
         self._resident_wait = 0
 
     def _group_added(self, params) -> None:
+        if self._update_in_backward:
+            self._check_backward(params)
         super()._group_added(params)
         self._resident = None
         self._resident_wait = 0
@@ -283,7 +276,7 @@ class StoreOptimizer(StateStoreOptimizer):
         class creates it as it does (``clone(grad)``), not from zeros."""
         group_of = {p: g for items in work.values() for g, ps in items for p in ps}
         for store, items in work.items():
-            ensure_states(_Noting(store, self._created), [p for _, ps in items for p in ps],
+            ensure_states(Noting(store, self._created), [p for _, ps in items for p in ps],
                           self._keys, group_of, self._layout)
 
     def _plan(self, store, items, order=None):
@@ -332,7 +325,7 @@ class StoreOptimizer(StateStoreOptimizer):
                 each.append(entry)
         calls = []
         for (first, count, new, _, _, names, kinds), items in joined.items():
-            for part in _parts(items):
+            for part in parts(items):
                 states = []
                 for j, kind in enumerate(kinds):
                     ts = [e[5][j] for e, _ in part]
@@ -464,7 +457,7 @@ class StoreOptimizer(StateStoreOptimizer):
             if self._whole.covers(p):       # all-gathered (_whole.py)
                 proxy, writeback, target = self._whole.proxy(p, grads[p]), None, None
             else:
-                proxy, writeback, target = self._proxy(p, a, b, grads[p])
+                proxy, writeback, target = range_proxy(p, a, b, grads[p])
             if writeback is not None:
                 back.append(writeback)
             elif target is not None:    # p.data = ... on the proxy must reach the parameter
@@ -501,49 +494,12 @@ class StoreOptimizer(StateStoreOptimizer):
             worker.param_groups, worker.state = [], defaultdict(dict)
         for proxy, target, ptr, key in placed:
             if proxy.data_ptr() != ptr:
-                self._replaced(proxy, target, key)
+                replace_data(self.optimizer_cls, proxy, target, key)
         for p, (a, flat) in back:       # a non-contiguous parameter's range, computed apart
             w = local(p).detach()
             full = w.reshape(-1).clone()
             full[a:a + flat.numel()].copy_(flat.reshape(-1))
             w.copy_(full.view(w.shape))
-
-    def _replaced(self, proxy: Tensor, target: Tensor, key: str) -> None:
-        """The class assigned ``proxy.data`` (``p.data = ...``, as many hand-written
-        optimizers do) where ``proxy`` stands for ``target``, a range of the parameter: copy
-        the new value there, as the assignment does to the parameter itself."""
-        if proxy.shape != target.shape or proxy.dtype != target.dtype:
-            raise StateStoreError(
-                f"{class_name(self.optimizer_cls)} replaced the data of parameter {key!r} "
-                f"(p.data = ...) with a tensor of shape {tuple(proxy.shape)} and dtype "
-                f"{proxy.dtype}; StoreOptimizer writes an update back into the parameter, so "
-                f"it must keep the shape {tuple(target.shape)} and dtype {target.dtype} it was "
-                f"handed")
-        target.copy_(proxy)
-
-    def _proxy(self, p: Tensor, a: int, b: int, g: Tensor):
-        """The parameter the class updates for elements ``[a, b)`` of ``p``: ``p`` itself when
-        whole (its gradient as it is), else a flat range of it (a copy, written back after,
-        when ``p`` is not contiguous) with the gradient's range. Returns ``(proxy,
-        writeback, target)``: ``target`` is where the proxy's elements live when it is not
-        ``p`` itself (a new ``proxy.data`` is copied there)."""
-        w = local(p)
-        if a == 0 and b == w.numel():
-            if w is p:
-                return p, None, None
-            proxy = w.detach()
-            proxy.grad = local_grad(p, p.grad)
-            return proxy, None, w.detach()
-        if w.is_contiguous():
-            target = w.detach().view(-1)[a:b]
-            proxy = target.detach()
-            writeback = None
-        else:
-            proxy = w.detach().reshape(-1)[a:b].clone()
-            target = None
-            writeback = (p, (a, proxy))
-        proxy.grad = g.view(-1)[a:b]
-        return proxy, writeback, target
 
     def _given_state(self, p: Tensor, key: str, a: int, names, ts: List[Tensor],
                      w_dev: torch.device, new=()):

@@ -1,6 +1,8 @@
 """StoreOptimizer's own keyword arguments: ``skip_nonfinite`` (a step with inf or nan
-gradients changes nothing, for every class and store) and ``state_dtype="bf16"`` (floating
-states kept as bf16, stochastically rounded, computed in fp32, resumed bit for bit)."""
+gradients changes nothing, for every class and store), ``state_dtype="bf16"`` (floating
+states kept as bf16, stochastically rounded, computed in fp32, resumed bit for bit) and
+``update_in_backward``/``release_grads`` (each parameter updated from its gradient hook: the
+class's own bits, HybridAdam's refusals)."""
 from __future__ import annotations
 
 import pytest
@@ -245,3 +247,185 @@ def test_bf16_state_dict_both_ways():
 def test_bad_state_dtype_is_refused(bad):
     with pytest.raises(ss.StateStoreValueError, match="state_dtype"):
         StoreOptimizer(O.AdamW, _model().parameters(), state_dtype=bad, lr=0.01)
+
+
+# ------------------------------------------------------------------ update_in_backward
+UBW_CASES = CASES + [("nadam", O.NAdam, dict(lr=0.01)),
+                     ("sgd-dampening", O.SGD, dict(lr=0.1, momentum=0.9, dampening=0.3)),
+                     ("muon", O.Muon, dict(lr=0.02))]
+
+
+def _torch_run(cls, kw, steps):
+    model = _model()
+    params = [p for p in model.parameters() if cls is not O.Muon or p.ndim == 2]
+    opt = cls(params, **kw, **({} if cls is O.Muon else {"foreach": False}))
+    _train(model, opt, 0, steps)
+    return model
+
+
+def _named(model, cls):
+    return [(n, p) for n, p in model.named_parameters() if cls is not O.Muon or p.ndim == 2]
+
+
+@pytest.mark.parametrize("release", [False, True])
+@pytest.mark.parametrize("store_kind", STORES)
+@pytest.mark.parametrize("case", UBW_CASES, ids=[c[0] for c in UBW_CASES])
+def test_update_in_backward_is_torchs_step(case, store_kind, release, tmp_path):
+    """Bit for bit torch's class (foreach=False), with parameters updated during backward
+    from the second step on (each parameter's first update by the class itself: SGD's
+    dampening, NAdam's mu_product); release_grads frees each gradient once applied."""
+    _, cls, kw = case
+    want = _torch_run(cls, kw, 4)
+    model = _model()
+    opt = StoreOptimizer(cls, _named(model, cls), state_store=_store(store_kind, tmp_path),
+                         update_in_backward=True, release_grads=release, **kw)
+    for s in range(4):
+        opt.zero_grad()
+        before = [p.detach().clone() for _, p in _named(model, cls)]
+        _backward(model, s)
+        # the plan made by the first step() updates them during backward (on disk, those
+        # whose states have arrived: backward never waits for the disk)
+        if s > 0 and store_kind == "device":
+            assert all(not torch.equal(b, p) for b, (_, p) in zip(before, _named(model, cls)))
+            if release:
+                assert all(p.grad is None for _, p in _named(model, cls))
+        opt.step()
+    _same(want, model)
+
+
+def test_update_in_backward_with_bf16_states_is_the_step_after_backward(tmp_path):
+    """update_in_backward with state_dtype="bf16": the same bits as step() after backward."""
+    runs = []
+    for ubw in (False, True):
+        model = _model()
+        opt = StoreOptimizer(O.AdamW, model.named_parameters(), state_store=_store(
+            "nvme", tmp_path, str(ubw)), state_dtype="bf16", update_in_backward=ubw, lr=0.01)
+        _train(model, opt, 0, 4)
+        runs.append(model)
+    _same(*runs)
+
+
+def test_update_in_backward_follows_a_state_turned_on():
+    """SGD's momentum leaving 0 between steps: the plan made without momentum_buffer is not
+    used by backward; the class makes the buffer in step() (clone(grad)), as torch's."""
+    want = _model()
+    ref = O.SGD(want.parameters(), lr=0.1, momentum=0.0, foreach=False)
+    model = _model()
+    opt = StoreOptimizer(O.SGD, model.named_parameters(), state_store=ss.DeviceStore("cpu"),
+                         update_in_backward=True, lr=0.1, momentum=0.0)
+    for s in range(5):
+        for o in (ref, opt):
+            o.param_groups[0]["momentum"] = 0.9 if s >= 2 else 0.0
+        _train(want, ref, s, s + 1)
+        _train(model, opt, s, s + 1)
+    _same(want, model)
+
+
+def test_update_in_backward_resumes_bit_for_bit(tmp_path):
+    """save_checkpoint between steps, load into a new store and optimizer: bit for bit."""
+    want = _torch_run(O.RMSprop, dict(lr=0.01), 5)
+    model = _model()
+    store = _store("nvme", tmp_path, "a")
+    opt = StoreOptimizer(O.RMSprop, model.named_parameters(), state_store=store,
+                         update_in_backward=True, lr=0.01)
+    _train(model, opt, 0, 3)
+    store.save_checkpoint(str(tmp_path / "ckpt"))
+    store.close()
+    store = _store("nvme", tmp_path, "b")
+    opt = StoreOptimizer(O.RMSprop, model.named_parameters(), state_store=store,
+                         update_in_backward=True, lr=0.01)
+    store.load_checkpoint(str(tmp_path / "ckpt"))
+    _train(model, opt, 3, 5)
+    _same(want, model)
+    store.close()
+
+
+@pytest.mark.parametrize("misuse", ["clip", "accumulate"])
+def test_update_in_backward_refuses_what_hybridadam_refuses(misuse):
+    """Clipping or accumulating: refused at the first step() with nothing changed, made
+    with update_in_backward switched off; later, after backward updated some parameters,
+    step() finishes the others and says so (every parameter made the step once)."""
+    def misuse_after(model, s):
+        if misuse == "clip":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-2)
+        else:
+            _backward(model, s + 50)
+    word = "changed after backward" if misuse == "clip" else "second gradient before step"
+    model = _model()
+    opt = StoreOptimizer(O.AdamW, model.named_parameters(), state_store=ss.DeviceStore("cpu"),
+                         update_in_backward=True, lr=0.01)
+    _backward(model, 0)
+    misuse_after(model, 0)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ss.StateStoreError, match=f"{word}.*Nothing was updated"):
+        opt.step()
+    for b, p in zip(before, model.parameters()):
+        assert torch.equal(b, p)
+    opt.update_in_backward = False
+    opt.step()
+    opt.update_in_backward = True
+    opt.zero_grad()
+    _backward(model, 1)
+    opt.step()                          # plans: backward updates from the next step on
+    opt.zero_grad()
+    _backward(model, 2)
+    misuse_after(model, 2)
+    with pytest.raises(ss.StateStoreError, match=word):
+        opt.step()
+    assert {opt.step_count(p) for p in model.parameters()} == {3}
+
+
+@pytest.mark.parametrize("kw,exc,match", [
+    ({"update_in_backward": 1}, TypeError, "update_in_backward must be a bool"),
+    ({"release_grads": True}, ValueError, "release_grads=True needs update_in_backward"),
+    ({"update_in_backward": True, "skip_nonfinite": True}, ValueError, "skip_nonfinite"),
+    ({"update_in_backward": True, "process_group": object()}, ValueError, "process_group"),
+])
+def test_update_in_backward_bad_arguments(kw, exc, match):
+    with pytest.raises(exc, match=match):
+        StoreOptimizer(O.SGD, _model().parameters(), lr=0.1, **kw)
+
+
+@pytest.mark.parametrize("case", [UBW_CASES[3], UBW_CASES[4]], ids=["nadam", "sgd-dampening"])
+def test_release_grads_first_step_over_budget(case, tmp_path):
+    """release_grads with more gradient bytes than the disk store's budget at the first
+    backward (no plan yet): each parameter's first update is made during that backward (by
+    the class itself: SGD's clone(grad) with dampening, NAdam's mu_product) and its gradient
+    freed; bit for bit torch's."""
+    _, cls, kw = case
+    want = _torch_run(cls, kw, 3)
+    model = _model()
+    opt = StoreOptimizer(cls, model.named_parameters(), state_store=ss.NVMeStore(
+        str(tmp_path / "s"), budget_bytes=16 << 10), update_in_backward=True,
+        release_grads=True, **kw)
+    _backward(model, 0)
+    assert all(p.grad is None for p in model.parameters())
+    opt.step()
+    _train(model, opt, 1, 3)
+    _same(want, model)
+
+
+@pytest.mark.parametrize("store_kind", STORES)
+def test_a_failed_backward_ends_its_step(store_kind, tmp_path):
+    """A backward that raises after some gradients were produced (and, with a plan, applied):
+    those parameters made the step, the others did not (torch's step with only their
+    gradients); step() after it and the next steps are bit for bit torch's."""
+    def run(opt, model):
+        _train(model, opt, 0, 2)
+        opt.zero_grad()
+        g = torch.Generator().manual_seed(102)
+        h = model[1](model[0](torch.randn(8, 20, generator=g)))
+        h.register_hook(lambda _: (_ for _ in ()).throw(RuntimeError("model failed")))
+        with pytest.raises(RuntimeError, match="model failed"):
+            model[2](h).square().mean().backward()
+        opt.step()
+        _train(model, opt, 3, 5)
+        return model
+    ref_model = _model()
+    run(O.AdamW(ref_model.parameters(), lr=0.01, foreach=False), ref_model)
+    model = _model()
+    opt = StoreOptimizer(O.AdamW, model.named_parameters(), state_store=_store(
+        store_kind, tmp_path), update_in_backward=True, lr=0.01)
+    run(opt, model)
+    _same(ref_model, model)
+    assert [opt.step_count(p) for p in model.parameters()] == [4, 4, 5, 5]
