@@ -32,12 +32,14 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from .._types import StateKey
 from ..errors import StateStoreError, StateStoreValueError
 from ._layout import IMPL_KEYS, StateLayout, json_group
 from ._dtensor import local, sharded_over_ranks
 
 __all__ = ["TorchLayout", "SavedLayout", "Probe", "ELEMENTWISE", "WHOLE", "REFUSED",
-           "group_structure", "class_name", "check_class", "ctor_kwargs"]
+           "STATE_DTYPES", "group_structure", "class_name", "check_class", "ctor_kwargs",
+           "check_state_dtype"]
 
 #: torch's optimizers whose update is element by element (cut into element ranges)
 ELEMENTWISE = ("SGD", "Adagrad", "RMSprop", "Adam", "AdamW", "NAdam", "RAdam", "Adamax",
@@ -53,6 +55,20 @@ REFUSED = {
                   "states (use StoreOptimizer(torch.optim.Adam, ...) on dense gradients)",
 }
 _SWITCHES = ("fused", "capturable", "differentiable")
+#: ``state_dtype`` values: how the store keeps the class's floating states
+STATE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+
+
+def check_state_dtype(value: Any) -> str:
+    """``value`` if it is one of :data:`STATE_DTYPES`.
+
+    Raises:
+        StateStoreValueError: anything else, naming ``state_dtype``.
+    """
+    if not isinstance(value, str) or value not in STATE_DTYPES:
+        raise StateStoreValueError(f"StoreOptimizer: state_dtype must be one of "
+                                   f"{sorted(STATE_DTYPES)}, got {value!r}")
+    return value
 
 
 def class_name(cls: type) -> str:
@@ -227,11 +243,18 @@ def group_structure(group: Dict[str, Any]) -> Tuple:
 
 class TorchLayout(StateLayout):
     """The states of ``cls`` (built with ``kwargs``), probed per parameter shape, dtype and
-    group hyperparameters; ``elementwise``: whether its update is element by element."""
+    group hyperparameters; ``elementwise``: whether its update is element by element;
+    ``state_dtype``: ``"fp32"`` (states kept as the class keeps them) or ``"bf16"`` (its
+    floating states kept as bf16: :meth:`spec` is the store's dtype, :meth:`class_dtype`
+    the class's, torch's format the class's)."""
 
-    def __init__(self, cls: type, kwargs: Dict[str, Any], elementwise: bool):
+    def __init__(self, cls: type, kwargs: Dict[str, Any], elementwise: bool,
+                 state_dtype: str = "fp32"):
         super().__init__()
         self.cls, self.kwargs, self.elementwise = cls, kwargs, elementwise
+        self.state_dtype = check_state_dtype(state_dtype)
+        #: the dtype floating states are kept in (None: the class's own)
+        self.low: Optional[torch.dtype] = STATE_DTYPES[state_dtype]
         self.name = class_name(cls)
         #: probes by (shape, dtype, group structure), least recently used first (bounded)
         self._probes: "OrderedDict[Tuple, Probe]" = OrderedDict()
@@ -353,7 +376,15 @@ class TorchLayout(StateLayout):
             raise StateStoreValueError(f"parameter {self._keys.get(p, '?')!r}: {self.name} "
                                        f"keeps no state {name!r} (it keeps {pr.names})")
         shape, dtype, _ = pr.specs[name]
+        low = self.low
+        if low is not None and dtype.is_floating_point and dtype.itemsize > low.itemsize:
+            dtype = low
         return shape, dtype
+
+    def class_dtype(self, name: str, p: Tensor) -> torch.dtype:
+        """The dtype the class keeps state ``name`` of ``p`` in (what it is handed and what
+        torch's format holds; :meth:`spec`'s where ``state_dtype`` is ``"fp32"``)."""
+        return self.probe_of(p).specs[name][1]
 
     def on_param_device(self, name: str, p: Tensor) -> bool:
         return self.probe_of(p).specs[name][2]
@@ -364,6 +395,16 @@ class TorchLayout(StateLayout):
             return False
         n = local(p).numel()
         return all(math.prod(s) in (n, 1) for s, _, _ in self.probe(p, group).specs.values())
+
+    def cut_elems(self, store, align: int) -> int:
+        """The base's cut (``align``: the fp32 states' elements); states kept as bf16 also
+        start each slice on the store's alignment (twice the elements of an fp32 state)."""
+        need = max(1, align)
+        low = self.low
+        if low is None:
+            return need
+        step = max(1, (store.alignment if not store.resident else 1) // low.itemsize)
+        return need * step // math.gcd(need, step)
 
     # ------------------------------------------------------------------ hyperparameters
     def check_group(self, group: Dict[str, Any]) -> None:
@@ -398,9 +439,15 @@ class TorchLayout(StateLayout):
         self.probe(p, group, name=name)
 
     def metadata(self) -> Dict[str, Any]:
-        return {"optimizer_class": self.name, "step_format": _step_format(self._step)}
+        return {"optimizer_class": self.name, "step_format": _step_format(self._step),
+                "state_dtype": self.state_dtype}
 
     def resume_problem(self, meta: Dict[str, Any], stored: bool) -> Optional[str]:
+        saved_dtype = meta.get("state_dtype", "fp32")
+        if saved_dtype != self.state_dtype and (stored or "state_dtype" in meta):
+            return (f"the store holds states of state_dtype={saved_dtype!r}, this optimizer "
+                    f"keeps state_dtype={self.state_dtype!r} (move them through "
+                    f"state_dict() to convert)")
         saved = meta.get("optimizer_class")
         if saved is not None and saved != self.name:
             return (f"the store holds the states of StoreOptimizer({saved}), this optimizer "
@@ -413,6 +460,25 @@ class TorchLayout(StateLayout):
     # ------------------------------------------------------------------ torch's format
     def torch_step(self, count: int) -> Any:
         return make_step(self._step, count, None)
+
+    def torch_spec(self, name: str, p: Tensor) -> Tuple[Tuple[int, ...], torch.dtype]:
+        return self.spec(name, p)[0], self.class_dtype(name, p)
+
+    def export(self, store, params) -> Dict[Any, Tensor]:
+        """The base's, states kept in a lower dtype than the class's (``state_dtype="bf16"``)
+        converted to the class's (exactly: bf16 to fp32 loses nothing)."""
+        out = super().export(store, params)
+        if self.low is None:
+            return out
+        for k, p, g in params:
+            for n in self.torch_names(p, g):
+                sk = StateKey(k, n)
+                t = out.get(sk)
+                if t is not None:
+                    cd = self.class_dtype(n, p)
+                    if t.dtype != cd:
+                        out[sk] = t.to(cd)
+        return out
 
 
 def make_step(kind: Optional[Tuple], count: int, device) -> Any:

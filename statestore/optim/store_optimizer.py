@@ -28,13 +28,16 @@ from torch import Tensor
 from .._types import StateKey
 from ..errors import StateStoreError
 from ..store import StateStore
-from ._dtensor import local, local_grad
+from ._args import check_arguments
+from ._dtensor import local
 from ._plan import ensure_states
 from ._resident import ResidentPlan, Scalars, joined_view, state_kinds
-from ._torch_layout import (ELEMENTWISE, WHOLE, TorchLayout, check_class, class_name,
-                            ctor_kwargs, make_step)
+from ._rounding import round_into, seed_of
+from ._torch_backward import InBackward
+from ._torch_layout import (ELEMENTWISE, WHOLE, TorchLayout, check_class, check_state_dtype,
+                            class_name, ctor_kwargs, make_step)
+from ._torch_units import Noting, parts, range_proxy, replace_data
 from ._whole import WholeUpdates
-from .base import StateStoreOptimizer
 
 __all__ = ["StoreOptimizer"]
 
@@ -42,52 +45,9 @@ __all__ = ["StoreOptimizer"]
 #: (:meth:`StoreOptimizer._update_joined`): below it, the class's own Python per parameter
 #: costs more than its arithmetic
 _JOIN_ELEMS = 1 << 16
-#: elements of one joined update at most (it copies parameters, gradients and states)
-_JOIN_TOTAL = 1 << 20
 
 
-def _parts(items: list) -> List[list]:
-    """``items`` (``((parameter, start, stop, ...), gradient)``) in runs of at most
-    :data:`_JOIN_TOTAL` elements."""
-    parts, cur, size = [], [], 0
-    for it in items:
-        n = it[0][2] - it[0][1]
-        if cur and size + n > _JOIN_TOTAL:
-            parts.append(cur)
-            cur, size = [], 0
-        cur.append(it)
-        size += n
-    if cur:
-        parts.append(cur)
-    return parts
-
-
-class _Noting:
-    """``store`` as :func:`~statestore.optim._plan.ensure_states` uses it, noting in
-    ``created`` the keys it creates."""
-
-    __slots__ = ("_store", "_created")
-
-    def __init__(self, store: StateStore, created: set):
-        self._store, self._created = store, created
-
-    def __contains__(self, key) -> bool:
-        return key in self._store
-
-    def create_many(self, entries) -> None:
-        """Create them name by name (every parameter's first state, then every second...):
-        a resident store then lays each name's states back to back, which a joined update
-        takes as one view (:func:`~statestore.optim._resident.joined_view`)."""
-        order: Dict[str, int] = {}
-        entries = sorted(entries, key=lambda e: order.setdefault(e[0].state, len(order)))
-        self._store.create_many(entries)
-        self._created.update(e[0] for e in entries)
-
-    def __getattr__(self, name: str):
-        return getattr(self._store, name)
-
-
-class StoreOptimizer(StateStoreOptimizer):
+class StoreOptimizer(InBackward):
     """A ``torch.optim.Optimizer`` running ``optimizer_cls``'s update over states kept in a
     :class:`~statestore.StateStore`.
 
@@ -100,6 +60,26 @@ class StoreOptimizer(StateStoreOptimizer):
         state_store: where states live. None: next to the parameters (a
             :class:`~statestore.DeviceStore` per parameter device).
         process_group: shard states over a ``torch.distributed`` group (as ``CPUAdam``'s).
+        skip_nonfinite: when True, a step whose gradients hold inf or nan changes nothing
+            (no parameter, state or step count), as ``HybridAdam``'s; over sharded
+            parameters every rank skips or none does.
+        state_dtype: ``"fp32"`` (default: every state as the class keeps it) or ``"bf16"``:
+            every floating state the class keeps in a wider dtype (fp32 moments, momentum
+            buffers...) is kept in the store as bf16; the class is handed it converted to its
+            own dtype and computes as it does, and its result is written back stochastically
+            rounded (:mod:`statestore.optim._rounding`: seeded by the parameter, the state
+            and the step, so a resumed run is bit for bit the uninterrupted one).
+            ``state_dict()`` holds the class's dtypes; a loaded one is rounded to nearest.
+        update_in_backward: update each parameter during ``backward()`` as soon as its
+            gradient is final (a gradient hook), as ``HybridAdam``'s: the same bits as
+            ``step()`` (``optimizer_cls``'s), the same refusals (gradients changed between
+            backward and ``step()``: clipping, unscaling, accumulation) and failure contract
+            (:mod:`statestore.optim._in_backward`); ``step()`` updates what backward could
+            not. Not with ``skip_nonfinite`` or a ``process_group`` (``ValueError``), nor with
+            a class needing the whole tensor over DTensor parameters sharded over several
+            ranks (``StateStoreError``).
+        release_grads: with ``update_in_backward``, set ``param.grad = None`` once backward
+            applied it.
         elementwise: whether ``optimizer_cls`` updates each element from that element alone,
             so that fp32/fp64 parameters may be cut into units smaller than a parameter.
             None: True for torch's element-wise classes, False otherwise (Adafactor, Muon,
@@ -109,8 +89,13 @@ class StoreOptimizer(StateStoreOptimizer):
 
     Raises:
         TypeError: ``optimizer_cls`` is not an optimizer class.
-        StateStoreValueError: LBFGS, SparseAdam, or ``foreach=True`` (and the like).
-        ValueError: ``optimizer_cls``'s own checks of its arguments (its messages).
+        StateStoreValueError: LBFGS, SparseAdam, ``foreach=True`` (and the like), or a
+            ``state_dtype`` other than ``"fp32"`` and ``"bf16"``.
+        StateStoreError: ``update_in_backward`` for a class needing the whole tensor over
+            DTensor parameters sharded over several ranks.
+        ValueError: ``optimizer_cls``'s own checks of its arguments (its messages);
+            ``release_grads`` without ``update_in_backward``, ``update_in_backward`` with
+            ``skip_nonfinite`` or a ``process_group``.
 
     Attributes:
         optimizer_cls: the class whose update runs.
@@ -121,8 +106,15 @@ class StoreOptimizer(StateStoreOptimizer):
     """
 
     def __init__(self, optimizer_cls: type, params, *, state_store: Optional[StateStore] = None,
-                 process_group=None, elementwise: Optional[bool] = None, **kwargs):
+                 process_group=None, elementwise: Optional[bool] = None,
+                 skip_nonfinite: bool = False, state_dtype: str = "fp32",
+                 update_in_backward: bool = False, release_grads: bool = False, **kwargs):
         check_class(optimizer_cls)
+        check_state_dtype(state_dtype)
+        check_arguments("StoreOptimizer", state_store=None, nvme_offload_fraction=0.0,
+                        nvme_offload_dir=None, bias_correction=True, unused={},
+                        skip_nonfinite=skip_nonfinite, process_group=process_group,
+                        update_in_backward=update_in_backward, release_grads=release_grads)
         kwargs = ctor_kwargs(optimizer_cls, kwargs)
         if elementwise is None:
             elementwise = optimizer_cls.__name__ in ELEMENTWISE and \
@@ -134,6 +126,8 @@ class StoreOptimizer(StateStoreOptimizer):
                                   f"elementwise=True would change its results")
         self.optimizer_cls = optimizer_cls
         self._kwargs = kwargs
+        #: skip a step whose gradients hold inf or nan (nothing changes)
+        self.skip_nonfinite = bool(skip_nonfinite)
         # the class's defaults, its constructor's checks of kwargs (its own messages)
         template = optimizer_cls([torch.empty(2, 2, device="meta")], **kwargs)
         #: the optimizer instance each unit's update runs on (its groups and state swapped in)
@@ -159,11 +153,19 @@ class StoreOptimizer(StateStoreOptimizer):
         #: units (:meth:`_plan`)
         self._plan_sigs: Dict[int, tuple] = {}
         self._plan_metas: Dict[int, list] = {}
-        layout = TorchLayout(optimizer_cls, kwargs, elementwise)
+        layout = TorchLayout(optimizer_cls, kwargs, elementwise, state_dtype)
+        #: floating states kept in a lower dtype than the class's (``state_dtype="bf16"``):
+        #: each parameter updated alone, neither joined nor by the resident plan (both hand
+        #: the class the store's tensors as they lie)
+        self._low = layout.low is not None
         #: sharded DTensor parameters a class needing the whole tensor updates gathered
         self._whole = WholeUpdates(not elementwise)
+        #: update_in_backward: the step made during backward (_torch_backward.py)
+        self._init_backward(update_in_backward, release_grads)
         super().__init__(params, dict(template.defaults), layout, state_store=state_store,
                          process_group=process_group)
+        if update_in_backward:
+            self._check_backward(self._params)
 
     def _collect(self, released=(), contiguous: bool = True, fp64: bool = False):
         return super()._collect(released, contiguous=True, fp64=True)
@@ -172,24 +174,27 @@ class StoreOptimizer(StateStoreOptimizer):
         """One step of ``optimizer_cls`` over every parameter with a gradient (see
         :meth:`StateStoreOptimizer.step`). Over resident stores, a step like the last is
         made by the plan remembered from it (:mod:`statestore.optim._resident`)."""
-        self._scalars = {}
+        if not self._update_in_backward:     # else backward may have begun a parameter
+            self._scalars = {}
         self._created = set()
         self._layout.stepping(True)
         try:
-            plan = self._resident
-            if plan is None:
-                loss = super().step(closure)
-            else:
-                if closure is not None and not callable(closure):
-                    raise TypeError(f"closure must be callable or None, got "
-                                    f"{type(closure).__name__}")
-                self._check_usable()
-                loss = self._run_closure(closure)
+            if closure is not None and not callable(closure):
+                raise TypeError(f"closure must be callable or None, got "
+                                f"{type(closure).__name__}")
+            self._check_usable()
+            loss = self._run_closure(closure)
+            if self._update_in_backward:
                 with torch.no_grad():
+                    self._backward_step()
+                return loss
+            with torch.no_grad():
+                plan = self._resident
+                if plan is not None:
                     if self._run_resident(plan):
                         return loss
                     self._resident = None
-                    self._general_step()
+                self._general_step()
             self._plan_resident()
             return loss
         finally:
@@ -200,7 +205,7 @@ class StoreOptimizer(StateStoreOptimizer):
     def _general_step(self) -> None:
         """The base's step after its closure (:meth:`StateStoreOptimizer.step`)."""
         work, grads = self._collect()
-        if grads:
+        if grads and not self._skipped(list(grads.values())):
             self._ensure_states(work)
             self._run_step(work, grads)
 
@@ -209,6 +214,8 @@ class StoreOptimizer(StateStoreOptimizer):
         grads = plan.grads(self.param_groups, self._steps, self._layout)
         if grads is None:
             return False
+        if self._skipped([g for gs, _ in grads for g in gs]):
+            return True
         groups = plan.groups
         with self._table.stepping(plan.keys) as undo:
             self._step_undo = undo
@@ -225,13 +232,18 @@ class StoreOptimizer(StateStoreOptimizer):
                 self._step_undo = {}
         return True
 
+    def _skipped(self, grads: List[Tensor]) -> bool:
+        """Whether this step is skipped: ``skip_nonfinite`` and ``grads`` (every rank's,
+        over sharded parameters) hold inf or nan."""
+        return self.skip_nonfinite and not self._dtensors.all_finite(grads)
+
     def _plan_resident(self) -> None:
         """After a general step: the plan of the next ones, when it applies (tried again
         after 1, 2, 4 ... 64 general steps when it does not)."""
         if self._resident_wait > 0:
             self._resident_wait -= 1
             return
-        if os.environ.get("STATESTORE_RESIDENT_PLAN", "1") != "0":     # for comparisons
+        if os.environ.get("STATESTORE_RESIDENT_PLAN", "1") != "0" and not self._low:
             self._resident = None if self._sharding is not None else ResidentPlan.build(
                 self.param_groups, self._keys, self._stores, self._steps, self._layout,
                 _JOIN_ELEMS)
@@ -241,12 +253,18 @@ class StoreOptimizer(StateStoreOptimizer):
         else:
             self._resident_backoff = 0
 
+    def _gathered(self, p: Tensor) -> bool:
+        return self._whole.covers(p)
+
     def _forget_pending(self) -> None:
+        self._stepper.forget()
         self._unit_plans.clear()
         self._resident = None
         self._resident_wait = 0
 
     def _group_added(self, params) -> None:
+        if self._update_in_backward:
+            self._check_backward(params)
         super()._group_added(params)
         self._resident = None
         self._resident_wait = 0
@@ -258,7 +276,7 @@ class StoreOptimizer(StateStoreOptimizer):
         class creates it as it does (``clone(grad)``), not from zeros."""
         group_of = {p: g for items in work.values() for g, ps in items for p in ps}
         for store, items in work.items():
-            ensure_states(_Noting(store, self._created), [p for _, ps in items for p in ps],
+            ensure_states(Noting(store, self._created), [p for _, ps in items for p in ps],
                           self._keys, group_of, self._layout)
 
     def _plan(self, store, items, order=None):
@@ -307,7 +325,7 @@ class StoreOptimizer(StateStoreOptimizer):
                 each.append(entry)
         calls = []
         for (first, count, new, _, _, names, kinds), items in joined.items():
-            for part in _parts(items):
+            for part in parts(items):
                 states = []
                 for j, kind in enumerate(kinds):
                     ts = [e[5][j] for e, _ in part]
@@ -350,7 +368,8 @@ class StoreOptimizer(StateStoreOptimizer):
         for p, a, b, names in entries:
             w = local(p)
             kinds = None
-            if (layout.elementwise and w is p and w.dtype in (torch.float32, torch.float64)
+            if (layout.elementwise and not self._low and w is p
+                    and w.dtype in (torch.float32, torch.float64)
                     and 0 < b - a <= _JOIN_ELEMS
                     and len(names) == len(layout.probe_of(p).names)):
                 kinds = state_kinds(layout, p, names, dev)
@@ -438,7 +457,7 @@ class StoreOptimizer(StateStoreOptimizer):
             if self._whole.covers(p):       # all-gathered (_whole.py)
                 proxy, writeback, target = self._whole.proxy(p, grads[p]), None, None
             else:
-                proxy, writeback, target = self._proxy(p, a, b, grads[p])
+                proxy, writeback, target = range_proxy(p, a, b, grads[p])
             if writeback is not None:
                 back.append(writeback)
             elif target is not None:    # p.data = ... on the proxy must reach the parameter
@@ -446,7 +465,7 @@ class StoreOptimizer(StateStoreOptimizer):
             proxies.append(proxy)
             if first:
                 fresh.append(proxy)
-                given.append((p, key, names, ts, {}, []))
+                given.append((p, key, names, ts, {}, [], a, count))
                 continue
             state, moved = self._given_state(p, key, a, names, ts, proxy.device, new)
             if self._whole.covers(p):
@@ -454,70 +473,33 @@ class StoreOptimizer(StateStoreOptimizer):
             kind = layout.step_kind()
             if kind is not None:
                 state["step"] = make_step(kind, count, proxy.device)
-            given.append((p, key, names, ts, state, moved))
+            given.append((p, key, names, ts, state, moved, a, count))
         worker = self._worker
         states = defaultdict(dict)
         if fresh:                       # the class's constructor may create states (Adagrad)
             states.update(self.optimizer_cls([dict(hyper, params=fresh)], **self._kwargs).state)
-        for proxy, (_, _, _, _, state, _) in zip(proxies, given):
+        for proxy, (_, _, _, _, state, *_) in zip(proxies, given):
             if state:
                 states[proxy] = dict(state)
         worker.param_groups = [dict(hyper, params=proxies)]
         worker.state = states
         try:
             self._class_step(worker)
-            for proxy, (p, key, names, ts, state, moved) in zip(proxies, given):
+            for proxy, (p, key, names, ts, state, moved, a, count) in zip(proxies, given):
                 after = worker.state.get(proxy, {})
                 if self._whole.covers(p):   # this rank's region of the parameter and states
                     after = self._whole.finish(p, proxy, after)
-                self._take_states(after, p, key, names, ts, state, moved)
+                self._take_states(after, p, key, names, ts, state, moved, (a, count + 1))
         finally:
             worker.param_groups, worker.state = [], defaultdict(dict)
         for proxy, target, ptr, key in placed:
             if proxy.data_ptr() != ptr:
-                self._replaced(proxy, target, key)
+                replace_data(self.optimizer_cls, proxy, target, key)
         for p, (a, flat) in back:       # a non-contiguous parameter's range, computed apart
             w = local(p).detach()
             full = w.reshape(-1).clone()
             full[a:a + flat.numel()].copy_(flat.reshape(-1))
             w.copy_(full.view(w.shape))
-
-    def _replaced(self, proxy: Tensor, target: Tensor, key: str) -> None:
-        """The class assigned ``proxy.data`` (``p.data = ...``, as many hand-written
-        optimizers do) where ``proxy`` stands for ``target``, a range of the parameter: copy
-        the new value there, as the assignment does to the parameter itself."""
-        if proxy.shape != target.shape or proxy.dtype != target.dtype:
-            raise StateStoreError(
-                f"{class_name(self.optimizer_cls)} replaced the data of parameter {key!r} "
-                f"(p.data = ...) with a tensor of shape {tuple(proxy.shape)} and dtype "
-                f"{proxy.dtype}; StoreOptimizer writes an update back into the parameter, so "
-                f"it must keep the shape {tuple(target.shape)} and dtype {target.dtype} it was "
-                f"handed")
-        target.copy_(proxy)
-
-    def _proxy(self, p: Tensor, a: int, b: int, g: Tensor):
-        """The parameter the class updates for elements ``[a, b)`` of ``p``: ``p`` itself when
-        whole (its gradient as it is), else a flat range of it (a copy, written back after,
-        when ``p`` is not contiguous) with the gradient's range. Returns ``(proxy,
-        writeback, target)``: ``target`` is where the proxy's elements live when it is not
-        ``p`` itself (a new ``proxy.data`` is copied there)."""
-        w = local(p)
-        if a == 0 and b == w.numel():
-            if w is p:
-                return p, None, None
-            proxy = w.detach()
-            proxy.grad = local_grad(p, p.grad)
-            return proxy, None, w.detach()
-        if w.is_contiguous():
-            target = w.detach().view(-1)[a:b]
-            proxy = target.detach()
-            writeback = None
-        else:
-            proxy = w.detach().reshape(-1)[a:b].clone()
-            target = None
-            writeback = (p, (a, proxy))
-        proxy.grad = g.view(-1)[a:b]
-        return proxy, writeback, target
 
     def _given_state(self, p: Tensor, key: str, a: int, names, ts: List[Tensor],
                      w_dev: torch.device, new=()):
@@ -538,8 +520,9 @@ class StoreOptimizer(StateStoreOptimizer):
             # a tensor of its own (a view): the class may assign its .data
             v = t.detach() if math.prod(shape) == n and t.numel() != n else t.view(shape)
             target = w_dev if layout.on_param_device(name, p) else torch.device("cpu")
-            if v.device != target:
-                dv = v.to(target)
+            cd = layout.class_dtype(name, p) if self._low else v.dtype
+            if v.device != target or v.dtype != cd:
+                dv = v.to(target, cd)           # bf16 states: the class's dtype, rounded back
                 moved.append((v, dv))
                 v = dv
             state[name] = v
@@ -555,19 +538,30 @@ class StoreOptimizer(StateStoreOptimizer):
         return state, moved
 
     def _take_states(self, after: Dict[str, Any], p: Tensor, key: str, names: List[str],
-                     ts: List[Tensor], given: Dict[str, Any], moved) -> None:
+                     ts: List[Tensor], given: Dict[str, Any], moved, at=(0, 0)) -> None:
         """Put the states the class left for ``p`` into the unit's tensors ``ts`` (those it
-        replaced rather than updated in place: its new states, SGD's first momentum)."""
+        replaced rather than updated in place: its new states, SGD's first momentum). A
+        state kept in a lower dtype than the class's (``state_dtype="bf16"``) is the class's
+        result stochastically rounded, seeded by ``key``, the state's name and the step
+        written (``at``: ``(first element of the unit, step)``) and indexed by element of
+        the state (the same bits however the parameter is cut into units)."""
+        start, step = at
+        n = local(p).numel()
         for name, t in zip(names, ts):
             got = after.get(name)
             if not isinstance(got, Tensor):
                 raise StateStoreError(f"{class_name(self.optimizer_cls)} left no tensor "
                                       f"{name!r} for parameter {key!r} after its step")
+            if self._low and t.dtype != got.dtype:
+                offset = start if math.prod(self._layout.spec(name, p)[0]) == n else 0
+                round_into(t, got, seed_of(key, name, step), offset)
+                continue
             was = given.get(name)
             if got is not was or (t.data_ptr() != got.data_ptr() and t.device == got.device):
                 t.copy_(got.reshape(t.shape))       # replaced, or its .data reassigned
         for v, dv in moved:
-            v.copy_(dv)
+            if v.dtype == dv.dtype:
+                v.copy_(dv)
         unknown = [n for n in after if n != "step" and n not in names
                    and n not in self._layout.probe_of(p).names]
         if unknown:
