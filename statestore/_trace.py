@@ -25,6 +25,8 @@ SPANS = {
     "statestore::io_complete": "a native I/O engine's thread completes finished requests",
     "statestore::io_read": "one read on the pure-Python engine's threads (extension not built)",
     "statestore::io_write": "one write on the pure-Python engine's threads",
+    "statestore::adam_plan": "a planned step's native call: every tensor of every group of a "
+                             "resident store (inside a compute span)",
 }
 
 

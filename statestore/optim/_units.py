@@ -14,6 +14,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from .._trace import span, tracing
 from .._types import StateKey
 from ..backends._slab import SlabStore
 from ..errors import StateStoreValueError
@@ -282,7 +283,10 @@ class StepProgram:
         """A resident program's step in one native call (:data:`PLAN_OK`,
         :data:`PLAN_STALE` or :data:`PLAN_SKIPPED`); an exception from it comes after the
         step counts advanced."""
-        return self.plan.run(param_groups, steps, hypers, check_finite)
+        if not tracing():
+            return self.plan.run(param_groups, steps, hypers, check_finite)
+        with span("statestore::compute"), span("statestore::adam_plan"):
+            return self.plan.run(param_groups, steps, hypers, check_finite)
 
 
 def _set_states(plan, entry: int, p: Tensor, g: Tensor, key: str, store, layout, group: dict,

@@ -76,7 +76,8 @@ def test_an_optimizer_step_shows_the_update_inside_each_compute_span(tmp_path):
         prof.export_chrome_trace(str(tmp_path / "trace.json"))
     events = json.load(open(tmp_path / "trace.json"))["traceEvents"]
     compute = [e for e in events if e.get("name") == "statestore::compute"]
-    # the update op (statestore::adam_), recorded by the dispatcher, not a span of ours
+    # the update: the op (statestore::adam_, recorded by the dispatcher) on the general way,
+    # a planned step's native call (statestore::adam_plan) once the step repeats
     ops = [e for e in events if e.get("name", "").startswith("statestore::adam")]
     assert compute and ops
     for op in ops:      # every kernel call falls inside a compute span
