@@ -20,6 +20,7 @@ import signal
 import sys
 import threading
 
+import _thread
 import _signal      # signal's own functions, without the enum conversions (a deferral is hot)
 from typing import Any, Callable, Dict, List, Optional
 
@@ -29,6 +30,8 @@ __all__ = ["deferred_signals", "without_signals"]
 SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM") if hasattr(signal, n))
 
 _MAIN = threading.main_thread().ident
+#: how long after a finalizer's section ends its deferred signal is raised again
+_LATER_S = 0.002
 _ident = threading.get_ident
 
 
@@ -44,9 +47,18 @@ def _record(signum: int, frame) -> None:
 
 class deferred_signals:
     """``with deferred_signals(): ...``: SIGINT (and SIGTERM where a Python handler is
-    installed) arriving inside the block is delivered when it ends (module docstring)."""
+    installed) arriving inside the block is delivered when it ends (module docstring).
 
-    __slots__ = ("_outer",)
+    ``later=True`` (a section run by a finalizer, e.g. a ``weakref.finalize`` callback, where
+    Python discards any exception: a KeyboardInterrupt raised there is lost) re-raises the
+    signal a moment after the section ends (``_thread.interrupt_main`` from a timer thread,
+    2 ms) instead of calling its handler there: the handler runs once the finalizer has
+    returned, in the code it interrupted."""
+
+    __slots__ = ("_outer", "_later")
+
+    def __init__(self, later: bool = False) -> None:
+        self._later = later
 
     def __enter__(self) -> "deferred_signals":
         self._outer = False
@@ -83,7 +95,14 @@ class deferred_signals:
             _signal.signal(sig, h)
         if pending:
             handler: Optional[Callable] = saved.get(pending[0])
-            if handler is not None:         # KeyboardInterrupt (say) raised here, after
+            if handler is not None and self._later:
+                # raised from here it would be checked for at once, still in the finalizer:
+                # a thread raises it again a moment later, in the code the finalizer
+                # interrupted
+                t = threading.Timer(_LATER_S, _thread.interrupt_main, args=(pending[0],))
+                t.daemon = True
+                t.start()
+            elif handler is not None:       # KeyboardInterrupt (say) raised here, after
                 handler(pending[0], sys._getframe(1))
 
 

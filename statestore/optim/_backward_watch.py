@@ -104,7 +104,9 @@ def _queue_callback(cb: Callable[[], None]) -> None:
 
 
 def _dropped(sref, ran: List[bool]) -> None:
-    with deferred_signals():        # a Ctrl-C in a finalizer would be lost: after it
+    # a finalizer: a KeyboardInterrupt raised in it would be lost (Python discards it), so a
+    # Ctrl-C meanwhile is raised again once it has returned
+    with deferred_signals(later=True):
         _failed(sref, ran)
 
 

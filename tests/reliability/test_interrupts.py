@@ -881,3 +881,34 @@ def test_ctrl_c_as_a_save_drops_the_prefetch(tmp_path):
     assert F.differences(F.snapshot(named, store), F.reference(6)) == []
     assert held.value.__traceback__ is not None
     store.close()
+
+
+def test_a_ctrl_c_during_the_backward_watch_finalizer_reaches_the_caller(monkeypatch):
+    """A Ctrl-C while a dropped backward's finalizer runs (``_backward_watch._dropped``, a
+    ``weakref.finalize`` callback: Python discards what a finalizer raises) is raised again
+    once the finalizer has returned, in the code it interrupted; raised inside, it was lost
+    (the 15-minute soak of 2026-11-28 lost 13, and two trainers went on without grad)."""
+    import signal
+    import time
+    import weakref
+
+    from statestore.optim import _backward_watch as W
+
+    def failed(sref, ran):          # the signal lands while the finalizer's work runs
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(100):
+            pass
+    monkeypatch.setattr(W, "_failed", failed)
+
+    class Gone:
+        pass
+    landed = "lost"
+    try:
+        g = Gone()
+        weakref.finalize(g, W._dropped, None, [False])
+        del g                       # the finalizer runs here
+        for _ in range(2000):       # the Ctrl-C lands in this loop, within a second at most
+            time.sleep(0.0005)
+    except KeyboardInterrupt:
+        landed = "caller"
+    assert landed == "caller"
