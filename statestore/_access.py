@@ -129,8 +129,11 @@ class PipelineAccess:
         if self.store.resident:
             return
         units = unit_lists(units)
-        self._prefetched = Prefetch(mode, units, Pipeline(self.store, units, mode=mode,
-                                                          wait=False, prefetch=True))
+        # signals deferred: a Ctrl-C between the pipeline's start (its reads take ring
+        # buffers) and its keeping here left them held by a pipeline no one could reach
+        with deferred_signals():
+            self._prefetched = Prefetch(mode, units, Pipeline(self.store, units, mode=mode,
+                                                              wait=False, prefetch=True))
 
     def pump(self) -> None:
         """Advance the prefetch without blocking (nothing once the store is closed)."""

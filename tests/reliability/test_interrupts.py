@@ -912,3 +912,35 @@ def test_a_ctrl_c_during_the_backward_watch_finalizer_reaches_the_caller(monkeyp
     except KeyboardInterrupt:
         landed = "caller"
     assert landed == "caller"
+
+
+def test_a_ctrl_c_as_a_prefetch_starts_leaves_no_ring_buffer_held(tmp_path, monkeypatch):
+    """A Ctrl-C between a prefetch's pipeline starting its reads and the store keeping it (the
+    15-minute soak of 2026-11-28, in a planned NVMe step): the pipeline is kept, so the next
+    call cancels it; before, its ring buffers stayed held and every later call of the store
+    failed with BudgetError."""
+    import signal
+
+    from statestore import _access
+    from statestore._types import Slice
+
+    real = _access.Prefetch
+
+    def prefetch(*args):            # the Ctrl-C arrives as the pipeline is handed over
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(100):
+            pass
+        return real(*args)
+    with ss.NVMeStore(str(tmp_path / "s"), budget_bytes=1 << 20) as store:
+        n = 200_000                 # 800 KB: most of the 1 MiB ring
+        store.create("w/m", (n,), torch.float32, torch.arange(n, dtype=torch.float32))
+        store.sync()
+        monkeypatch.setattr(_access, "Prefetch", prefetch)
+        caught = False
+        try:
+            store.prefetch([[Slice("w/m", 0, n)]], mode="rw")
+        except KeyboardInterrupt:   # handled while the exception (and its frames) lives on
+            caught = True
+            monkeypatch.setattr(_access, "Prefetch", real)
+            assert torch.equal(store.get("w/m"), torch.arange(n, dtype=torch.float32))
+        assert caught
