@@ -318,64 +318,78 @@ def trainer(cfg: Dict[str, Any], launch: int, max_steps: int) -> None:
                     {"step": step, "digest": digest(model, store, opt._steps),
                      "statestore": ss.__file__})
     events = 0
-    while step < max_steps:
+    between = True                  # on the loop's own lines, between two steps
+    while True:
         try:
-            _phase(status, 2, step)
-            model.fail_backward = rng.random() < cfg["backward_error"]
-            train_step(cfg, model, opt, step)
-            step += 1
-            if step % cfg["ckpt_every"] == 0:
-                _phase(status, 3, step)
-                save(cfg, model, store, step)
-        except (KeyboardInterrupt, BackwardError) as e:
-            events += 1
-            report: Dict[str, Any] = {"retries": 0}
-            try:                        # a second Ctrl-C while this is noted: noted less
-                report.update({"kind": type(e).__name__, "where": _where(e),
-                               "at": _landed(e),
-                               "phase": PHASES[_STATUS.unpack_from(status)[0]],
-                               "step": step, "update_in_backward": uib})
-            except KeyboardInterrupt:
-                report.update({"kind": type(e).__name__, "where": "?", "phase": "?",
-                               "step": step, "update_in_backward": uib, "retries": 1})
-            del e                       # its traceback holds frames (and their buffers)
-            if not torch.is_grad_enabled():
-                # a Ctrl-C inside torch.no_grad()'s __enter__ (after it turned grad mode
-                # off, before the block began) leaves it off: a loop turns it back on
-                report["grad_mode_left_off"] = True
-                torch.set_grad_enabled(True)
-            _phase(status, 5, step)
-            done = set()
-            while len(done) < 3:        # a Ctrl-C meanwhile: what was not done is done again
+            while step < max_steps:
+                between = False
                 try:
-                    if "contract" not in done:
-                        report.update(_contract(cfg, model, store, opt))
-                        done.add("contract")
-                    if "reload" not in done:
-                        report["reload"] = {"went_on": False}
-                        at = _one_count(model, opt)
-                        if at is not None and at in (step, step + 1) and not report["refusing"]:
-                            # every parameter at one step: no need to go back, the loop
-                            # goes on from there (a step that ended, or never began)
-                            opt.zero_grad(set_to_none=True)
-                            if at == step + 1:
-                                step = at
-                                if step % cfg["ckpt_every"] == 0:
-                                    _phase(status, 3, step)
-                                    save(cfg, model, store, step)
-                            report["reload"]["went_on"] = True
-                        elif opt._table.failed:  # parameters of two steps: a new optimizer
-                            model, opt, step = _start(cfg, launch, store, uib)
-                        else:                   # the same optimizer takes the checkpoint
-                            model, opt, step = _rollback(cfg, launch, store, model, opt, uib)
-                        report["reload"].update(
-                            {"step": step, "digest": digest(model, store, opt._steps)})
-                        done.add("reload")
-                    _write_json(os.path.join(cfg["work"], f"event-{launch:05d}-{events:03d}.json"),
-                                report)
-                    done.add("report")
-                except KeyboardInterrupt:
-                    report["retries"] += 1
+                    _phase(status, 2, step)
+                    model.fail_backward = rng.random() < cfg["backward_error"]
+                    train_step(cfg, model, opt, step)
+                    step += 1
+                    if step % cfg["ckpt_every"] == 0:
+                        _phase(status, 3, step)
+                        save(cfg, model, store, step)
+                except (KeyboardInterrupt, BackwardError) as e:
+                    events += 1
+                    report: Dict[str, Any] = {"retries": 0}
+                    try:                        # a second Ctrl-C while this is noted: noted less
+                        report.update({"kind": type(e).__name__, "where": _where(e),
+                                       "at": _landed(e),
+                                       "phase": PHASES[_STATUS.unpack_from(status)[0]],
+                                       "step": step, "update_in_backward": uib})
+                    except KeyboardInterrupt:
+                        report.update({"kind": type(e).__name__, "where": "?", "phase": "?",
+                                       "step": step, "update_in_backward": uib, "retries": 1})
+                    del e                       # its traceback holds frames (and their buffers)
+                    if not torch.is_grad_enabled():
+                        # a Ctrl-C inside torch.no_grad()'s __enter__ (after it turned grad mode
+                        # off, before the block began) leaves it off: a loop turns it back on
+                        report["grad_mode_left_off"] = True
+                        torch.set_grad_enabled(True)
+                    _phase(status, 5, step)
+                    done = set()
+                    while len(done) < 3:        # a Ctrl-C meanwhile: what was not done is done again
+                        try:
+                            if "contract" not in done:
+                                report.update(_contract(cfg, model, store, opt))
+                                done.add("contract")
+                            if "reload" not in done:
+                                report["reload"] = {"went_on": False}
+                                at = _one_count(model, opt)
+                                if at is not None and at in (step, step + 1) and not report["refusing"]:
+                                    # every parameter at one step: no need to go back, the loop
+                                    # goes on from there (a step that ended, or never began)
+                                    opt.zero_grad(set_to_none=True)
+                                    if at == step + 1:
+                                        step = at
+                                        if step % cfg["ckpt_every"] == 0:
+                                            _phase(status, 3, step)
+                                            save(cfg, model, store, step)
+                                    report["reload"]["went_on"] = True
+                                elif opt._table.failed:  # parameters of two steps: a new optimizer
+                                    model, opt, step = _start(cfg, launch, store, uib)
+                                else:                   # the same optimizer takes the checkpoint
+                                    model, opt, step = _rollback(cfg, launch, store, model, opt, uib)
+                                report["reload"].update(
+                                    {"step": step, "digest": digest(model, store, opt._steps)})
+                                done.add("reload")
+                            _write_json(os.path.join(cfg["work"], f"event-{launch:05d}-{events:03d}.json"),
+                                        report)
+                            done.add("report")
+                        except KeyboardInterrupt:
+                            report["retries"] += 1
+                between = True
+            break
+        except KeyboardInterrupt:
+            # a Ctrl-C on the loop's own lines (its test, its jump back: outside the try
+            # above) between two steps: nothing of a step began, training goes on, as
+            # the first Ctrl-C a user's loop catches there would; elsewhere it ends the
+            # trainer (counted by the parent as one that died)
+            if not between:
+                raise
+            events += 1
     _phase(status, 4, step)
     _write_json(os.path.join(cfg["work"], "final.json"),
                 {"step": step, "digest": digest(model, store, opt._steps)})
