@@ -883,36 +883,40 @@ def test_ctrl_c_as_a_save_drops_the_prefetch(tmp_path):
     store.close()
 
 
-def test_a_ctrl_c_during_the_backward_watch_finalizer_reaches_the_caller(monkeypatch):
+def test_a_ctrl_c_during_the_backward_watch_finalizer_reaches_the_caller():
     """A Ctrl-C while a dropped backward's finalizer runs (``_backward_watch._dropped``, a
     ``weakref.finalize`` callback: Python discards what a finalizer raises) is raised again
     once the finalizer has returned, in the code it interrupted; raised inside, it was lost
-    (the 15-minute soak of 2026-11-28 lost 13, and two trainers went on without grad)."""
-    import signal
-    import time
-    import weakref
+    (the 15-minute soak of 2026-11-28 lost 13, and two trainers went on without grad). In a
+    process of its own: its SIGINT handler and deferral state are Python's defaults."""
+    import subprocess
 
-    from statestore.optim import _backward_watch as W
-
-    def failed(sref, ran):          # the signal lands while the finalizer's work runs
-        os.kill(os.getpid(), signal.SIGINT)
-        for _ in range(100):
-            pass
-    monkeypatch.setattr(W, "_failed", failed)
-
-    class Gone:
+    from helpers import paths
+    code = """
+import os, signal, time, weakref
+from statestore.optim import _backward_watch as W
+def failed(sref, ran):          # the signal lands while the finalizer's work runs
+    os.kill(os.getpid(), signal.SIGINT)
+    for _ in range(100):
         pass
-    landed = "lost"
-    try:
-        g = Gone()
-        weakref.finalize(g, W._dropped, None, [False])
-        del g                       # the finalizer runs here
-        for _ in range(2000):       # the Ctrl-C lands in this loop, within a second at most
-            time.sleep(0.0005)
-    except KeyboardInterrupt:
-        landed = "caller"
-    assert landed == "caller"
-
+W._failed = failed
+class Gone:
+    pass
+landed = "lost"
+try:
+    g = Gone()
+    weakref.finalize(g, W._dropped, None, [False])
+    del g                       # the finalizer runs here
+    for _ in range(10000):      # the Ctrl-C lands in this loop
+        time.sleep(0.0005)
+except KeyboardInterrupt:
+    landed = "caller"
+print(landed)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120, env=paths.env())
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "caller", r.stderr[-2000:]
 
 def test_a_ctrl_c_as_a_prefetch_starts_leaves_no_ring_buffer_held(tmp_path, monkeypatch):
     """A Ctrl-C between a prefetch's pipeline starting its reads and the store keeping it (the
@@ -931,6 +935,15 @@ def test_a_ctrl_c_as_a_prefetch_starts_leaves_no_ring_buffer_held(tmp_path, monk
         for _ in range(100):
             pass
         return real(*args)
+    # Ctrl-C raises KeyboardInterrupt here, whatever an earlier test or the runner installed
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _prefetch_ctrl_c(tmp_path, monkeypatch, _access, Slice, prefetch, real)
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+def _prefetch_ctrl_c(tmp_path, monkeypatch, _access, Slice, prefetch, real):
     with ss.NVMeStore(str(tmp_path / "s"), budget_bytes=1 << 20) as store:
         n = 200_000                 # 800 KB: most of the 1 MiB ring
         store.create("w/m", (n,), torch.float32, torch.arange(n, dtype=torch.float32))
