@@ -134,7 +134,8 @@ def test_one_torch_pin_policy():
     assert set(pins) == {"TORCH", "TORCH_NEWEST"}, pins
     build = tomllib.loads((ROOT / "pyproject.toml").read_text())["build-system"]["requires"]
     assert f"torch=={pins['TORCH']}" in build
-    for script in ("gpu_test.sh", "install_tensornvme.sh", "test_torch.sh"):
+    for script in ("gpu_test.sh", "gpu_session.sh", "gpu_wheelhouse.sh", "install_tensornvme.sh",
+                   "test_torch.sh"):
         text = (ROOT / "scripts" / script).read_text()
         assert not re.search(r"torch==\d", text), f"scripts/{script} repeats a torch pin"
     readme = (ROOT / "README.md").read_text()

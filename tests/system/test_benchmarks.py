@@ -66,6 +66,29 @@ def test_gpu_step_prints_both_tables(tmp_path):
     assert os.listdir(tmp_path) == []       # the NVMe directories are removed
 
 
+def _zero_offload(*args, timeout=600):
+    return warm.run_script(os.path.join(ROOT, "benchmarks", "gpu_zero_offload.py"), args,
+                           timeout=timeout)
+
+
+def test_zero_offload_without_cuda_says_so():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here: test_zero_offload_prints_its_table runs instead")
+    res = _zero_offload("--layers", "2")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "no CUDA device" in res.stdout and "|" not in res.stdout
+
+
+@pytest.mark.cuda
+def test_zero_offload_prints_its_table():
+    res = _zero_offload("--layers", "2", "--width", "512", "--tokens", "256", "--reps", "1",
+                        "--warmup", "1")
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = dict(re.findall(r"^\| ([^|]+?) \| ([0-9.]+) \| (?:[0-9.]+x|n/a) \|$", res.stdout, re.M))
+    want = {"forward + backward", "HybridAdam, PinnedCPUStore", "HybridAdam, update_in_backward"}
+    assert want <= set(rows), res.stdout      # DeepSpeed's row where it is installed
+
+
 def test_optimizer_probe_prints_a_ratio_per_round():
     res = warm.run_script(os.path.join(ROOT, "benchmarks", "optimizer_probe.py"), [
         "--size-m", "0.25", "--rounds", "2", "--steps", "2", "--threads", "1"], timeout=300)
