@@ -3,11 +3,13 @@ callers visit its states: a pipeline (handing out a prefetched one when it match
 states streamed chunk by chunk, the one prefetch kept between calls, and the chunk sizes
 ``stream`` cuts states by. It talks to its store through the store's public names
 (``spec``, ``resident``, ``budget_bytes``, ``alignment``, ``cut_alignment``, ``closed``,
-``in_flight``, ``pipeline``) and owns the prefetch; the store's ``pipeline``, ``stream``,
-``prefetch``, ``pump`` and ``cancel_prefetch`` check the store and call it."""
+``in_flight``) and owns the prefetch; the store's ``pipeline``, ``stream``, ``prefetch``,
+``pump`` and ``cancel_prefetch`` check the store and call it. What a backend's pipeline does
+differently is given at construction (``make_pipeline``, ``before_write``), so every
+pipeline, a checkpoint's included, is made here without going back through the store."""
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from ._signals import deferred_signals
 from ._stream import StateStream, chunk_ranges, group_units, plan_slices
@@ -28,11 +30,21 @@ class PipelineAccess:
         sized_by: the store whose budget sets the default chunk size of :meth:`stream`
             (called when needed; default ``store``): a ``TieredStore`` cuts by its smallest
             disk tier, so every tier's pipeline takes the chunks.
+        make_pipeline: ``(units, mode, wait) -> StatePipeline``, the store's own kind of
+            pipeline (``TieredStore``: one over its tiers' pipelines); default a
+            :class:`~statestore.pipeline.Pipeline` over ``store``.
+        before_write: called before a pipeline that writes (mode ``"rw"`` or ``"w"``) is
+            handed out (``NVMeStore``: reserve what copy-on-write needs), else None.
     """
 
-    def __init__(self, store, sized_by: Optional[Callable[[], object]] = None):
+    def __init__(self, store, sized_by: Optional[Callable[[], object]] = None, *,
+                 make_pipeline: Optional[Callable[..., Any]] = None,
+                 before_write: Optional[Callable[[], None]] = None):
         self.store = store
         self._sized_by = sized_by or (lambda: store)
+        self._make = make_pipeline or (lambda units, mode, wait:
+                                       Pipeline(store, units, mode=mode, wait=wait))
+        self._before_write = before_write
         self._prefetched: Optional[Prefetch] = None     # started by prefetch()
 
     @property
@@ -65,6 +77,8 @@ class PipelineAccess:
             StateStoreIOError: a state file was damaged, or a background write failed.
             StateStoreClosedError: the store is closed.
         """
+        if mode != "r" and self._before_write is not None:
+            self._before_write()
         pre = self._prefetched
         if pre is not None:
             if pre.matches(mode, unit_lists(units)):
@@ -72,11 +86,11 @@ class PipelineAccess:
                 pre.pipeline.wait = wait    # the reads started early: hand that pipeline out
                 return pre.pipeline
             self.cancel_prefetch()
-        return Pipeline(self.store, units, mode=mode, wait=wait)
+        return self._make(units, mode, wait)
 
     def stream(self, keys, mode: str, chunk_bytes: Optional[int], wait: bool) -> StateStream:
         """``store.stream(keys, mode, chunk_bytes=..., wait=...)``: whole states, chunk by
-        chunk, through one ``store.pipeline`` (a backend's own included; units of consecutive
+        chunk, through one :meth:`pipeline` (a backend's own kind included; units of consecutive
         chunks of at most :meth:`chunk_limit` bytes): the way to move states in or out
         without holding them in RAM (``get``/``put``, checkpoints, ``state_dict()``); a
         streaming store reads ahead across states within its budget::
@@ -114,7 +128,7 @@ class PipelineAccess:
                             * align, self.chunk_limit(chunk_bytes))
         pipe = None
         try:
-            pipe = store.pipeline(units, mode=mode, wait=wait)
+            pipe = self.pipeline(units, mode, wait)
             with deferred_signals():        # until the caller holds it, nobody else would
                 return StateStream(pipe, slices)        # ... cancel it: here
         except BaseException:

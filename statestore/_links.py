@@ -5,8 +5,10 @@ how a linked load takes a checkpoint's shards as the store's files (docs/scale.m
 Every store holds a :class:`FileLinks` object as ``store.links``: the default links nothing
 (every store but those with files copies); NVMeStore holds an ``NVMeLinks``
 (``backends/_nvme_links.py``), TieredStore one over its tiers. A linked save asks
-``store.links.linkable(...)``; a linked load calls :meth:`StateStore.adopt_file`, which
-asks ``store.links.adopt(...)`` and registers the states in the store's catalogue."""
+``store.links.linkable(...)`` (through the ``SavedStates`` the store hands the save); a linked
+load calls the adopt operation ``StateStore.load_checkpoint`` hands it (the store's
+``_adopt_file``), which asks ``store.links.adopt(...)`` and registers the states in the
+store's catalogue."""
 from __future__ import annotations
 
 from typing import List, Sequence, Tuple

@@ -2,9 +2,18 @@
 checkpoints and its optimizer, an object each store holds: the attached optimizer's metadata
 provider and ``on_load`` callback (both held weakly when bound methods), the metadata, group
 and deferred states of the last load, why a load failed, and the regions of parameters held
-in part. The store's public names (``attach_metadata``, ``metadata()``, ``process_group``,
-``deferred``, ``regions``, ``record_regions``, ``detach_metadata``, ``record_load``,
-``record_deferred_loaded``, ``load_error``, ``loaded_metadata``) hand over to it."""
+in part. The store's public names (``attach_metadata``, ``metadata()``, ``regions``,
+``record_regions``, ``load_error``, ``loaded_metadata``) hand over to it; the store hands the
+record itself to a load (``checkpoint/load.py``) and what a save reads of it to the
+``CheckpointWriter`` (``SavedStates``).
+
+A load's calls on the record, in order (the mirror of the writer's steps): :meth:`begin_load`
+(before the store's states are replaced: the attached optimizer's metadata no longer
+describes them), then, once every state is in, :meth:`record_regions` and :meth:`loaded`
+(which tells the attached optimizer); a load that fails after emptying the store ends with
+:meth:`load_failed` instead (the store calls it). A deferred load (``load_deferred``) reads
+:attr:`deferred`, then calls :meth:`record_regions` and, once nothing is left on disk,
+:meth:`record_deferred_loaded`."""
 from __future__ import annotations
 
 import weakref
@@ -72,8 +81,9 @@ class CheckpointRecord:
         if not (isinstance(process_group, str) and process_group == "keep"):
             self.process_group = process_group
 
-    def detach(self) -> None:
-        """Forget the metadata provider (``on_load`` stays)."""
+    def begin_load(self) -> None:
+        """A load is about to replace the store's states: forget the metadata provider (an
+        optimizer built next takes its step counts from the checkpoint; ``on_load`` stays)."""
         self._provider = None
 
     def metadata(self) -> Optional[dict]:
@@ -103,10 +113,18 @@ class CheckpointRecord:
             else:
                 self._regions[name] = r
 
-    def record_load(self, metadata: Optional[dict], deferred: Any, process_group: Any) -> None:
-        """A load completed: its metadata, deferred states and group (no error)."""
+    def loaded(self, store, metadata: Optional[dict], deferred: Any,
+               process_group: Any) -> None:
+        """A load into ``store`` completed: its metadata, deferred states and group (no
+        error); then the attached optimizer takes the checkpoint whole (signals deferred).
+
+        Raises:
+            CheckpointMismatchError: the attached optimizer does not fit the checkpoint.
+        """
         self.loaded_metadata, self.deferred = metadata, deferred
         self.process_group, self.load_error = process_group, None
+        with deferred_signals():
+            self.tell_loaded(store)
 
     def record_deferred_loaded(self) -> None:
         """Every deferred state was loaded: the store holds the whole checkpoint."""

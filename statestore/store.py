@@ -227,6 +227,7 @@ class StateStore(ABC):
         Arguments, return and errors: :meth:`PipelineAccess.stream
         <statestore._access.PipelineAccess.stream>`, which this store's holds."""
         self._check_open()
+        self._check_files()
         return self._access.stream(keys, mode, chunk_bytes, wait)
 
     def prefetch(self, units: Sequence[Sequence[Slice]], mode: str = "rw") -> None:
@@ -355,12 +356,13 @@ class StateStore(ABC):
         self._in_flight.drain()
         self._flush()
 
-    def adopt_file(self, path: str, rows: Sequence[Tuple[StateKey, StateSpec, int, str]],
-                   names: Sequence[str]) -> bool:
-        """For linked loads: take the checkpoint shard ``path`` (``rows``: ``(key, spec, data
-        offset, checksum)`` of its states; ``names``: its tensors but pads) as a file of the
-        store (:attr:`links`) and register its states. True when they are here (the caller
-        verifies their checksums), False where the store cannot (nothing changed)."""
+    def _adopt_file(self, path: str, rows: Sequence[Tuple[StateKey, StateSpec, int, str]],
+                    names: Sequence[str]) -> bool:
+        """For linked loads (handed to the load as an operation): take the checkpoint shard
+        ``path`` (``rows``: ``(key, spec, data offset, checksum)`` of its states; ``names``:
+        its tensors but pads) as a file of the store (:attr:`links`) and register its states.
+        True when they are here (the caller verifies their checksums), False where the store
+        cannot (nothing changed)."""
         self._check_open()
         self.cancel_prefetch()
         if any(k in self._specs for k, _, _, _ in rows) or not self.links.adopt(path, rows, names):
@@ -383,19 +385,6 @@ class StateStore(ABC):
         self._record.attach(provider, process_group, on_load)
 
     @property
-    def process_group(self) -> Any:
-        """The ``torch.distributed`` group this store's states are sharded over (the
-        attached optimizer's ``process_group``, or the group a sharded
-        :meth:`load_checkpoint` used), else None. ``save_checkpoint`` is a collective over
-        it."""
-        return self._record.process_group
-
-    @property
-    def deferred(self) -> Any:
-        """The states a sharded :meth:`load_checkpoint` left on disk for other ranks, or None."""
-        return self._record.deferred
-
-    @property
     def regions(self) -> Dict[str, Region]:
         """``{parameter name: Region}`` (a copy) of the parameters whose states here are a
         region of theirs (one rank's FSDP2 shard); checkpoints record them."""
@@ -409,26 +398,6 @@ class StateStore(ABC):
             StateStoreValueError: a value that is not a Region fitting its global shape.
         """
         self._record.record_regions(regions)
-
-    def detach_metadata(self) -> None:
-        """Forget the attached metadata provider (``on_load`` stays): a load replaces it."""
-        self._record.detach()
-
-    def record_load(self, metadata: Optional[dict], deferred: Any = None,
-                    process_group: Any = None) -> None:
-        """Record a completed :meth:`load_checkpoint` (its ``metadata``, states ``deferred``
-        to other ranks, its ``process_group``), then tell the attached optimizer.
-
-        Raises:
-            CheckpointMismatchError: the attached optimizer does not fit the checkpoint.
-        """
-        self._record.record_load(metadata, deferred, process_group)
-        with deferred_signals():        # the optimizer takes the checkpoint whole
-            self._record.tell_loaded(self)
-
-    def record_deferred_loaded(self) -> None:
-        """Every state a sharded load deferred is here: the store is sharded over no group."""
-        self._record.record_deferred_loaded()
 
     def metadata(self) -> Optional[dict]:
         """The attached optimizer's metadata now, else the metadata of the last loaded
@@ -464,12 +433,36 @@ class StateStore(ABC):
                 ``path`` stays intact.
             StateStoreError: a failed :meth:`load_checkpoint` left the store empty.
         """
-        from .checkpoint import save_checkpoint
-        if self.load_error is not None:
-            raise StateStoreError(f"this store's last load_checkpoint failed ({self.load_error}) "
-                                  f"and left it empty: a save would write an empty checkpoint. "
-                                  f"Load the last checkpoint into the store first")
-        save_checkpoint(self, path, **kwargs)
+        from .checkpoint import CheckpointWriter
+        if self._record.load_error is not None:
+            raise StateStoreError(f"this store's last load_checkpoint failed "
+                                  f"({self._record.load_error}) and left it empty: a save "
+                                  f"would write an empty checkpoint. Load the last checkpoint "
+                                  f"into the store first")
+        # The writer's call order (checkpoint/save.py): the store hands it its states once,
+        # and it reaches the disk without calling the store again.
+        with CheckpointWriter(path, **kwargs) as writer:    # 0) the arguments checked
+            self._check_open()
+            writer.set_up(self._saved_states())             # 1) states, metadata, the path
+            writer.plan()                                   # 2) what this process writes
+            writer.write_data()                             # 3) the shards
+            writer.finish()                                 # 4) the manifest: committed
+
+    def _saved_states(self):
+        """What a save reads (``checkpoint/writer.py``'s ``SavedStates``), after waiting for
+        this store's writes (a failure of that wait is handed over, for a collective save to
+        fail on every rank)."""
+        from .checkpoint import SavedStates
+        error = None
+        try:
+            self.sync()
+        except Exception as e:
+            error = e
+        rec = self._record
+        return SavedStates(list(self._specs), dict(self._specs), rec.metadata,
+                           rec.process_group, rec.regions, rec.deferred, self.links,
+                           self._in_flight.check_damaged, self._access.stream, self.unit_bytes,
+                           error)
 
     def load_checkpoint(self, path: str, **kwargs) -> None:
         """Replace this store's states with those of the checkpoint at ``path`` (written by
@@ -489,10 +482,10 @@ class StateStore(ABC):
             StateStoreValueError, StateStoreClosedError, StateStoreIOError: as
                 :func:`statestore.checkpoint.load_checkpoint`.
         """
-        from .checkpoint import load_checkpoint
+        from .checkpoint import load_into
         clears = self._record.clears
         try:
-            load_checkpoint(self, path, **kwargs)
+            load_into(self, self._record, self._adopt_file, path, **kwargs)
         except BaseException as e:
             if not self._closed and not self._specs:
                 self._record.load_failed(self, e, clears)
@@ -512,9 +505,11 @@ class StateStore(ABC):
             CheckpointCorruptError: a file or tensor is damaged (the states this call
                 created are removed again).
         """
+        if self._record.deferred is None:
+            return          # nothing to load (and pyarrow stays unimported)
         self._check_open()
-        from .checkpoint import load_deferred
-        load_deferred(self, params, regions)
+        from .checkpoint import load_deferred_into
+        load_deferred_into(self, self._record, params, regions)
 
     # ------------------------------------------------------------------ stats and lifetime
     def stats(self) -> Dict[str, Any]:
@@ -546,16 +541,15 @@ class StateStore(ABC):
     def closed(self) -> bool:
         return self._closed
 
-    def check_open(self) -> None:
-        """Raise unless the store is open: what every call that uses the store checks first.
+    def _check_open(self) -> None:
+        """Raise unless the store is open: what every call that uses the store (and every
+        backend primitive's caller) checks first.
 
         Raises:
             StateStoreClosedError: the store was closed.
         """
         if self._closed:
             raise StateStoreClosedError(f"{type(self).__name__} is closed")
-
-    _check_open = check_open        # the store's own methods and backends call it by this name
 
     def close(self) -> None:
         """Wait for pending writes, then release memory, descriptors and temporary files.

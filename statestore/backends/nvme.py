@@ -29,6 +29,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .._access import PipelineAccess
 from .._safetensors_layout import PAD_PREFIX, layout
 from .._types import Slice, StateKey, StateSpec, as_key
 from ..errors import StateStoreValueError
@@ -143,6 +144,9 @@ class NVMeStore(StreamingStore):
         self.extents = self._packed     # the pipeline moves units with small states by it
         self._copy_on_write = CopyOnWrite(table, self._packed, self._specs, self.in_flight,
                                           self._frozen_reads)
+        # a pipeline that writes first reserves what copy-on-write needs (the successors of
+        # frozen files), so a step completes or changes nothing, even on a full disk
+        self._access = PipelineAccess(self, before_write=self._copy_on_write.reserve_successors)
         # Held while open: a store started later in this directory knows these files are in
         # use; if this process dies without close(), that store reclaims them (_dirs.py).
         self._lock = None if self.keep_files else StoreLock(dir, store_id)
@@ -152,15 +156,6 @@ class NVMeStore(StreamingStore):
                                self.spec, self._settle_files, self._take_file)
 
     # ------------------------------------------------------------------ layout
-    def pipeline(self, units, mode: str = "rw", wait: bool = True):
-        """As :meth:`StateStore.pipeline`; one that writes first reserves what copy-on-write
-        needs (the successors of frozen files), so a step completes or changes nothing, even
-        on a full disk."""
-        self._check_open()
-        if mode != "r":
-            self._copy_on_write.reserve_successors()
-        return super().pipeline(units, mode=mode, wait=wait)
-
     def _ring_bytes(self, spec: StateSpec) -> int:
         return ring_bytes(spec)         # a small state: its 64-byte slots of a shared block
 

@@ -112,7 +112,10 @@ class TieredStore(StateStore):
         self._tier_bytes = [0] * len(self.tiers)
         # stream() cuts states in chunks every tier's pipeline takes: by default those of the
         # disk tier of the smallest budget
-        self._access = PipelineAccess(self, sized_by=self._smallest_disk_tier)
+        # (its pipeline: one per tier holding states of the units, in lockstep)
+        self._access = PipelineAccess(
+            self, sized_by=self._smallest_disk_tier,
+            make_pipeline=lambda units, mode, wait: _TieredPipeline(self, units, mode, wait))
 
     @classmethod
     def from_fraction(cls, fraction: float, directory: Optional[str] = None, *,
@@ -233,13 +236,6 @@ class TieredStore(StateStore):
 
     def _view(self, key: StateKey) -> torch.Tensor:
         return self.tiers[self._tier_index(key)]._view(key)
-
-    def pipeline(self, units: Sequence[Sequence[Slice]], mode: str = "rw",
-                 wait: bool = True) -> "_TieredPipeline":
-        """One pipeline per tier holding states of ``units``, in lockstep; see
-        :meth:`StateStore.pipeline`."""
-        self._check_open()
-        return _TieredPipeline(self, units, mode, wait)
 
     def prefetch(self, units: Sequence[Sequence[Slice]], mode: str = "rw") -> None:
         """Prefetch in each non-resident tier the part of ``units`` it holds (see

@@ -12,9 +12,10 @@ statestore version, the checksum algorithm, the save id, the optimizer metadata 
 counts, param groups with hyperparameters, parameter names, shapes and dtypes) and the
 manifest's own checksum.
 
-Public functions: :func:`save_checkpoint`, :func:`load_checkpoint`, :func:`load_deferred`,
-:func:`read_manifest`, :func:`verify_checkpoint` (``StateStore.save_checkpoint`` and
-``load_checkpoint`` call the first two). The modules, each owning one concept:
+Public functions: :func:`save_checkpoint`, :func:`load_checkpoint`, :func:`load_deferred`
+(the function forms of the store's methods of those names), :func:`read_manifest`,
+:func:`verify_checkpoint`. ``StateStore.save_checkpoint`` hands its states to a
+:class:`CheckpointWriter`; ``StateStore.load_checkpoint`` hands its record to ``load_into``. The modules, each owning one concept:
 
 ========================  ==============================================================
 :mod:`.format`            the manifest schema, :class:`ManifestRow`, :class:`Manifest`
@@ -24,9 +25,12 @@ Public functions: :func:`save_checkpoint`, :func:`load_checkpoint`, :func:`load_
 :mod:`.digest`            the manifest's own checksum
 :mod:`.filesystem`        local and fsspec paths, atomic commit, clean-up, progress bars
 :mod:`.stream`            states streamed through a store's pipeline (both chunk loops)
-:mod:`.writer`            the steps of a save: shards, linked shards, manifest, clean-up
-:mod:`.save`              :func:`save_checkpoint` (a save alone)
-:mod:`.collective`        a collective save over a ``torch.distributed`` group
+:mod:`.writer`            the steps of a save: shards, linked shards, manifest, clean-up;
+                          :class:`SavedStates`, what a store hands a save
+:mod:`.save`              :class:`CheckpointWriter` (a save's call order: set_up, plan,
+                          write_data, finish), :func:`save_checkpoint`
+:mod:`.collective`        a collective save over a ``torch.distributed`` group (the
+                          writer's steps over a group: ``CollectiveSave``)
 :mod:`.save_lock`         one save at a time per local checkpoint directory
 :mod:`.shard_check`       shard headers and files checked against the manifest
 :mod:`.reader`            parallel, hashed reads of shard byte ranges
@@ -58,16 +62,20 @@ _EXPORTS: Dict[str, str] = {
     "optimizer_metadata_problem": "metadata", "MAX_ROWS": "parquet_guard",
     "read_manifest": "manifest",
     "sealed": "digest",
-    "DEFAULT_SHARD_BYTES": "writer",
-    "save_checkpoint": "save",
+    "DEFAULT_SHARD_BYTES": "writer", "SavedStates": "writer",
+    "save_checkpoint": "save", "CheckpointWriter": "save",
     "load_checkpoint": "load", "load_deferred": "load", "verify_checkpoint": "load",
     "Deferred": "load",
+    # the store's own entry points (StateStore.load_checkpoint/load_deferred hand them its
+    # bookkeeping); not for users: call the store's methods or the functions above
+    "load_into": "load", "load_deferred_into": "load",
 }
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MANIFEST", "save_checkpoint", "load_checkpoint",
            "read_manifest", "verify_checkpoint", "Manifest", "ManifestRow", "CHECKSUM",
            "SCHEMA", "DEFAULT_SHARD_BYTES", "MAX_ROWS", "load_deferred", "Deferred",
-           "optimizer_metadata_problem", "sealed", "CheckpointError", "CheckpointCorruptError",
+           "optimizer_metadata_problem", "sealed", "CheckpointWriter", "SavedStates",
+           "CheckpointError", "CheckpointCorruptError",
            "CheckpointNotFoundError", "CheckpointMismatchError"]
 
 

@@ -1,9 +1,10 @@
 """A collective save: every rank of a ``torch.distributed`` group writes the states it holds
 into its own shards, rank 0 writes the one manifest once all have finished
-(``docs/distributed.md``). Any rank's failure fails the save on every rank, the previous
+(``docs/distributed.md``): :class:`CollectiveSave`, the steps
+:class:`~.save.CheckpointWriter` makes over a group. Any rank's failure fails the save on every rank, the previous
 checkpoint intact.
 
-States a rank holds as a region (its shard of an FSDP2 parameter, ``store.regions``) are
+States a rank holds as a region (its shard of an FSDP2 parameter, ``SavedStates.regions``) are
 written by every rank, each row recording its region; blockwise states of such a parameter
 (int8 moments' scales) are rows of a 1-D tensor of all ranks' scales, ordered as the
 moment's regions (``docs/checkpoint-format.md``, "Regions")."""
@@ -24,7 +25,7 @@ from .region_load import blockwise_states
 from .writer import (as_io_error, lock_for_save, metadata_json, remove_stale, save_progress,
                      write_manifest, write_shards)
 
-__all__ = ["save_collective", "merge_metadata", "region_rows"]
+__all__ = ["CollectiveSave", "merge_metadata", "region_rows"]
 
 
 def merge_metadata(metas: List[str], rows: List[List[ManifestRow]]) -> str:
@@ -183,98 +184,145 @@ def not_shared_error(path: str, missing: List[str]) -> CheckpointError:
         f"an fsspec URL); nothing was committed")
 
 
-def save_collective(store, path: str, group, shard_bytes: int, progress, metadata,
-                    link: bool = True) -> None:
-    """:func:`statestore.checkpoint.save_checkpoint` over ``group`` (arguments checked by it):
-    every rank of ``group`` calls it."""
-    comm = Collective(group, f"collective save of checkpoint {path!r}")
-    error: Optional[BaseException] = None
-    lock = None
-    try:                    # a rank failing here must still take part in the collectives
-        store.sync()
-        meta_json = metadata_json(store, metadata)
-        fs, root = prepare_root(path)
-        if comm.rank == 0:      # rank 0 holds the path's save lock for the whole collective
-            lock = lock_for_save(fs, root, path)
-    except Exception as e:
-        error = e
-    try:
-        _save_collective_locked(store, path, comm, error, fs if error is None else None,
-                                root if error is None else None, shard_bytes, progress,
-                                meta_json if error is None else None, link)
-    finally:
+class CollectiveSave:
+    """A save over ``comm``'s group, in :class:`~.save.CheckpointWriter`'s call order (each
+    step's collectives are made by every rank, whatever failed on it before):
+
+    1. :meth:`set_up`: this rank's metadata checked, the directory prepared, rank 0 takes
+       the path's save lock (a failure is kept for the next step, not raised);
+    2. :meth:`plan`: every rank's save id, keys, regions and early failure gathered (any
+       failure fails every rank, nothing written); the keys this rank writes;
+    3. :meth:`write_data`: this rank's shards (a failure is kept for the next step);
+    4. :meth:`finish`: every rank's rows gathered, rank 0 commits the manifest, the outcome
+       broadcast; a failed save removes this rank's uncommitted shards;
+    :meth:`close`: always, releases rank 0's lock.
+    """
+
+    def __init__(self, comm: Collective, path: str, shard_bytes: int, progress,
+                 metadata: Optional[dict], link: bool):
+        self.comm, self.path, self.shard_bytes = comm, path, shard_bytes
+        self.progress, self.metadata, self.link = progress, metadata, link
+        self.error: Optional[BaseException] = None
+        self.lock = None
+        self.fs = self.root = self.meta_json = self.save_id = None
+        self.written = _Written()
+        self.rows: List[ManifestRow] = []
+
+    def set_up(self, states) -> None:
+        """Step 1 (``states``: :class:`~.writer.SavedStates`)."""
+        self.states = states
+        try:                    # a rank failing here must still take part in the collectives
+            if states.error is not None:
+                raise states.error
+            self.meta_json = metadata_json(states, self.metadata)
+            self.fs, self.root = prepare_root(self.path)
+            if self.comm.rank == 0:     # rank 0 holds the save lock for the whole collective
+                self.lock = lock_for_save(self.fs, self.root, self.path)
+        except Exception as e:
+            self.error = e
+
+    def plan(self) -> None:
+        """Step 2.
+
+        Raises:
+            CheckpointError: a rank failed before writing (this rank's own error on it).
+        """
+        states, comm = self.states, self.comm
+        # (a rank lost here: nothing was written anywhere; RankLostError names it)
+        self.first_round = comm.all_gather_with_identity(
+            (uuid.uuid4().hex[:12], [str(k) for k in states.keys],
+             None if self.error is None else repr(self.error), states.regions))
+        early = [(r, msg) for r, (_, _, msg, _) in enumerate(self.first_round)
+                 if msg is not None]
+        if early:
+            if self.error is not None:
+                raise self.error
+            raise CheckpointError(f"collective save of checkpoint {self.path!r} failed on "
+                                  f"rank {early[0][0]}: {early[0][1]}; nothing was written")
+        self.save_id = self.first_round[0][0]
+        self.blockwise = set(blockwise_states(json.loads(self.meta_json)).values())
+        self.keys, self.whole = _keys_to_write(states, comm.rank, self.first_round,
+                                               states.regions, self.blockwise)
+
+    def write_data(self) -> None:
+        """Step 3: this rank's shards, with their regions."""
+        bar = save_progress(self.states, self.keys, self.root, self.progress)
+        try:
+            self.rows = region_rows(
+                write_shards(self.states, self.fs, self.root, self.keys,
+                             f"shard-{self.save_id}-r{self.comm.rank:05d}", self.shard_bytes,
+                             bar, self.written, self.link),
+                self.states.regions, self.blockwise, self.whole)
+        except Exception as e:
+            self.error = e
+        finally:
+            bar.close()
+
+    def finish(self) -> None:
+        """Step 4.
+
+        Raises:
+            CheckpointError, RankLostError, StateStoreIOError: the save failed on some rank
+                (this rank's own error on it); the previous checkpoint is intact.
+        """
+        comm, fs, path, save_id, written = (self.comm, self.fs, self.path, self.save_id,
+                                            self.written)
+        error = self.error
+        try:
+            gathered = comm.all_gather((self.rows, self.meta_json,
+                                        None if error is None else repr(error)))
+        except RankLostError as e:      # rank 0 commits only after a whole gather
+            return _after_lost_rank(comm, e, fs, path, save_id, written, error)
+        failed = [(r, msg) for r, (_, _, msg) in enumerate(gathered) if msg is not None]
+        status, committed = None, False
+        if not failed and comm.rank == 0:
+            try:
+                _commit(fs, self.root, path, gathered, self.first_round, self.blockwise,
+                        save_id, written, comm.world)
+            except Exception as e:
+                error = e
+                status = f"{type(e).__name__}: {e}"
+            committed = written.committed    # the manifest is in place
+        if not failed:
+            try:
+                status, committed = comm.broadcast((status, committed))
+            except RankLostError as e:
+                if comm.rank != 0:
+                    return _after_lost_rank(comm, e, fs, path, save_id, written, error)
+                if not committed:       # rank 0 knows the outcome: its own
+                    remove(fs, written)
+                    raise as_io_error(error, path) if error is not None else e
+                # committed: the new checkpoint is whole; the lost rank surfaces at the next
+                # collective call
+        _raise_failure(failed, status, committed, fs, written, error, path)
+        if comm.rank == 0:
+            remove_stale(fs, self.root, save_id)
+
+    def close(self) -> None:
+        """Release rank 0's save lock (always, after the steps)."""
+        lock, self.lock = self.lock, None
         if lock is not None:
             lock.__exit__(None, None, None)
 
 
-def _save_collective_locked(store, path: str, comm, error, fs, root, shard_bytes: int,
-                            progress, meta_json, link: bool) -> None:
-    # Rank 0's save id; every rank's keys; any rank's early failure.
-    regions = store.regions
-    # (a rank lost here: nothing was written anywhere; RankLostError names it)
-    first_round = comm.all_gather_with_identity(
-        (uuid.uuid4().hex[:12], [str(k) for k in store.keys()],
-         None if error is None else repr(error), regions))
-    early = [(r, msg) for r, (_, _, msg, _) in enumerate(first_round) if msg is not None]
-    if early:
-        if error is not None:
-            raise error
-        raise CheckpointError(f"collective save of checkpoint {path!r} failed on rank "
-                              f"{early[0][0]}: {early[0][1]}; nothing was written")
-    save_id = first_round[0][0]
-    blockwise = set(blockwise_states(json.loads(meta_json)).values())
-    keys, whole = _keys_to_write(store, comm.rank, first_round, regions, blockwise)
-    written = _Written()
-    bar = save_progress(store, keys, root, progress)
-    rows: List[ManifestRow] = []
-    try:
-        rows = region_rows(write_shards(store, fs, root, keys,
-                                        f"shard-{save_id}-r{comm.rank:05d}", shard_bytes,
-                                        bar, written, link), regions, blockwise, whole)
-    except Exception as e:
-        error = e
-    finally:
-        bar.close()
-    try:
-        gathered = comm.all_gather((rows, meta_json, None if error is None else repr(error)))
-    except RankLostError as e:      # rank 0 commits only after a whole gather
-        return _after_lost_rank(comm, e, fs, path, save_id, written, error)
-    failed = [(r, msg) for r, (_, _, msg) in enumerate(gathered) if msg is not None]
-    status, committed = None, False
-    if not failed and comm.rank == 0:
-        try:
-            _commit(fs, root, path, gathered, first_round, blockwise, save_id, written,
-                    comm.world)
-        except Exception as e:
-            error = e
-            status = f"{type(e).__name__}: {e}"
-        committed = written.committed    # the manifest is in place
-    if not failed:
-        try:
-            status, committed = comm.broadcast((status, committed))
-        except RankLostError as e:
-            if comm.rank != 0:
-                return _after_lost_rank(comm, e, fs, path, save_id, written, error)
-            if not committed:       # rank 0 knows the outcome: its own
-                remove(fs, written)
-                raise as_io_error(error, path) if error is not None else e
-            # committed: the new checkpoint is whole; the lost rank surfaces at the next
-            # collective call
-    if failed or status is not None:
-        if not committed:            # shards the new manifest names must stay
-            remove(fs, written)
-        if error is not None:
-            raise as_io_error(error, path)
-        who = failed[0] if failed else (0, status)
-        raise CheckpointError(f"collective save of checkpoint {path!r} failed on rank "
-                              f"{who[0]}: {who[1]}; the previous checkpoint (if any) is intact")
-    if comm.rank == 0:
-        remove_stale(fs, root, save_id)
+def _raise_failure(failed: list, status: Optional[str], committed: bool, fs, written,
+                   error: Optional[BaseException], path: str) -> None:
+    """A collective save that failed on some rank (``failed``, or rank 0's commit
+    ``status``) removes this rank's shards unless committed, and raises."""
+    if not failed and status is None:
+        return
+    if not committed:            # shards the new manifest names must stay
+        remove(fs, written)
+    if error is not None:
+        raise as_io_error(error, path)
+    who = failed[0] if failed else (0, status)
+    raise CheckpointError(f"collective save of checkpoint {path!r} failed on rank "
+                          f"{who[0]}: {who[1]}; the previous checkpoint (if any) is intact")
 
 
-def _keys_to_write(store, rank: int, first_round: list, regions: Dict[str, Region],
+def _keys_to_write(states, rank: int, first_round: list, regions: Dict[str, Region],
                    blockwise: Set[str]) -> Tuple[list, Set[str]]:
-    """The keys of ``store`` this rank writes, given every rank's keys and regions
+    """The keys of ``states`` (:class:`~.writer.SavedStates`) this rank writes, given every rank's keys and regions
     (``first_round``), and the states of sharded parameters that are held whole.
 
     A state held by several ranks (replicated, not sharded) is written once, by the lowest;
@@ -283,8 +331,8 @@ def _keys_to_write(store, rank: int, first_round: list, regions: Dict[str, Regio
     A state of a sharded parameter not shaped like its region (NAdam's mu_product,
     Adafactor's row and column variances; not int8 scales) is held whole, the same on every
     rank: written once, by the lowest rank."""
-    whole = {str(k) for k in store.keys() if k.param in regions and k.state not in blockwise
-             and tuple(store.spec(k).shape) != regions[k.param].shape}
+    whole = {str(k) for k in states.keys if k.param in regions and k.state not in blockwise
+             and tuple(states.spec(k).shape) != regions[k.param].shape}
     first: Dict[str, int] = {}
     holder: Dict[tuple, int] = {}
     for r, (_, ks, _, regs) in enumerate(first_round):
@@ -292,7 +340,7 @@ def _keys_to_write(store, rank: int, first_round: list, regions: Dict[str, Regio
             first.setdefault(k, r)
         for name, reg in regs.items():
             holder.setdefault((name, reg), r)
-    keys = [k for k in store.keys()
+    keys = [k for k in states.keys
             if (regions[k.param].numel > 0 and holder[(k.param, regions[k.param])] == rank
                 if k.param in regions and str(k) not in whole
                 else first[str(k)] == rank)]

@@ -1,6 +1,7 @@
 """Loading a checkpoint by linking its shards instead of copying them.
 
-Where a store can take a shard file as its own (:meth:`StateStore.adopt_file`: an
+Where a store can take a shard file as its own (the operation ``StateStore.load_checkpoint``
+hands the load, backed by ``store.links.adopt``: an
 :class:`~statestore.NVMeStore` on the checkpoint's filesystem, for shards whose tensors are
 laid out for direct I/O, as those of a linked save are), :func:`link_shards` hard-links it
 into the store, frozen: the store never writes it (writes of its states go to a new file,
@@ -35,10 +36,11 @@ def _tensor_names(fpath: str) -> List[str]:
     return [k for k in header if k != "__metadata__" and not k.startswith(PAD_PREFIX)]
 
 
-def link_shards(store, m: Manifest,
+def link_shards(store, adopt, m: Manifest,
                 groups: Dict[str, List[ManifestRow]]) -> Dict[str, List[ManifestRow]]:
     """The shards of ``groups`` (rows by file, headers already checked) that ``store`` took
-    by hard link, with their rows."""
+    by hard link (``adopt(path, rows, names)``, the store's operation handed to the load),
+    with their rows."""
     if store.resident or not is_local(m.fs):
         return {}
     linked = {}
@@ -49,7 +51,7 @@ def link_shards(store, m: Manifest,
         except (OSError, ValueError, struct.error, RecursionError):
             continue                    # copied (and its problem reported) by the caller
         rows = [(r.state_key, r.spec, r.offset, r.checksum) for r in rs]
-        if store.adopt_file(fpath, rows, names):
+        if adopt(fpath, rows, names):
             linked[name] = rs
     return linked
 

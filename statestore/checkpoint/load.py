@@ -19,8 +19,8 @@ import xxhash
 from .._regions import Region
 from .._signals import deferred_signals
 from ..distributed import Collective, owners_from_metadata, resolve_load_group
-from ..errors import (CheckpointCorruptError, CheckpointError, RankLostError, StateStoreError,
-                      StateStoreValueError)
+from ..errors import (CheckpointCorruptError, CheckpointError, RankLostError,
+                      StateStoreClosedError, StateStoreError, StateStoreValueError)
 from .filesystem import join
 from .filesystem import progress as progress_bar
 from .format import Manifest, ManifestRow
@@ -31,7 +31,8 @@ from .region_load import Assembly, load_assembled, plan_regions, split_rows
 from .shard_check import by_file, check_shard_header
 from .stream import check_store, write_states
 
-__all__ = ["load_checkpoint", "load_deferred", "verify_checkpoint", "Deferred", "agree"]
+__all__ = ["load_checkpoint", "load_deferred", "load_into", "load_deferred_into",
+           "verify_checkpoint", "Deferred", "agree"]
 
 
 @dataclass
@@ -101,6 +102,17 @@ def load_checkpoint(store, path: str, *, progress: Optional[bool] = None,
         StateStoreIOError: reading failed (names the file).
         RankLostError: a collective load lost a rank of its group.
     """
+    check_store(store)
+    store.load_checkpoint(path, progress=progress, process_group=process_group, link=link)
+
+
+def load_into(store, record, adopt, path: str, *, progress: Optional[bool] = None,
+              process_group: Any = "auto", link: bool = True) -> None:
+    """:func:`load_checkpoint`, as ``store.load_checkpoint`` calls it with its bookkeeping:
+    ``record``, the store's :class:`~statestore._record.CheckpointRecord` (the load's calls
+    on it, in order: ``begin_load``, then, once every state is in, ``record_regions`` and
+    ``loaded``), and ``adopt``, the store's operation that takes a shard as a file of its
+    own (linked loads: ``adopt(path, rows, names) -> bool``)."""
     if not isinstance(link, bool):
         raise StateStoreValueError(f"link must be True or False, got {link!r}")
     group = resolve_load_group(process_group)
@@ -108,7 +120,8 @@ def load_checkpoint(store, path: str, *, progress: Optional[bool] = None,
         if group is not None else None
     try:
         check_store(store)
-        store.check_open()
+        if store.closed:
+            raise StateStoreClosedError(f"{type(store).__name__} is closed")
         known = store.regions       # an attached FSDP2 optimizer's shards (torch's order)
         m = read_manifest(path)
         rank, world = (comm.rank, comm.world) if comm is not None else (0, 1)
@@ -120,12 +133,12 @@ def load_checkpoint(store, path: str, *, progress: Optional[bool] = None,
         agree(comm, e)
     if comm is not None:
         agree(comm, None)       # another rank's refusal: refused here too, nothing changed
-    _replace_states(store, m, rows, progress, link, assembled, comm)
-    store.record_regions(regions)
+    _replace_states(store, record, adopt, m, rows, progress, link, assembled, comm)
+    record.record_regions(regions)
     # then an optimizer already on the store takes the checkpoint's steps
-    store.record_load(m.metadata,
-                      Deferred(path, m.info.get("save_id"), later, rank, world, dict(regions))
-                      if later else None, group if later else None)
+    record.loaded(store, m.metadata,
+                  Deferred(path, m.info.get("save_id"), later, rank, world, dict(regions))
+                  if later else None, group if later else None)
 
 
 def _rows_of_rank(m: Manifest, rank: int, world: int, known: Any):
@@ -146,18 +159,18 @@ def _rows_of_rank(m: Manifest, rank: int, world: int, known: Any):
             [r for r in m.rows if owners[r.param] != rank])
 
 
-def _replace_states(store, m: Manifest, rows: List[ManifestRow], progress: Optional[bool],
+def _replace_states(store, record, adopt, m: Manifest, rows: List[ManifestRow], progress: Optional[bool],
                     link: bool, assembled: List[Assembly], comm: Optional[Collective]) -> None:
     """Replace the store's states with ``rows``; on failure (on any rank of ``comm``) the
     store is left empty."""
     # The store's states are replaced (or, on failure, removed): the metadata of the optimizer
     # that used them no longer describes them. Detached, an optimizer built next takes its
     # step counts from this checkpoint, not from the optimizer the store had before.
-    store.detach_metadata()
+    record.begin_load()
     store.clear()
     try:
-        _load_rows(store, m, rows, progress, on_error=store.clear, link=link,
-                   assembled=assembled, checked=True)
+        _load_rows(store, m, rows, progress, on_error=store.clear,
+                   adopt=adopt if link else None, assembled=assembled, checked=True)
     except BaseException as e:
         if comm is None:
             raise
@@ -240,7 +253,16 @@ def load_deferred(store, params: Iterable[str],
             are removed again).
         CheckpointMismatchError: an int8 moment asked in another region than it was saved in.
     """
-    d = store.deferred
+    check_store(store)
+    store.load_deferred(params, regions)
+
+
+def load_deferred_into(store, record, params: Iterable[str],
+                       regions: Optional[Dict[str, Region]] = None) -> None:
+    """:func:`load_deferred`, as ``store.load_deferred`` calls it with its ``record``
+    (:class:`~statestore._record.CheckpointRecord`: ``deferred``, then ``record_regions`` and
+    ``record_deferred_loaded``)."""
+    d = record.deferred
     if d is None:
         return
     want = set(params)
@@ -256,15 +278,15 @@ def load_deferred(store, params: Iterable[str],
                               and any(k.param == p for k in store.keys())):
             todo[p] = need
     if todo:
-        _reload(store, d, todo)
+        _reload(store, record, d, todo)
     d.rows = [r for r in d.rows if r.param not in want]
     for p in want:
         d.regions.pop(p, None)
     if not d.rows:
-        store.record_deferred_loaded()
+        record.record_deferred_loaded()
 
 
-def _reload(store, d: Deferred, todo: Dict[str, Optional[Region]]) -> None:
+def _reload(store, record, d: Deferred, todo: Dict[str, Optional[Region]]) -> None:
     """Replace the states of ``todo``'s parameters with the region each needs (None: whole)
     of the checkpoint ``d`` came from."""
     m = read_manifest(d.path)
@@ -283,7 +305,7 @@ def _reload(store, d: Deferred, todo: Dict[str, Optional[Region]]) -> None:
     def undo():
         store.delete([k for k in created if k in store])
     _load_rows(store, m, rows, None, on_error=undo, assembled=assembled)
-    store.record_regions({p: regions.get(p, Region.whole(glob[p])) for p in targets})
+    record.record_regions({p: regions.get(p, Region.whole(glob[p])) for p in targets})
 
 
 def _check_headers(m: Manifest, rows: List[ManifestRow], assembled: List[Assembly]) -> None:
@@ -301,10 +323,10 @@ def _check_headers(m: Manifest, rows: List[ManifestRow], assembled: List[Assembl
 
 
 def _load_rows(store, m: Manifest, rows: List[ManifestRow], enabled, on_error,
-               link: bool = True, assembled: List[Assembly] = (), checked: bool = False
+               adopt=None, assembled: List[Assembly] = (), checked: bool = False
                ) -> None:
-    """Create ``rows``' states in ``store`` and stream them in (``link``: shards the store
-    can take by hard link are linked, :mod:`.linked_load`), then the states ``assembled``
+    """Create ``rows``' states in ``store`` and stream them in (``adopt``, the store's
+    operation: shards the store can take by hard link are linked, :mod:`.linked_load`), then the states ``assembled``
     from regions (:mod:`.region_load`); ``on_error()`` on failure. ``checked``: the shard
     headers were checked already (:func:`_check_headers`)."""
     groups = by_file(rows)
@@ -315,7 +337,7 @@ def _load_rows(store, m: Manifest, rows: List[ManifestRow], enabled, on_error,
             on_error()
             raise
     try:
-        linked = link_shards(store, m, groups) if link else {}     # docs/scale.md
+        linked = link_shards(store, adopt, m, groups) if adopt is not None else {}  # scale.md
         store.create_many([(r.state_key, r.spec.shape, r.spec.dtype, None) for r in rows
                            if r.file not in linked]
                           + [(k, want.shape, first.spec.dtype, None)

@@ -1,6 +1,7 @@
-"""The steps of a save, shared by a save alone (:mod:`.save`) and a collective one
-(:mod:`.collective`): shards (copied or hard-linked), the manifest (the commit point), and
-the clean-up of earlier saves' files.
+"""The steps of a save, shared by a save alone and a collective one (both driven by
+:class:`.save.CheckpointWriter`): shards (copied or hard-linked), the manifest (the commit
+point), and the clean-up of earlier saves' files; and :class:`SavedStates`, what a store hands
+a save (its states, metadata and the means to read them), so that no step calls the store.
 
 Every state is streamed through the store's pipeline (:func:`.stream.read_states`) into shards
 written under temporary names, fsync'd and renamed; the manifest is written the same way,
@@ -15,14 +16,17 @@ import errno
 import json
 import os
 import time
-from typing import List, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import xxhash
 
 from .._safetensors_layout import layout
-from .._types import StateKey, check_key
+from .._links import FileLinks
+from .._regions import Region
+from .._types import StateKey, StateSpec, check_key
 from ..errors import CheckpointError, StateStoreError, StateStoreIOError, StateStoreValueError
 from .digest import KEY, manifest_digest
 from .filesystem import (close_quietly, commit, fsync_dir, is_local, join, open_for_write,
@@ -37,7 +41,7 @@ from .parquet_guard import MAX_ROWS
 from .save_lock import SaveLock
 from .stream import read_states
 
-__all__ = ["DEFAULT_SHARD_BYTES", "metadata_json", "save_progress", "write_shards",
+__all__ = ["DEFAULT_SHARD_BYTES", "SavedStates", "metadata_json", "save_progress", "write_shards",
            "write_manifest", "remove_stale", "lock_for_save", "as_io_error"]
 
 DEFAULT_SHARD_BYTES = 2 * 1024 ** 3
@@ -45,19 +49,65 @@ DEFAULT_SHARD_BYTES = 2 * 1024 ** 3
 _NO_LINK = {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EACCES}
 
 
-def save_progress(store, keys: List[StateKey], root: str, enabled: Optional[bool]):
+@dataclass(frozen=True)
+class SavedStates:
+    """What a store hands :class:`~statestore.checkpoint.save.CheckpointWriter` (built by
+    ``StateStore.save_checkpoint`` once the store's writes are durable): the save reads
+    everything it needs from it and never calls the store back.
+
+    Attributes:
+        keys: every state, in the store's order.
+        specs: each state's shape and dtype.
+        metadata: ``() -> dict or None``: the attached optimizer's metadata (else the last
+            loaded checkpoint's); called only when the save is given none.
+        process_group: the group the states are sharded over (``"auto"`` saves over it).
+        regions: ``{parameter: Region}`` of the parameters held in part.
+        deferred: the states a sharded load left on disk for other ranks, or None.
+        links: the store's :class:`~statestore._links.FileLinks` (linked saves).
+        check_damaged: ``(key) -> None``, raises when the state's last write failed.
+        open_stream: ``(keys, mode, chunk_bytes, wait) -> StateStream``: the store's pipeline
+            access (``PipelineAccess.stream``), which :func:`.stream.read_states` reads by.
+        unit_bytes: the chunk size a save reads by (None: whole states).
+        error: the store's failure before the save (waiting for its writes), or None: the
+            save fails with it (a collective one on every rank).
+    """
+    keys: List[StateKey]
+    specs: Dict[StateKey, StateSpec]
+    metadata: Callable[[], Optional[dict]]
+    process_group: Any
+    regions: Dict[str, Region]
+    deferred: Any
+    links: FileLinks
+    check_damaged: Callable[[StateKey], None]
+    open_stream: Callable[..., Any]
+    unit_bytes: Optional[int]
+    error: Optional[BaseException] = None
+
+    def spec(self, key: StateKey) -> StateSpec:
+        """The shape and dtype of ``key``."""
+        return self.specs[key]
+
+    def stream(self, keys, mode: str = "r", *, chunk_bytes: Optional[int] = None,
+               wait: bool = True):
+        """The states ``keys`` chunk by chunk, as ``store.stream`` (without its checks: the
+        store made them before handing the states over)."""
+        return self.open_stream(keys, mode, chunk_bytes, wait)
+
+
+def save_progress(states: SavedStates, keys: List[StateKey], root: str,
+                  enabled: Optional[bool]):
     """The byte progress bar of a save of ``keys``."""
-    return progress_bar(sum(store.spec(k).nbytes for k in keys),
+    return progress_bar(sum(states.spec(k).nbytes for k in keys),
                         f"save {os.path.basename(root)}", enabled)
 
 
-def metadata_json(store, metadata: Optional[dict]) -> str:
+def metadata_json(states: SavedStates, metadata: Optional[dict]) -> str:
     """The optimizer metadata to save (``metadata``, else the store's), checked, as JSON.
 
     Raises:
         StateStoreValueError: it has the wrong shape or is not JSON-serializable.
     """
-    meta = metadata if metadata is not None else store.metadata()
+    meta = metadata if metadata is not None else states.metadata()
     meta = {} if meta is None else meta
     problem = optimizer_metadata_problem(meta)
     if problem:
@@ -68,13 +118,13 @@ def metadata_json(store, metadata: Optional[dict]) -> str:
         raise StateStoreValueError(f"checkpoint metadata is not JSON-serializable: {e}") from e
 
 
-def write_shards(store, fs, root: str, keys: List[StateKey], stem: str, shard_bytes: int,
+def write_shards(states: SavedStates, fs, root: str, keys: List[StateKey], stem: str, shard_bytes: int,
                  bar, written: List[str], link: bool = True) -> List[ManifestRow]:
     """Write ``keys`` into shards ``<stem>-<n>.safetensors`` (temporary name, fsync, rename);
     returns the manifest rows. Every file created is listed in ``written`` (for clean-up).
 
     With ``link``, the store's own files that can serve as shards (``NVMeStore`` files on
-    the same local filesystem, ``store.links``) are hard-linked and frozen instead of
+    the same local filesystem, ``states.links``) are hard-linked and frozen instead of
     copied: only states whose checksum the store does not know are read. The rest is copied."""
     for k in keys:
         check_key(k)        # nothing written that the loader would refuse (keys pass it at
@@ -84,9 +134,9 @@ def write_shards(store, fs, root: str, keys: List[StateKey], stem: str, shard_by
     order = None
     if link and is_local(fs):
         for k in keys:
-            store.in_flight.check_damaged(k)     # as reading it to copy would: no stale state saved
+            states.check_damaged(k)     # as reading it to copy would: no stale state saved
         linked = set()
-        for lf in store.links.linkable(keys, root, shard_bytes):
+        for lf in states.links.linkable(keys, root, shard_bytes):
             name = f"{stem}-{n:05d}.safetensors"
             final, tmp = join(root, name), join(root, f".{name}.tmp")
             try:
@@ -96,7 +146,7 @@ def write_shards(store, fs, root: str, keys: List[StateKey], stem: str, shard_by
                     continue        # copied below
                 raise
             written.append(tmp)
-            rows += _link_rows(store, lf, name, bar)
+            rows += _link_rows(states, lf, name, bar)
             os.rename(tmp, final)
             written[-1] = final
             linked.update(k for k, _ in lf.rows)
@@ -108,7 +158,7 @@ def write_shards(store, fs, root: str, keys: List[StateKey], stem: str, shard_by
     shards: List[List[StateKey]] = []
     size = 0
     for k in keys:
-        nb = store.spec(k).nbytes
+        nb = states.spec(k).nbytes
         if not shards or (size + nb > shard_bytes and shards[-1]):
             shards.append([])
             size = 0
@@ -117,14 +167,14 @@ def write_shards(store, fs, root: str, keys: List[StateKey], stem: str, shard_by
     for i, shard_keys in enumerate(shards):
         name = f"{stem}-{n + i:05d}.safetensors"
         final, tmp = join(root, name), join(root, f".{name}.tmp")
-        lay = layout([(str(k), store.spec(k).dtype, store.spec(k).shape) for k in shard_keys],
+        lay = layout([(str(k), states.spec(k).dtype, states.spec(k).shape) for k in shard_keys],
                      align=64, metadata={"format": FORMAT_NAME})
         written.append(tmp)
         f = open_for_write(fs, tmp)
         try:
             f.write(lay.header)
             hashes = {k: xxhash.xxh3_64() for k in shard_keys}
-            for k, chunk in read_states(store, shard_keys):
+            for k, chunk in read_states(states, shard_keys):
                 entry = lay.entries[str(k)]
                 if f.tell() < entry.offset:
                     f.write(b"\0" * (entry.offset - f.tell()))
@@ -132,7 +182,7 @@ def write_shards(store, fs, root: str, keys: List[StateKey], stem: str, shard_by
                 f.write(chunk)
                 bar.update(len(chunk))
             for k in shard_keys:
-                rows.append(ManifestRow.of(k, store.spec(k), name, lay.entries[str(k)].offset,
+                rows.append(ManifestRow.of(k, states.spec(k), name, lay.entries[str(k)].offset,
                                            hashes[k].hexdigest()))
             commit(fs, f, tmp, final, then=lambda: written.__setitem__(-1, final))
         except BaseException:
@@ -150,13 +200,13 @@ def write_shards(store, fs, root: str, keys: List[StateKey], stem: str, shard_by
     return rows
 
 
-def _link_rows(store, lf, name: str, bar) -> List[ManifestRow]:
+def _link_rows(states: SavedStates, lf, name: str, bar) -> List[ManifestRow]:
     """Manifest rows of a linked store file; checksums the store does not know (it hashes
     states as it writes them in order) are computed by reading the (now frozen) states
-    through the store's pipeline."""
+    through the store's pipeline (``states``)."""
     todo = [k for k, _ in lf.rows if k not in lf.hashes]
     hashes = {k: xxhash.xxh3_64() for k in todo}
-    for k, chunk in read_states(store, todo):
+    for k, chunk in read_states(states, todo):
         hashes[k].update(chunk)
         bar.update(len(chunk))
     for k, h in hashes.items():
@@ -164,8 +214,8 @@ def _link_rows(store, lf, name: str, bar) -> List[ManifestRow]:
     rows = []
     for k, off in lf.rows:
         if k not in hashes:
-            bar.update(store.spec(k).nbytes)
-        rows.append(ManifestRow.of(k, store.spec(k), name, off, lf.hashes[k]))
+            bar.update(states.spec(k).nbytes)
+        rows.append(ManifestRow.of(k, states.spec(k), name, off, lf.hashes[k]))
     return rows
 
 

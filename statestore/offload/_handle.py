@@ -39,7 +39,8 @@ from torch import Tensor, nn
 
 from .._malloc import fix_mmap_threshold
 from .._types import Slice, StateKey
-from ..errors import StateKeyError, StateStoreError, StateStoreValueError
+from ..errors import (StateKeyError, StateStoreClosedError, StateStoreError,
+                      StateStoreValueError)
 from ..store import StateStore
 from ._device import Mover
 from ._hooks import ModuleHooks
@@ -89,7 +90,8 @@ class OffloadHandle:
         if not isinstance(store, StateStore):
             raise StateStoreValueError(f"offload_parameters: store must be a "
                                        f"statestore.StateStore, got {type(store).__name__}")
-        store.check_open()
+        if store.closed:
+            raise StateStoreClosedError(f"offload_parameters: {type(store).__name__} is closed")
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise StateStoreValueError(f"offload_parameters: prefetch must be an int >= 0, "
                                        f"got {prefetch!r}")

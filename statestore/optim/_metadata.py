@@ -258,8 +258,8 @@ def _claim_states(store, table: ParamTable, sharded: bool) -> Dict[str, Tensor]:
     ours = {keys[p]: p for p, s in table.stores.items() if s is store}
     # DTensor parameters: the store holds (and a load fetches) each one's local shard
     regions = {n: region_of(p) for n, p in ours.items()}
-    if store.deferred is not None:      # else nothing to load, and pyarrow stays unimported
-        store.load_deferred(list(ours), {n: r for n, r in regions.items() if r is not None})
+    # (a no-op where the last load deferred nothing: pyarrow then stays unimported)
+    store.load_deferred(list(ours), {n: r for n, r in regions.items() if r is not None})
     store.record_regions({n: r or Region.whole(local(ours[n]).shape) for n, r in regions.items()})
     if sharded:                              # drop states other ranks own
         every_name = set(keys.values())
