@@ -287,3 +287,49 @@ def test_no_function_is_long():
                                f"has {n} lines")
     assert not bad, (f"functions over {MAX_FUNCTION_LINES} lines (split them):\n"
                      + "\n".join(bad))
+
+
+def _documented_store_names():
+    """The names docs/api.md's table "A store's public names" lists (its first column:
+    ``name`` or ``Class.name``, arguments dropped)."""
+    import re
+    text = (ROOT.parent / "docs" / "api.md").read_text()
+    section = text.split("### A store's public names", 1)[1].split("\n#", 1)[0]
+    names = set()
+    for line in section.splitlines():
+        if line.startswith("| `"):
+            cell = line.split("|")[1]
+            names.update(re.findall(r"`([A-Za-z_][\w.]*)", cell))
+    return names
+
+
+def _public_names(cls):
+    """A class's public names: ``dir(cls)`` (methods, properties, class attributes) and the
+    public attributes the methods of it and its statestore bases assign on ``self``."""
+    import inspect
+    import textwrap
+    names = {n for n in dir(cls) if not _private(n) and not n.startswith("__")}
+    for k in cls.__mro__:
+        if k.__module__.startswith("statestore"):
+            tree = ast.parse(textwrap.dedent(inspect.getsource(k)))
+            names |= {n for n in _own_names(tree.body[0])
+                      if not _private(n) and not n.startswith("__")}
+    return names
+
+
+def test_store_public_surface_is_documented():
+    """Every public name of StateStore, and of each store class beyond it, is in docs/api.md's
+    table of a store's public names, and every name there exists: internal plumbing cannot
+    become public (or a documented name vanish) without the table changing too."""
+    import statestore.backends as backends
+    from statestore.store import StateStore
+    base = _public_names(StateStore)
+    found = set(base)
+    for name in backends.__all__:
+        cls = getattr(backends, name)
+        if isinstance(cls, type) and issubclass(cls, StateStore):
+            found |= {f"{cls.__name__}.{n}" for n in _public_names(cls) - base}
+    documented = _documented_store_names()
+    assert found == documented, (
+        f"public but not in docs/api.md's table: {sorted(found - documented)}; in the table "
+        f"but not public: {sorted(documented - found)}")
