@@ -461,8 +461,8 @@ class StateStore(ABC):
         rec = self._record
         return SavedStates(list(self._specs), dict(self._specs), rec.metadata,
                            rec.process_group, rec.regions, rec.deferred, self.links,
-                           self._in_flight.check_damaged, self._access.stream, self.unit_bytes,
-                           error)
+                           self._in_flight.check_damaged, self._access.stream, self._check_files,
+                           self.unit_bytes, error)
 
     def load_checkpoint(self, path: str, **kwargs) -> None:
         """Replace this store's states with those of the checkpoint at ``path`` (written by

@@ -67,6 +67,9 @@ class SavedStates:
         check_damaged: ``(key) -> None``, raises when the state's last write failed.
         open_stream: ``(keys, mode, chunk_bytes, wait) -> StateStream``: the store's pipeline
             access (``PipelineAccess.stream``), which :func:`.stream.read_states` reads by.
+        check_files: ``() -> None``, the store's check of its files (raises
+            ``StateStoreIOError`` for a truncated or removed one), made before each stream as
+            the store's own ``stream`` makes it (a mapping of a truncated file would SIGBUS).
         unit_bytes: the chunk size a save reads by (None: whole states).
         error: the store's failure before the save (waiting for its writes), or None: the
             save fails with it (a collective one on every rank).
@@ -80,6 +83,7 @@ class SavedStates:
     links: FileLinks
     check_damaged: Callable[[StateKey], None]
     open_stream: Callable[..., Any]
+    check_files: Callable[[], None]
     unit_bytes: Optional[int]
     error: Optional[BaseException] = None
 
@@ -89,8 +93,9 @@ class SavedStates:
 
     def stream(self, keys, mode: str = "r", *, chunk_bytes: Optional[int] = None,
                wait: bool = True):
-        """The states ``keys`` chunk by chunk, as ``store.stream`` (without its checks: the
-        store made them before handing the states over)."""
+        """The states ``keys`` chunk by chunk, as ``store.stream`` (the store was found open
+        before it handed the states over; its files are checked here, as ``stream`` does)."""
+        self.check_files()
         return self.open_stream(keys, mode, chunk_bytes, wait)
 
 
