@@ -4,8 +4,8 @@ provider and ``on_load`` callback (both held weakly when bound methods), the met
 and deferred states of the last load, why a load failed, and the regions of parameters held
 in part. The store's public names (``attach_metadata``, ``metadata()``, ``regions``,
 ``record_regions``, ``load_error``, ``loaded_metadata``) hand over to it; the store hands the
-record itself to a load (``checkpoint/load.py``) and what a save reads of it to the
-``CheckpointWriter`` (``SavedStates``).
+record itself to a load (``CheckpointReader.set_up``, ``checkpoint/load.py``) and what a
+save reads of it to the ``CheckpointWriter`` (``SavedStates``).
 
 A load's calls on the record, in order (the mirror of the writer's steps): :meth:`begin_load`
 (before the store's states are replaced: the attached optimizer's metadata no longer

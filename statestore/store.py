@@ -482,10 +482,14 @@ class StateStore(ABC):
             StateStoreValueError, StateStoreClosedError, StateStoreIOError: as
                 :func:`statestore.checkpoint.load_checkpoint`.
         """
-        from .checkpoint import load_into
+        from .checkpoint import CheckpointReader
         clears = self._record.clears
-        try:
-            load_into(self, self._record, self._adopt_file, path, **kwargs)
+        try:            # the reader's call order (checkpoint/load.py), the writer's mirror
+            reader = CheckpointReader(path, **kwargs)       # 0) the arguments checked
+            reader.set_up(self, self._record, self._adopt_file)     # 1) its bookkeeping
+            reader.read_metadata()          # 2) manifest, headers: a refusal changes nothing
+            reader.read_data()              # 3) the states replaced
+            reader.finish()                 # 4) recorded; the attached optimizer told
         except BaseException as e:
             if not self._closed and not self._specs:
                 self._record.load_failed(self, e, clears)

@@ -15,7 +15,8 @@ manifest's own checksum.
 Public functions: :func:`save_checkpoint`, :func:`load_checkpoint`, :func:`load_deferred`
 (the function forms of the store's methods of those names), :func:`read_manifest`,
 :func:`verify_checkpoint`. ``StateStore.save_checkpoint`` hands its states to a
-:class:`CheckpointWriter`; ``StateStore.load_checkpoint`` hands its record to ``load_into``. The modules, each owning one concept:
+:class:`CheckpointWriter`; ``StateStore.load_checkpoint`` hands its record to a
+:class:`CheckpointReader`. The modules, each owning one concept:
 
 ========================  ==============================================================
 :mod:`.format`            the manifest schema, :class:`ManifestRow`, :class:`Manifest`
@@ -37,7 +38,8 @@ Public functions: :func:`save_checkpoint`, :func:`load_checkpoint`, :func:`load_
 :mod:`.linked_load`       a load that hard-links shards into an ``NVMeStore``
 :mod:`.region_load`       regions (FSDP2 shards): which one a rank loads, and assembling
                           a region out of the saved ones
-:mod:`.load`              :func:`load_checkpoint`, :func:`load_deferred`,
+:mod:`.load`              :class:`CheckpointReader` (a load's call order),
+                          :func:`load_checkpoint`, :func:`load_deferred`,
                           :func:`verify_checkpoint`, :class:`Deferred`
 :mod:`.foreign`           what a directory without a manifest is (for the error message)
 ========================  ==============================================================
@@ -65,16 +67,17 @@ _EXPORTS: Dict[str, str] = {
     "DEFAULT_SHARD_BYTES": "writer", "SavedStates": "writer",
     "save_checkpoint": "save", "CheckpointWriter": "save",
     "load_checkpoint": "load", "load_deferred": "load", "verify_checkpoint": "load",
-    "Deferred": "load",
-    # the store's own entry points (StateStore.load_checkpoint/load_deferred hand them its
-    # bookkeeping); not for users: call the store's methods or the functions above
-    "load_into": "load", "load_deferred_into": "load",
+    "Deferred": "load", "CheckpointReader": "load",
+    # the store's own entry point (StateStore.load_deferred hands it its record); not for
+    # users: call the store's method or the function above
+    "load_deferred_into": "load",
 }
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MANIFEST", "save_checkpoint", "load_checkpoint",
            "read_manifest", "verify_checkpoint", "Manifest", "ManifestRow", "CHECKSUM",
            "SCHEMA", "DEFAULT_SHARD_BYTES", "MAX_ROWS", "load_deferred", "Deferred",
            "optimizer_metadata_problem", "sealed", "CheckpointWriter", "SavedStates",
+           "CheckpointReader",
            "CheckpointError", "CheckpointCorruptError",
            "CheckpointNotFoundError", "CheckpointMismatchError"]
 

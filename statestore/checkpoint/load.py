@@ -31,7 +31,7 @@ from .region_load import Assembly, load_assembled, plan_regions, split_rows
 from .shard_check import by_file, check_shard_header
 from .stream import check_store, write_states
 
-__all__ = ["load_checkpoint", "load_deferred", "load_into", "load_deferred_into",
+__all__ = ["load_checkpoint", "load_deferred", "CheckpointReader", "load_deferred_into",
            "verify_checkpoint", "Deferred", "agree"]
 
 
@@ -106,39 +106,72 @@ def load_checkpoint(store, path: str, *, progress: Optional[bool] = None,
     store.load_checkpoint(path, progress=progress, process_group=process_group, link=link)
 
 
-def load_into(store, record, adopt, path: str, *, progress: Optional[bool] = None,
-              process_group: Any = "auto", link: bool = True) -> None:
-    """:func:`load_checkpoint`, as ``store.load_checkpoint`` calls it with its bookkeeping:
-    ``record``, the store's :class:`~statestore._record.CheckpointRecord` (the load's calls
-    on it, in order: ``begin_load``, then, once every state is in, ``record_regions`` and
-    ``loaded``), and ``adopt``, the store's operation that takes a shard as a file of its
-    own (linked loads: ``adopt(path, rows, names) -> bool``)."""
-    if not isinstance(link, bool):
-        raise StateStoreValueError(f"link must be True or False, got {link!r}")
-    group = resolve_load_group(process_group)
-    comm = Collective(group, f"collective load of checkpoint {path!r}") \
-        if group is not None else None
-    try:
-        check_store(store)
-        if store.closed:
-            raise StateStoreClosedError(f"{type(store).__name__} is closed")
-        known = store.regions       # an attached FSDP2 optimizer's shards (torch's order)
-        m = read_manifest(path)
-        rank, world = (comm.rank, comm.world) if comm is not None else (0, 1)
-        rows, assembled, regions, later = _rows_of_rank(m, rank, world, known)
-        _check_headers(m, rows, assembled)      # a checkpoint refused here changed nothing
-    except BaseException as e:
-        if comm is None:
-            raise
-        agree(comm, e)
-    if comm is not None:
-        agree(comm, None)       # another rank's refusal: refused here too, nothing changed
-    _replace_states(store, record, adopt, m, rows, progress, link, assembled, comm)
-    record.record_regions(regions)
-    # then an optimizer already on the store takes the checkpoint's steps
-    record.loaded(store, m.metadata,
-                  Deferred(path, m.info.get("save_id"), later, rank, world, dict(regions))
-                  if later else None, group if later else None)
+class CheckpointReader:
+    """Loads one checkpoint into a store: ``StateStore.load_checkpoint`` makes these calls,
+    in this order, the mirror of :class:`~.save.CheckpointWriter`'s:
+
+    0. ``CheckpointReader(path, progress=..., process_group=..., link=...)``: the arguments
+       checked, the group chosen (``"auto"``: the default group of several ranks).
+    1. :meth:`set_up` ``(store, record, adopt)``: the store to fill, its bookkeeping (its
+       :class:`~statestore._record.CheckpointRecord`) and its operation that takes a shard
+       as a file of its own (linked loads: ``adopt(path, rows, names) -> bool``).
+    2. :meth:`read_metadata`: the manifest read, this rank's rows planned, every shard
+       header they read checked; a checkpoint refused here leaves the store and its
+       optimizer as they were (collective: every rank refuses with the same error).
+    3. :meth:`read_data`: ``record.begin_load()``, then the store's states replaced through
+       its public ``clear``, ``create_many`` and ``stream`` (linked shards adopted, every
+       checksum verified); a failure leaves the store empty (collective: on every rank).
+    4. :meth:`finish`: ``record.record_regions(...)`` and ``record.loaded(...)`` (an
+       attached optimizer takes the checkpoint's steps and hyperparameters).
+    """
+
+    def __init__(self, path: str, *, progress: Optional[bool] = None,
+                 process_group: Any = "auto", link: bool = True):
+        if not isinstance(link, bool):
+            raise StateStoreValueError(f"link must be True or False, got {link!r}")
+        self.path, self.progress, self.link = path, progress, link
+        self.group = resolve_load_group(process_group)
+        self.comm = Collective(self.group, f"collective load of checkpoint {path!r}") \
+            if self.group is not None else None
+
+    def set_up(self, store, record, adopt) -> None:
+        """Step 1 (class docstring)."""
+        self.store, self.record, self.adopt = store, record, adopt
+
+    def read_metadata(self) -> None:
+        """Step 2 (class docstring)."""
+        store, comm = self.store, self.comm
+        try:
+            check_store(store)
+            if store.closed:
+                raise StateStoreClosedError(f"{type(store).__name__} is closed")
+            known = store.regions       # an attached FSDP2 optimizer's shards (torch's order)
+            self.m = read_manifest(self.path)
+            self.rank, self.world = (comm.rank, comm.world) if comm is not None else (0, 1)
+            self.rows, self.assembled, self.regions, self.later = _rows_of_rank(
+                self.m, self.rank, self.world, known)
+            _check_headers(self.m, self.rows, self.assembled)   # refused: nothing changed
+        except BaseException as e:
+            if comm is None:
+                raise
+            agree(comm, e)
+        if comm is not None:
+            agree(comm, None)   # another rank's refusal: refused here too, nothing changed
+
+    def read_data(self) -> None:
+        """Step 3 (class docstring)."""
+        _replace_states(self.store, self.record, self.adopt, self.m, self.rows, self.progress,
+                        self.link, self.assembled, self.comm)
+
+    def finish(self) -> None:
+        """Step 4 (class docstring)."""
+        m, later = self.m, self.later
+        self.record.record_regions(self.regions)
+        # then an optimizer already on the store takes the checkpoint's steps
+        self.record.loaded(self.store, m.metadata,
+                           Deferred(self.path, m.info.get("save_id"), later, self.rank,
+                                    self.world, dict(self.regions)) if later else None,
+                           self.group if later else None)
 
 
 def _rows_of_rank(m: Manifest, rank: int, world: int, known: Any):
