@@ -1,5 +1,8 @@
 """Loading a checkpoint into a store (whole, or one rank's shard with the rest deferred) and
 verifying one without loading it (``docs/checkpoint-io.md``, "Loading: verification").
+:class:`CheckpointReader` is the load's one object, driven by ``StateStore.load_checkpoint``
+in its documented order; :func:`load_checkpoint` and :func:`load_deferred` are the function
+forms of the store's methods.
 
 Loading reads the manifest (:mod:`.manifest`), checks every shard's header against it
 (:mod:`.shard_check`), takes the shards a store can adopt by hard link (:mod:`.linked_load`),
