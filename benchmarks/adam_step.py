@@ -141,9 +141,10 @@ class Ours(Contestant):
 
     def step(self):
         self.n += 1
-        self._step(self.params, self.grads, self.m, self.v, steps=[self.n] * len(self.params),
-                   lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, adamw_mode=True,
-                   masters=self.masters)
+        from statestore.kernels import AdamHyper, AdamTensors
+        self._step(AdamTensors(self.params, self.grads, self.m, self.v,
+                               [self.n] * len(self.params), None, self.masters),
+                   AdamHyper(lr=1e-3, weight_decay=0.01))
 
 
 class OursMoments(Contestant):
@@ -167,11 +168,11 @@ class OursMoments(Contestant):
     def step(self):
         self.n += 1
         k = len(self.params)
-        self._step(self.params, self.grads, self.m, self.v, kind=self.kind,
-                   rounding=self.rounding, steps=[self.n] * k, seeds=[(self.n, ~self.n)] * k,
-                   offsets=[0] * k, exp_avg_scales=self.ms, exp_avg_sq_scales=self.vs,
-                   lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
-                   adamw_mode=True, masters=self.masters)
+        from statestore.kernels import AdamHyper, AdamTensors, MomentCodes
+        self._step(AdamTensors(self.params, self.grads, self.m, self.v, [self.n] * k, None,
+                               self.masters), AdamHyper(lr=1e-3, weight_decay=0.01),
+                   MomentCodes(self.kind, self.rounding, [(self.n, ~self.n)] * k, [0] * k,
+                               self.ms, self.vs))
 
 
 class OursBF16(OursMoments):
@@ -391,31 +392,31 @@ def cache_resident(sizes, rounds, calls):
     kernel and its compressed-moment kernels (fp32 params and grads)."""
     import torch
     from statestore.kernels import _quant as Q
-    from statestore.kernels import adam_step, adam_step_moments, kernels_info
+    from statestore.kernels import (AdamHyper, AdamTensors, MomentCodes, adam_step,
+                                    adam_step_moments, kernels_info)
     lo, hi = sizes
-    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+    hyper = AdamHyper(lr=1e-3, weight_decay=0.01)
 
     def ours(n):
         p, g = torch.randn(n), torch.randn(n) * 1e-3
         m, v = torch.zeros(n), torch.zeros(n)
-        return lambda: adam_step([p], [g], [m], [v], steps=[5], adamw_mode=True, **hyper)
+        return lambda: adam_step(AdamTensors([p], [g], [m], [v], [5]), hyper)
 
     def moments(kind, rounding):
         def make(n):
             p, g = torch.randn(n), torch.randn(n) * 1e-3
             m, s_m = Q.encode(kind, 0, torch.randn(n) * 1e-3, seed=1, offset=0, rounding="nearest")
             v, s_v = Q.encode(kind, 1, torch.rand(n) * 1e-6, seed=2, offset=0, rounding="nearest")
-            sc = dict(exp_avg_scales=[s_m], exp_avg_sq_scales=[s_v]) if kind == "int8" else {}
-            return lambda: adam_step_moments([p], [g], [m], [v], kind=kind, rounding=rounding,
-                                             steps=[5], seeds=[(1, 2)], offsets=[0],
-                                             adamw_mode=True, **sc, **hyper)
+            sc = ([s_m], [s_v]) if kind == "int8" else (None, None)
+            codes = MomentCodes(kind, rounding, [(1, 2)], [0], *sc)
+            return lambda: adam_step_moments(AdamTensors([p], [g], [m], [v], [5]), hyper, codes)
         return make
 
     def torch_fused(n):
         q = torch.nn.Parameter(torch.randn(n))
         q.grad = torch.randn(n) * 1e-3
-        opt = torch.optim.AdamW([q], lr=hyper["lr"], betas=(hyper["beta1"], hyper["beta2"]),
-                                eps=hyper["eps"], weight_decay=hyper["weight_decay"], fused=True)
+        opt = torch.optim.AdamW([q], lr=hyper.lr, betas=(hyper.beta1, hyper.beta2),
+                                eps=hyper.eps, weight_decay=hyper.weight_decay, fused=True)
         opt.step()
         return opt.step
 

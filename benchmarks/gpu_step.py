@@ -200,7 +200,7 @@ def _pcie_floor(n, dtype, reps):
 
 
 def _cpu_adam_floor(sizes, dtype, reps):
-    from statestore.kernels import adam_step
+    from statestore.kernels import AdamHyper, AdamTensors, adam_step
     ps = [torch.randn(s).to(dtype) for s in sizes]
     gs = [torch.randn(s).to(dtype) for s in sizes]
     ms = [torch.zeros(s) for s in sizes]
@@ -210,8 +210,8 @@ def _cpu_adam_floor(sizes, dtype, reps):
 
     def step():
         count[0] += 1
-        adam_step(ps, gs, ms, vs, steps=[count[0]] * len(ps), lr=1e-3, beta1=0.9, beta2=0.999,
-                  eps=1e-8, weight_decay=0.01, adamw_mode=True, masters=masters)
+        adam_step(AdamTensors(ps, gs, ms, vs, [count[0]] * len(ps), None, masters),
+                  AdamHyper(lr=1e-3, weight_decay=0.01))
     step()
     times = []
     for _ in range(reps):

@@ -56,7 +56,7 @@ def one_round(n: int, steps: int, weight_decay: float):
 def layouts_round(n: int, steps: int, weight_decay: float):
     """Median seconds per step of each contestant of ``--layouts``, over ``steps`` rotations."""
     import torch
-    from statestore.kernels import adam_step
+    from statestore.kernels import AdamHyper, AdamTensors, adam_step
     from statestore.optim import CPUAdam
     fns = {}
     p = torch.nn.Parameter(torch.randn(n))
@@ -83,8 +83,8 @@ def layouts_round(n: int, steps: int, weight_decay: float):
 
         def step():
             count[0] += 1
-            adam_step([q.data], [q.grad], [m], [v], steps=[count[0]], lr=1e-3, beta1=0.9,
-                      beta2=0.999, eps=1e-8, weight_decay=weight_decay, adamw_mode=True)
+            adam_step(AdamTensors([q.data], [q.grad], [m], [v], [count[0]]),
+                      AdamHyper(lr=1e-3, weight_decay=weight_decay))
         return step
     fns["kernel, m v separate"] = kernel(None)
     fns["kernel, m v back to back"] = kernel(0)

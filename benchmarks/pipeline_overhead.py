@@ -25,7 +25,7 @@ import torch
 
 import statestore as ss
 from statestore import Slice, StateKey
-from statestore.kernels import adam_step, kernels_info
+from statestore.kernels import AdamHyper, AdamTensors, adam_step, kernels_info
 from statestore.optim import CPUAdam
 
 HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, adamw_mode=True)
@@ -66,7 +66,7 @@ def bench_case(count: int, numel: int, kind: str, steps: int, warmup: int, tmp: 
 
     def direct():
         t[0] += 1
-        adam_step(params, grads, m, v, steps=[t[0]] * count, **HP)
+        adam_step(AdamTensors(params, grads, m, v, [t[0]] * count), AdamHyper(**HP))
 
     store = make_store(kind, tmp)
     keys = [(StateKey(str(i), "exp_avg"), StateKey(str(i), "exp_avg_sq")) for i in range(count)]
@@ -80,8 +80,8 @@ def bench_case(count: int, numel: int, kind: str, steps: int, warmup: int, tmp: 
         s_steps[0] += 1
         with store.pipeline(all_units, mode="rw", wait=False) as pipe:
             for tensors in pipe:
-                adam_step(params, grads, tensors[0::2], tensors[1::2],
-                          steps=[s_steps[0]] * count, **HP)
+                adam_step(AdamTensors(params, grads, tensors[0::2], tensors[1::2],
+                                      [s_steps[0]] * count), AdamHyper(**HP))
 
     store2 = make_store(kind, tmp)
     nps = [torch.nn.Parameter(p.clone()) for p in params]

@@ -19,14 +19,14 @@ import os
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from ._reference import adam_step_reference
 
-__all__ = ["AdamHyper", "adam_step", "grads_finite", "kernels_info", "stream_copy_", "set_simd"]
+__all__ = ["AdamHyper", "AdamTensors", "adam_step", "grads_finite", "kernels_info", "stream_copy_", "set_simd"]
 
 _SIMD_NAMES = ("avx512", "avx2", "scalar", "auto")
 _KERNEL_GRAD_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -111,16 +111,33 @@ def _register_fake() -> None:
 
 @dataclass(frozen=True)
 class AdamHyper:
-    """The scalar hyperparameters of one Adam update, as the op ``statestore::adam_`` takes
-    them: :meth:`pack` gives its ``hyper`` argument (``csrc/adam_math.h``, ``AdamHyper``)."""
-    lr: float
-    beta1: float
-    beta2: float
-    eps: float
-    weight_decay: float
-    adamw_mode: bool
+    """The scalar hyperparameters of one Adam update: what every kernel entry point takes
+    (:func:`adam_step`, :func:`~statestore.kernels.adam_step_moments`,
+    :func:`~statestore.kernels.adam_step_reference`). :meth:`of_group` builds it from a
+    param group of torch's keys; :meth:`pack` gives the op ``statestore::adam_`` its
+    ``hyper`` argument (``csrc/adam_math.h``, ``AdamHyper``: ``amsgrad`` is not in it, the op
+    reads it from ``max_exp_avg_sqs``)."""
+    lr: float = 1e-3
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    adamw_mode: bool = True
     maximize: bool = False
     grad_scale: float = 1.0
+    amsgrad: bool = False
+
+    @classmethod
+    def of_group(cls, group: dict, grad_scale: float = 1.0) -> "AdamHyper":
+        """A param group's hyperparameters (``lr`` a float or a one-element tensor,
+        ``betas``, ``eps``, ``weight_decay``, ``adamw_mode``, ``maximize``, ``amsgrad``);
+        gradients divided by ``grad_scale``."""
+        lr = group["lr"]
+        beta1, beta2 = group["betas"]
+        return cls(float(lr.item() if isinstance(lr, Tensor) else lr), float(beta1),
+                   float(beta2), float(group["eps"]), float(group["weight_decay"]),
+                   bool(group["adamw_mode"]), bool(group["maximize"]), float(grad_scale),
+                   bool(group["amsgrad"]))
 
     def pack(self) -> List[float]:
         return [float(self.lr), float(self.beta1), float(self.beta2), float(self.eps),
@@ -128,19 +145,62 @@ class AdamHyper:
                 float(bool(self.maximize))]
 
 
-def run_op(params, grads, exp_avgs, exp_avg_sqs, *, steps, hyper: AdamHyper, moments: str,
-           exp_avg_scales=(), exp_avg_sq_scales=(), max_exp_avg_sqs=(), masters=(), seeds=(),
-           offsets=()) -> None:
+class AdamTensors(NamedTuple):
+    """The tensors of one Adam update, one entry per tensor: ``steps[i]`` is tensor ``i``'s
+    step count after this update; ``max_exp_avg_sqs`` with ``amsgrad``, else None;
+    ``masters[i]`` an fp32 master of a low-precision ``params[i]`` (or None), the list None
+    where no tensor has one."""
+    params: Sequence[Tensor]
+    grads: Sequence[Tensor]
+    exp_avgs: Sequence[Tensor]
+    exp_avg_sqs: Sequence[Tensor]
+    steps: Sequence[int]
+    max_exp_avg_sqs: Optional[Sequence[Tensor]] = None
+    masters: Optional[Sequence[Optional[Tensor]]] = None
+
+    def pick(self, idx: Sequence[int]) -> "AdamTensors":
+        """The entries ``idx``, in that order."""
+        def sel(lst):
+            return None if lst is None else [lst[i] for i in idx]
+        return AdamTensors(*(sel(x) for x in self))
+
+    def master(self, i: int) -> Optional[Tensor]:
+        return None if self.masters is None else self.masters[i]
+
+    def vmax(self, i: int) -> Optional[Tensor]:
+        return None if self.max_exp_avg_sqs is None else self.max_exp_avg_sqs[i]
+
+    def check(self, name: str, amsgrad: bool) -> None:
+        """Every list of one entry per tensor (``name``: the entry point, for messages)."""
+        n = len(self.params)
+        for what, lst in (("grads", self.grads), ("exp_avgs", self.exp_avgs),
+                          ("exp_avg_sqs", self.exp_avg_sqs), ("steps", self.steps)):
+            if len(lst) != n:
+                raise ValueError(f"{name}: {what} has {len(lst)} entries, params has {n}")
+        if amsgrad and (self.max_exp_avg_sqs is None or len(self.max_exp_avg_sqs) != n):
+            raise ValueError(f"{name}: amsgrad=True needs max_exp_avg_sqs, one tensor per param")
+        if self.masters is not None and len(self.masters) != n:
+            raise ValueError(f"{name}: masters has {len(self.masters)} entries, params has {n}")
+
+
+def run_op(t: AdamTensors, hyper: AdamHyper, moments: str = "fp32", codes=None) -> None:
     """One call of the compiled op ``statestore::adam_`` for tensors it takes as they are:
     ``moments`` is its encoding argument ("fp32", "bf16-nearest", "bf16-stochastic",
-    "int8-nearest", "int8-stochastic"); ``seeds``: (exp_avg, exp_avg_sq) pairs; the optional
-    lists empty where unused (``csrc/adam/adam_checks.h`` documents every argument)."""
-    step_sizes, bc2_sqrts = bias_terms(steps, hyper.lr, hyper.beta1, hyper.beta2)
+    "int8-nearest", "int8-stochastic"), ``codes`` the compressed moments' seeds, offsets and
+    scales (:class:`~statestore.kernels._moments.MomentCodes`), None for fp32
+    (``csrc/adam/adam_checks.h`` documents every argument)."""
+    step_sizes, bc2_sqrts = bias_terms(t.steps, hyper.lr, hyper.beta1, hyper.beta2)
+    ms = vs = seeds = offsets = ()
+    if codes is not None:
+        seeds = [int(x) for pair in codes.seeds for x in pair]
+        offsets = [int(o) for o in codes.offsets]
+        if codes.kind == "int8":
+            ms, vs = codes.exp_avg_scales, codes.exp_avg_sq_scales
     torch.ops.statestore.adam_(
-        list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(exp_avg_scales),
-        list(exp_avg_sq_scales), list(max_exp_avg_sqs), list(masters), step_sizes, bc2_sqrts,
-        [int(x) for pair in seeds for x in pair], [int(o) for o in offsets], hyper.pack(),
-        moments)
+        list(t.params), list(t.grads), list(t.exp_avgs), list(t.exp_avg_sqs), list(ms),
+        list(vs), list(t.max_exp_avg_sqs) if hyper.amsgrad else [],
+        list(t.masters) if t.masters is not None else [], step_sizes, bc2_sqrts, seeds,
+        offsets, hyper.pack(), moments)
 
 
 def load_extension():
@@ -245,84 +305,49 @@ def _kernel_ok(p, g, m, v, vmax, master) -> bool:
     return True
 
 
-def _check_lists(params, grads, exp_avgs, exp_avg_sqs, steps, amsgrad, max_exp_avg_sqs,
-                 masters):
-    n = len(params)
-    for name, lst in (("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs),
-                      ("steps", steps)):
-        if len(lst) != n:
-            raise ValueError(f"adam_step: {name} has {len(lst)} entries, params has {n}")
-    if amsgrad and (max_exp_avg_sqs is None or len(max_exp_avg_sqs) != n):
-        raise ValueError("adam_step: amsgrad=True needs max_exp_avg_sqs, one tensor per param")
-    if masters is not None and len(masters) != n:
-        raise ValueError(f"adam_step: masters has {len(masters)} entries, params has {n}")
-
-
-def _torch_fused_step(idx, params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2,
-                      eps, weight_decay, adamw_mode, amsgrad, max_exp_avg_sqs, masters,
-                      maximize, grad_scale):
-    """torch's fused Adam for the tensors ``idx`` (the GPU fallback). The grads are never
+def _torch_fused_step(t: AdamTensors, hyper: AdamHyper) -> None:
+    """torch's fused Adam for the tensors of ``t`` (the GPU fallback). The grads are never
     modified: torch's op unscales its grads in place, so an unscaled copy is passed."""
     by_dtype = {}
-    for i in idx:
-        master = masters[i] if masters is not None else None
-        w = master if master is not None else params[i]
+    for i in range(len(t.params)):
+        master = t.master(i)
+        w = master if master is not None else t.params[i]
         by_dtype.setdefault(w.dtype, []).append(i)
-    op = torch._fused_adamw_ if adamw_mode else torch._fused_adam_
+    op = torch._fused_adamw_ if hyper.adamw_mode else torch._fused_adam_
     for dtype, ids in by_dtype.items():
-        ws, gs = [], []
-        for i in ids:
-            master = masters[i] if masters is not None else None
-            ws.append(master if master is not None else params[i])
-            g = grads[i]
-            if grad_scale != 1.0:
-                g = g.to(dtype) / grad_scale
+        s = t.pick(ids)
+        ws = [m if m is not None else p for p, m in zip(s.params, s.masters or [None] * len(ids))]
+        gs = []
+        for g in s.grads:
+            if hyper.grad_scale != 1.0:
+                g = g.to(dtype) / hyper.grad_scale
             elif g.dtype != dtype:
                 g = g.to(dtype)
             gs.append(g)
-        st = [torch.tensor(float(steps[i]), dtype=torch.float32, device=ws[0].device) for i in ids]
-        op(ws, gs, [exp_avgs[i] for i in ids], [exp_avg_sqs[i] for i in ids],
-           [max_exp_avg_sqs[i] for i in ids] if amsgrad else [], st,
-           lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
-           amsgrad=amsgrad, maximize=maximize)
-        for i in ids:
-            if masters is not None and masters[i] is not None:
-                params[i].copy_(masters[i])
+        st = [torch.tensor(float(x), dtype=torch.float32, device=ws[0].device) for x in s.steps]
+        op(ws, gs, list(s.exp_avgs), list(s.exp_avg_sqs),
+           list(s.max_exp_avg_sqs) if hyper.amsgrad else [], st, lr=hyper.lr,
+           beta1=hyper.beta1, beta2=hyper.beta2, weight_decay=hyper.weight_decay,
+           eps=hyper.eps, amsgrad=hyper.amsgrad, maximize=hyper.maximize)
+        for p, w in zip(s.params, ws):
+            if w is not p:
+                p.copy_(w)
 
 
-def adam_step(
-    params: Sequence[Tensor],
-    grads: Sequence[Tensor],
-    exp_avgs: Sequence[Tensor],
-    exp_avg_sqs: Sequence[Tensor],
-    *,
-    steps: Sequence[int],
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    adamw_mode: bool,
-    amsgrad: bool = False,
-    max_exp_avg_sqs: Optional[Sequence[Tensor]] = None,
-    masters: Optional[Sequence[Optional[Tensor]]] = None,
-    maximize: bool = False,
-    grad_scale: float = 1.0,
-) -> None:
+def adam_step(tensors: AdamTensors, hyper: AdamHyper) -> None:
     """Applies one Adam/AdamW step in place; same contract as :func:`adam_step_reference`.
 
-    ``steps[i]`` is the step count of tensor ``i`` after this update. All tensors of one call
-    are on one device. Where ``masters[i]`` is an fp32 tensor, it is updated and written back
-    into ``params[i]`` (fp32, fp16 or bf16) in the same pass.
+    ``tensors`` are on one device. Where ``tensors.masters[i]`` is an fp32 tensor, it is
+    updated and written back into ``params[i]`` (fp32, fp16 or bf16) in the same pass.
     """
-    if len(params) == 0:
+    t = tensors
+    if len(t.params) == 0:
         return
-    _check_lists(params, grads, exp_avgs, exp_avg_sqs, steps, amsgrad, max_exp_avg_sqs, masters)
-    if not (grad_scale > 0 and math.isfinite(grad_scale)):
-        raise ValueError(f"adam_step: grad_scale must be a positive finite number, got {grad_scale}")
-    kw = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-              adamw_mode=adamw_mode, maximize=maximize, grad_scale=grad_scale)
-    device = params[0].device
+    t.check("adam_step", hyper.amsgrad)
+    if not (hyper.grad_scale > 0 and math.isfinite(hyper.grad_scale)):
+        raise ValueError(f"adam_step: grad_scale must be a positive finite number, got "
+                         f"{hyper.grad_scale}")
+    device = t.params[0].device
     ext = None if force_reference() else load_extension()
     if force_reference():
         _warn_once("forced", "statestore: STATESTORE_FORCE_REFERENCE is set; Adam steps use the "
@@ -334,36 +359,21 @@ def adam_step(
         why = _state["reason"] or "statestore._C_adam was built without CUDA"
         _warn_once("cuda", f"statestore: using torch's fused Adam on CUDA: {why}")
         with torch.no_grad():
-            _torch_fused_step(range(len(params)), params, grads, exp_avgs, exp_avg_sqs, steps,
-                              lr, beta1, beta2, eps, weight_decay, adamw_mode, amsgrad,
-                              max_exp_avg_sqs, masters, maximize, grad_scale)
+            _torch_fused_step(t, hyper)
         return
     if ext is None or device.type not in ("cpu", "cuda"):
-        adam_step_reference(params, grads, exp_avgs, exp_avg_sqs, steps=steps, amsgrad=amsgrad,
-                            max_exp_avg_sqs=max_exp_avg_sqs, masters=masters, **kw)
+        adam_step_reference(t, hyper)
         return
-
     fast, slow = [], []
-    for i in range(len(params)):
-        master = masters[i] if masters is not None else None
-        vmax = max_exp_avg_sqs[i] if amsgrad else None
-        if _kernel_ok(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], vmax, master):
-            fast.append(i)
-        else:
-            slow.append(i)
+    for i in range(len(t.params)):
+        ok = _kernel_ok(t.params[i], t.grads[i], t.exp_avgs[i], t.exp_avg_sqs[i],
+                        t.vmax(i) if hyper.amsgrad else None, t.master(i))
+        (fast if ok else slow).append(i)
     with torch.no_grad():
         if fast:
-            sel = (lambda lst: [lst[i] for i in fast]) if slow else (lambda lst: list(lst))
-            run_op(sel(params), sel(grads), sel(exp_avgs), sel(exp_avg_sqs), steps=sel(steps),
-                   hyper=AdamHyper(**kw), moments="fp32",
-                   max_exp_avg_sqs=sel(max_exp_avg_sqs) if amsgrad else (),
-                   masters=sel(masters) if masters is not None else ())
+            run_op(t.pick(fast) if slow else t, hyper)
         if slow:
-            pick = lambda lst: [lst[i] for i in slow]  # noqa: E731
-            adam_step_reference(pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs),
-                                steps=pick(steps), amsgrad=amsgrad,
-                                max_exp_avg_sqs=pick(max_exp_avg_sqs) if amsgrad else None,
-                                masters=pick(masters) if masters is not None else None, **kw)
+            adam_step_reference(t.pick(slow), hyper)
 
 
 def grads_finite(grads: Sequence[Tensor]) -> bool:

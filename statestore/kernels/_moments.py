@@ -10,15 +10,16 @@ bits, as the tests check.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 from . import _quant as Q
-from ._dispatch import AdamHyper, adam_step, force_reference, load_extension, run_op
+from ._dispatch import (AdamHyper, AdamTensors, adam_step, force_reference, load_extension,
+                        run_op)
 
-__all__ = ["adam_step_moments", "MOMENT_KINDS"]
+__all__ = ["adam_step_moments", "MomentCodes", "MOMENT_KINDS"]
 
 #: the compressed encodings (the op's ``moments`` argument is "<kind>-<rounding>")
 MOMENT_KINDS = ("bf16", "int8")
@@ -47,129 +48,113 @@ def _fused_ok(kind, p, g, m, v, ms, vs, vmax, master) -> bool:
             and ms.device == p.device and vs.device == p.device)
 
 
-def adam_step_moments(
-    params: Sequence[Tensor],
-    grads: Sequence[Tensor],
-    exp_avgs: Sequence[Tensor],
-    exp_avg_sqs: Sequence[Tensor],
-    *,
-    kind: str,
-    rounding: str,
-    steps: Sequence[int],
-    seeds: Sequence[Sequence[int]],
-    offsets: Sequence[int],
-    exp_avg_scales: Optional[Sequence[Tensor]] = None,
-    exp_avg_sq_scales: Optional[Sequence[Tensor]] = None,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    adamw_mode: bool,
-    amsgrad: bool = False,
-    max_exp_avg_sqs: Optional[Sequence[Tensor]] = None,
-    masters: Optional[Sequence[Optional[Tensor]]] = None,
-    maximize: bool = False,
-    grad_scale: float = 1.0,
-) -> None:
-    """One Adam/AdamW step in place over compressed moments.
+class MomentCodes(NamedTuple):
+    """How one Adam update's compressed moments are encoded, one entry per tensor:
+    ``kind`` ("bf16": bfloat16 codes; "int8": int8 / uint8 codes with ``exp_avg_scales[i]``/
+    ``exp_avg_sq_scales[i]``, one fp32 scale per block of 256), ``rounding`` ("stochastic"
+    or "nearest"), ``seeds[i]`` = (exp_avg seed, exp_avg_sq seed) of the random bits
+    (:func:`statestore.kernels._quant.moment_seed`), ``offsets[i]``: the parameter element
+    the tensor's codes start at (a multiple of 256 for int8)."""
+    kind: str
+    rounding: str
+    seeds: Sequence[Sequence[int]]
+    offsets: Sequence[int]
+    exp_avg_scales: Optional[Sequence[Tensor]] = None
+    exp_avg_sq_scales: Optional[Sequence[Tensor]] = None
 
-    ``exp_avgs[i]``/``exp_avg_sqs[i]`` hold the codes of ``kind`` ("bf16": bfloat16; "int8":
-    int8 / uint8 with ``exp_avg_scales[i]``/``exp_avg_sq_scales[i]``, one fp32 scale per
-    block of 256), flat, for elements ``offsets[i]..`` of their parameter (a multiple of 256
-    for int8); ``seeds[i]`` = (exp_avg seed, exp_avg_sq seed) of the random bits
-    (:func:`statestore.kernels._quant.moment_seed`); ``rounding``: "stochastic" or
-    "nearest". Everything else as :func:`adam_step`.
+    def pick(self, idx: Sequence[int]) -> "MomentCodes":
+        def sel(lst):
+            return None if lst is None else [lst[i] for i in idx]
+        return MomentCodes(self.kind, self.rounding, sel(self.seeds), sel(self.offsets),
+                           sel(self.exp_avg_scales), sel(self.exp_avg_sq_scales))
+
+    def scales(self, i: int) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+        """Tensor ``i``'s scales (int8), else ``(None, None)``."""
+        if self.exp_avg_scales is None or self.kind != "int8":
+            return None, None
+        return self.exp_avg_scales[i], self.exp_avg_sq_scales[i]
+
+
+def adam_step_moments(tensors: AdamTensors, hyper: AdamHyper, codes: MomentCodes) -> None:
+    """One Adam/AdamW step in place over compressed moments: ``tensors.exp_avgs[i]``/
+    ``exp_avg_sqs[i]`` hold the codes ``codes`` describes (flat, for elements
+    ``codes.offsets[i]..`` of their parameter). Everything else as :func:`adam_step`.
     """
-    n = len(params)
+    t = tensors
+    n = len(t.params)
     if n == 0:
         return
-    _check_lists(n, kind, rounding, (("grads", grads), ("exp_avgs", exp_avgs),
-                                     ("exp_avg_sqs", exp_avg_sqs), ("steps", steps),
-                                     ("seeds", seeds), ("offsets", offsets)),
-                 offsets, exp_avg_scales, exp_avg_sq_scales)
-    kw = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-              adamw_mode=adamw_mode, maximize=maximize, grad_scale=grad_scale)
-    ms_l = list(exp_avg_scales) if exp_avg_scales is not None else [None] * n
-    vs_l = list(exp_avg_sq_scales) if exp_avg_sq_scales is not None else [None] * n
-    vmax_l = list(max_exp_avg_sqs) if amsgrad else [None] * n
-    mas_l = list(masters) if masters is not None else [None] * n
-    fused, slow = _split_fused(kind, params, grads, exp_avgs, exp_avg_sqs, ms_l, vs_l, vmax_l,
-                               mas_l)
+    t.check("adam_step_moments", hyper.amsgrad)
+    _check_codes(n, codes)
+    fused, slow = _split_fused(t, hyper, codes)
     with torch.no_grad():
         if fused:
-            pick = lambda lst: [lst[i] for i in fused]  # noqa: E731
-            run_op(pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs),
-                   steps=pick(steps), hyper=AdamHyper(**kw), moments=f"{kind}-{rounding}",
-                   exp_avg_scales=pick(ms_l) if kind == "int8" else (),
-                   exp_avg_sq_scales=pick(vs_l) if kind == "int8" else (),
-                   max_exp_avg_sqs=pick(vmax_l) if amsgrad else (),
-                   masters=pick(mas_l) if masters is not None else (),
-                   seeds=pick(seeds), offsets=pick(offsets))
+            run_op(t.pick(fused), hyper, f"{codes.kind}-{codes.rounding}", codes.pick(fused))
         if slow:
-            _unfused(slow, params, grads, exp_avgs, exp_avg_sqs, ms_l, vs_l, vmax_l, mas_l,
-                     kind, rounding, steps, seeds, offsets, amsgrad, masters is not None, kw)
+            _unfused(t.pick(slow), hyper, codes.pick(slow))
 
 
-def _check_lists(n: int, kind: str, rounding: str, lists, offsets: Sequence[int],
-                 exp_avg_scales: Optional[Sequence[Tensor]],
-                 exp_avg_sq_scales: Optional[Sequence[Tensor]]) -> None:
-    """:func:`adam_step_moments`' encoding, and its ``(name, list)`` ``lists`` of ``n``
-    entries each (int8: with scales, and block-aligned offsets)."""
+def _check_codes(n: int, codes: MomentCodes) -> None:
+    """:func:`adam_step_moments`' encoding, ``n`` entries in each of its lists (int8: with
+    scales, and block-aligned offsets)."""
+    kind = codes.kind
     if kind not in MOMENT_KINDS:
         raise ValueError(f"adam_step_moments: kind must be one of {sorted(MOMENT_KINDS)}, "
                          f"got {kind!r}")
-    if rounding not in Q.ROUNDINGS:
+    if codes.rounding not in Q.ROUNDINGS:
         raise ValueError(f"adam_step_moments: rounding must be one of {Q.ROUNDINGS}, got "
-                         f"{rounding!r}")
-    for name, lst in lists:
+                         f"{codes.rounding!r}")
+    for name, lst in (("seeds", codes.seeds), ("offsets", codes.offsets)):
         if len(lst) != n:
             raise ValueError(f"adam_step_moments: {name} has {len(lst)} entries, params has {n}")
     if kind == "int8":
-        if exp_avg_scales is None or exp_avg_sq_scales is None \
-                or len(exp_avg_scales) != n or len(exp_avg_sq_scales) != n:
+        ms, vs = codes.exp_avg_scales, codes.exp_avg_sq_scales
+        if ms is None or vs is None or len(ms) != n or len(vs) != n:
             raise ValueError("adam_step_moments: int8 needs exp_avg_scales and "
                              "exp_avg_sq_scales, one tensor per param")
-        for i, off in enumerate(offsets):
+        for i, off in enumerate(codes.offsets):
             if off % Q.BLOCK:
                 raise ValueError(f"adam_step_moments: offsets[{i}] = {off} is not a multiple "
                                  f"of the int8 block ({Q.BLOCK})")
 
 
-def _split_fused(kind, params, grads, ms, vs, m_sc, v_sc, vmax, masters
+def _split_fused(t: AdamTensors, hyper: AdamHyper, codes: MomentCodes
                  ) -> Tuple[List[int], List[int]]:
     """The indices the compiled kernels update, and the others (:func:`_unfused`)."""
     ext = None if force_reference() else load_extension()
     fused, slow = [], []
-    for i in range(len(params)):
-        dev = params[i].device.type
+    for i in range(len(t.params)):
+        dev = t.params[i].device.type
         can = ext is not None and (
             dev == "cpu" or (dev == "cuda" and getattr(ext, "with_cuda", False)))
-        if can and _fused_ok(kind, params[i], grads[i], ms[i], vs[i], m_sc[i], v_sc[i],
-                             vmax[i], masters[i]):
+        if can and _fused_ok(codes.kind, t.params[i], t.grads[i], t.exp_avgs[i],
+                             t.exp_avg_sqs[i], *codes.scales(i),
+                             t.vmax(i) if hyper.amsgrad else None, t.master(i)):
             fused.append(i)
         else:
             slow.append(i)
     return fused, slow
 
 
-def _unfused(idx: List[int], params, grads, ms, vs, m_sc, v_sc, vmax, masters, kind,
-             rounding, steps, seeds, offsets, amsgrad, has_masters, kw) -> None:
+def _unfused(t: AdamTensors, hyper: AdamHyper, codes: MomentCodes) -> None:
     """Decode to fp32, the fp32 update, encode: the fused kernels' algorithm in three passes."""
-    m32 = [Q.decode(kind, 0, ms[i].reshape(-1).cpu(), None if m_sc[i] is None else
-                    m_sc[i].reshape(-1).cpu()).to(params[i].device) for i in idx]
-    v32 = [Q.decode(kind, 1, vs[i].reshape(-1).cpu(), None if v_sc[i] is None else
-                    v_sc[i].reshape(-1).cpu()).to(params[i].device) for i in idx]
-    adam_step([params[i] for i in idx], [grads[i] for i in idx], m32, v32,
-              steps=[steps[i] for i in idx], amsgrad=amsgrad,
-              max_exp_avg_sqs=[vmax[i] for i in idx] if amsgrad else None,
-              masters=[masters[i] for i in idx] if has_masters else None, **kw)
-    for j, i in enumerate(idx):
+    kind = codes.kind
+    ms_vs = [codes.scales(i) for i in range(len(t.params))]
+
+    def decoded(which, lst):
+        return [Q.decode(kind, which, x.reshape(-1).cpu(), None if sc[which] is None else
+                         sc[which].reshape(-1).cpu()).to(p.device)
+                for x, sc, p in zip(lst, ms_vs, t.params)]
+    m32, v32 = decoded(0, t.exp_avgs), decoded(1, t.exp_avg_sqs)
+    adam_step(AdamTensors(t.params, t.grads, m32, v32, t.steps, t.max_exp_avg_sqs, t.masters),
+              hyper)
+    for i in range(len(t.params)):
         if kind == "int8":
-            Q.int8_saturate(m32[j], v32[j])
-        for which, x, codes, sc in ((0, m32[j], ms[i], m_sc[i]), (1, v32[j], vs[i], v_sc[i])):
-            c, s = Q.encode(kind, which, x.cpu(), seed=int(seeds[i][which]),
-                            offset=int(offsets[i]), rounding=rounding)
-            codes.reshape(-1).copy_(c.view(codes.dtype) if c.dtype != codes.dtype else c)
+            Q.int8_saturate(m32[i], v32[i])
+        for which, x, codes_t in ((0, m32[i], t.exp_avgs[i]), (1, v32[i], t.exp_avg_sqs[i])):
+            c, s = Q.encode(kind, which, x.cpu(), seed=int(codes.seeds[i][which]),
+                            offset=int(codes.offsets[i]), rounding=codes.rounding)
+            codes_t.reshape(-1).copy_(c.view(codes_t.dtype) if c.dtype != codes_t.dtype else c)
+            sc = ms_vs[i][which]
             if sc is not None:
                 sc.reshape(-1).copy_(s)

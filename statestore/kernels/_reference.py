@@ -7,40 +7,26 @@ with ``torch.optim.AdamW`` / ``torch.optim.Adam`` to float32 rounding.
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
 
 import torch
-from torch import Tensor
 
 __all__ = ["adam_step_reference"]
 
 
-def adam_step_reference(
-    params: Sequence[Tensor],
-    grads: Sequence[Tensor],
-    exp_avgs: Sequence[Tensor],
-    exp_avg_sqs: Sequence[Tensor],
-    *,
-    steps: Sequence[int],
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    adamw_mode: bool,
-    amsgrad: bool = False,
-    max_exp_avg_sqs: Optional[Sequence[Tensor]] = None,
-    masters: Optional[Sequence[Optional[Tensor]]] = None,
-    maximize: bool = False,
-    grad_scale: float = 1.0,
-) -> None:
-    """Apply one Adam step in place to every tensor of the lists.
+def adam_step_reference(tensors, hyper) -> None:
+    """Apply one Adam step in place to every tensor of ``tensors``
+    (:class:`~statestore.kernels.AdamTensors`) with ``hyper``
+    (:class:`~statestore.kernels.AdamHyper`).
 
     ``steps[i]`` is the step number of tensor ``i`` after this update (1 for the first step).
     Where ``masters[i]`` is a tensor, it is the fp32 master copy of the low-precision
     ``params[i]``: the update is computed on the master, then copied into the parameter in its
     own dtype. Gradients may be fp32, fp16 or bf16; they are divided by ``grad_scale``.
     """
+    h = hyper
+    lr, beta1, beta2, eps, weight_decay = h.lr, h.beta1, h.beta2, h.eps, h.weight_decay
+    adamw_mode, amsgrad, maximize, grad_scale = h.adamw_mode, h.amsgrad, h.maximize, h.grad_scale
+    params, grads, exp_avgs, exp_avg_sqs, steps, max_exp_avg_sqs, masters = tensors
     for i, p in enumerate(params):
         master = masters[i] if masters is not None else None
         w = master if master is not None else p

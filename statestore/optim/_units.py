@@ -18,9 +18,8 @@ from .._trace import span, tracing
 from .._types import StateKey
 from ..backends._slab import SlabStore
 from ..errors import StateStoreValueError
-from ..kernels import adam_step
+from ..kernels import AdamHyper, AdamTensors, MomentCodes, adam_step, adam_step_moments
 from ..kernels._dispatch import force_reference, load_extension
-from ..kernels._moments import adam_step_moments
 from ..kernels._quant import key_hash
 from ..offload._seam import is_offloaded
 from ._dtensor import local
@@ -105,27 +104,18 @@ class UnitTensors:
     def update(self, group: dict, keys: Dict[Tensor, str], fmt, grad_scale: float) -> None:
         """Run the Adam kernel over the unit with ``group``'s hyperparameters (``keys``: the
         parameters' keys, which seed compressed moments' stochastic rounding)."""
-        beta1, beta2 = group["betas"]
-        lr = group["lr"]
-        if isinstance(lr, Tensor):
-            lr = lr.item()
-        kw = dict(steps=self.steps, lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"],
-                  weight_decay=group["weight_decay"], adamw_mode=group["adamw_mode"],
-                  amsgrad=group["amsgrad"],
-                  max_exp_avg_sqs=self.max_exp_avg_sqs if group["amsgrad"] else None,
-                  masters=self.masters if any(x is not None for x in self.masters) else None,
-                  maximize=group["maximize"], grad_scale=grad_scale)
+        hyper = AdamHyper.of_group(group, grad_scale)
+        t = AdamTensors(self.params, self.grads, self.exp_avgs, self.exp_avg_sqs, self.steps,
+                        self.max_exp_avg_sqs if hyper.amsgrad else None,
+                        self.masters if any(x is not None for x in self.masters) else None)
         if not fmt.compressed:
-            adam_step(self.params, self.grads, self.exp_avgs, self.exp_avg_sqs, **kw)
+            adam_step(t, hyper)
             return
         scales = self.scales
         names = [keys[e[0]] for e in self.entries]
-        adam_step_moments(self.params, self.grads, self.exp_avgs, self.exp_avg_sqs,
-                          kind=fmt.name, rounding=fmt.rounding,
-                          seeds=[fmt.seeds(k, s) for k, s in zip(names, self.steps)],
-                          offsets=[a for _, _, a in scales],
-                          exp_avg_scales=[x for x, _, _ in scales],
-                          exp_avg_sq_scales=[y for _, y, _ in scales], **kw)
+        adam_step_moments(t, hyper, MomentCodes(
+            fmt.name, fmt.rounding, [fmt.seeds(k, s) for k, s in zip(names, self.steps)],
+            [a for _, _, a in scales], [x for x, _, _ in scales], [y for _, y, _ in scales]))
 
     def put_back(self) -> None:
         """Copy updated values computed away from their parameter back into it (a
@@ -256,7 +246,7 @@ class StepProgram:
         """The Python half of a step's checks: each store still as planned (a resident one
         also checked by its own pipeline, raising as the general way would: nothing
         changed), each group's hyperparameters packed as the op takes them
-        (``AdamHyper.pack()``). None: stale."""
+        (:meth:`AdamHyper.pack`). None: stale."""
         if self.units is None:          # resident: the plan holds the states' tensors
             for store, version in self.stores:
                 if store.closed or store.layout_version != version:
@@ -269,13 +259,7 @@ class StepProgram:
         for group, sig in zip(param_groups, self.sigs):
             if _group_sig(group) != sig:
                 return None
-            lr = group["lr"]
-            if isinstance(lr, Tensor):
-                lr = lr.item()
-            beta1, beta2 = group["betas"]
-            hypers.append([float(lr), float(beta1), float(beta2), float(group["eps"]),
-                           float(group["weight_decay"]), float(grad_scale),
-                           float(bool(group["adamw_mode"])), float(bool(group["maximize"]))])
+            hypers.append(AdamHyper.of_group(group, grad_scale).pack())
         return hypers
 
     def run(self, param_groups: list, steps: Dict[str, int], hypers: list,

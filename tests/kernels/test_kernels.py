@@ -62,10 +62,11 @@ def clone(case):
 
 def run(fn, cases, *, step=1, amsgrad=False, **kw):
     has_master = any(c["master"] is not None for c in cases)
-    fn([c["p"] for c in cases], [c["g"] for c in cases], [c["m"] for c in cases],
-       [c["v"] for c in cases], steps=[step] * len(cases), amsgrad=amsgrad,
-       max_exp_avg_sqs=[c["vmax"] for c in cases] if amsgrad else None,
-       masters=[c["master"] for c in cases] if has_master else None, **{**HP, **kw})
+    fn(K.AdamTensors([c["p"] for c in cases], [c["g"] for c in cases], [c["m"] for c in cases],
+                     [c["v"] for c in cases], [step] * len(cases),
+                     [c["vmax"] for c in cases] if amsgrad else None,
+                     [c["master"] for c in cases] if has_master else None),
+       K.AdamHyper(**{**HP, **kw}, amsgrad=amsgrad))
 
 
 def reference64(case, *, steps, amsgrad, **kw):
@@ -178,9 +179,9 @@ def test_against_torch_optim(simd, adamw_mode, amsgrad, maximize):
         for t, g in zip(theirs, grads):
             t.grad = g.clone()
         opt.step()
-        K.adam_step(ours, grads, m, v, steps=[step] * len(ours), lr=1e-2, beta1=0.9, beta2=0.99,
-                    eps=1e-8, weight_decay=0.1, adamw_mode=adamw_mode, amsgrad=amsgrad,
-                    max_exp_avg_sqs=vmax, maximize=maximize)
+        K.adam_step(K.AdamTensors(ours, grads, m, v, [step] * len(ours), vmax),
+                    K.AdamHyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1,
+                                adamw_mode=adamw_mode, amsgrad=amsgrad, maximize=maximize))
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6)
     for i, t in enumerate(theirs):
@@ -250,10 +251,10 @@ def test_non_contiguous_falls_back_per_tensor():
     cases = [dict(p=p_nc, g=torch.randn(32, 16).t(), m=torch.zeros(16, 32), v=torch.zeros(16, 32)),
              dict(p=p_c, g=torch.randn(100), m=torch.zeros(100), v=torch.zeros(100))]
     refs = [{k: t.clone() for k, t in c.items()} for c in cases]
-    lists = lambda cs: ([c["p"] for c in cs], [c["g"] for c in cs], [c["m"] for c in cs],  # noqa: E731
-                        [c["v"] for c in cs])
-    K.adam_step(*lists(cases), steps=[1, 1], weight_decay=0.0, adamw_mode=True, **HP)
-    adam_step_reference(*lists(refs), steps=[1, 1], weight_decay=0.0, adamw_mode=True, **HP)
+    lists = lambda cs: K.AdamTensors([c["p"] for c in cs], [c["g"] for c in cs],  # noqa: E731
+                                     [c["m"] for c in cs], [c["v"] for c in cs], [1, 1])
+    K.adam_step(lists(cases), K.AdamHyper(**HP))
+    adam_step_reference(lists(refs), K.AdamHyper(**HP))
     for c, r in zip(cases, refs):
         torch.testing.assert_close(c["p"], r["p"], rtol=1e-6, atol=1e-7)
 
@@ -261,14 +262,15 @@ def test_non_contiguous_falls_back_per_tensor():
 def test_python_argument_errors():
     p = [torch.randn(4)]
     z = [torch.zeros(4)]
+    h = K.AdamHyper(**HP)
     with pytest.raises(ValueError, match="grads"):
-        K.adam_step(p, [], z, z, steps=[1], weight_decay=0.0, adamw_mode=True, **HP)
+        K.adam_step(K.AdamTensors(p, [], z, z, [1]), h)
     with pytest.raises(ValueError, match="max_exp_avg_sqs"):
-        K.adam_step(p, z, z, z, steps=[1], weight_decay=0.0, adamw_mode=True, amsgrad=True, **HP)
+        K.adam_step(K.AdamTensors(p, z, z, z, [1]), K.AdamHyper(**HP, amsgrad=True))
     with pytest.raises(ValueError, match="steps"):
-        K.adam_step(p, z, z, z, steps=[0], weight_decay=0.0, adamw_mode=True, **HP)
+        K.adam_step(K.AdamTensors(p, z, z, z, [0]), h)
     with pytest.raises(ValueError, match="grad_scale"):
-        K.adam_step(p, z, z, z, steps=[1], weight_decay=0.0, adamw_mode=True, grad_scale=0.0, **HP)
+        K.adam_step(K.AdamTensors(p, z, z, z, [1]), K.AdamHyper(**HP, grad_scale=0.0))
 
 
 HYPER = [1e-3, 0.9, 0.999, 1e-8, 0.0, 1.0, 1.0, 0.0]   # K.AdamHyper(...).pack()
@@ -356,8 +358,8 @@ def _python(code, **env):
 def test_force_reference_warns_once():
     code = ("import torch, statestore.kernels as K\n"
             "p=[torch.randn(8)]; z=[torch.zeros(8)]\n"
-            "for s in (1,2,3): K.adam_step(p,[torch.randn(8)],z,[torch.zeros(8)],steps=[s],lr=1e-3,"
-            "beta1=0.9,beta2=0.999,eps=1e-8,weight_decay=0.0,adamw_mode=True)\n"
+            "for s in (1,2,3): K.adam_step(K.AdamTensors(p,[torch.randn(8)],z,[torch.zeros(8)],"
+            "[s]),K.AdamHyper(lr=1e-3))\n"
             "print(K.kernels_info()['cpu'])\n")
     r = _python(code, STATESTORE_FORCE_REFERENCE="1")
     assert r.stdout.strip() == "reference"
@@ -407,10 +409,10 @@ def test_torch_fused_fallback_matches_reference():
         g_before = [c["g"].clone() for c in cases]
         L = lambda cs, k: [c[k] for c in cs]  # noqa: E731
         _dispatch._torch_fused_step(
-            range(2), L(cases, "p"), L(cases, "g"), L(cases, "m"), L(cases, "v"), [3, 3],
-            HP["lr"], HP["beta1"], HP["beta2"], HP["eps"], kw["weight_decay"], adamw_mode,
-            amsgrad, L(cases, "vmax") if amsgrad else None,
-            L(cases, "master") if pd != torch.float32 else None, True, 4.0)
+            K.AdamTensors(L(cases, "p"), L(cases, "g"), L(cases, "m"), L(cases, "v"), [3, 3],
+                          L(cases, "vmax") if amsgrad else None,
+                          L(cases, "master") if pd != torch.float32 else None),
+            K.AdamHyper(**HP, **kw, amsgrad=amsgrad))
         run(adam_step_reference, refs, step=3, amsgrad=amsgrad, **kw)
         for c, r, g0 in zip(cases, refs, g_before):
             assert torch.equal(c["g"], g0)  # grads untouched

@@ -17,7 +17,7 @@ import torch
 
 import statestore.kernels as K
 from statestore.kernels import _dispatch, _quant as Q
-from statestore.kernels._moments import _unfused, adam_step_moments
+from statestore.kernels._moments import MomentCodes, _unfused, adam_step_moments
 from statestore.kernels._reference import adam_step_reference
 
 ext = _dispatch.load_extension()
@@ -61,19 +61,22 @@ def copy(c):
 
 
 def fused(c, kind, rounding, step=3, amsgrad=False, offset=0, seeds=(11, 12), **kw):
-    adam_step_moments([c["p"]], [c["g"]], [c["m"]], [c["v"]], kind=kind, rounding=rounding,
-                      steps=[step], seeds=[seeds], offsets=[offset],
-                      exp_avg_scales=[c["ms"]] if kind == "int8" else None,
-                      exp_avg_sq_scales=[c["vs"]] if kind == "int8" else None,
-                      amsgrad=amsgrad, max_exp_avg_sqs=[c["vmax"]] if amsgrad else None,
-                      masters=[c["master"]] if c["master"] is not None else None,
-                      **{**HP, **kw})
+    adam_step_moments(_tensors(c, step, amsgrad), K.AdamHyper(**{**HP, **kw}, amsgrad=amsgrad),
+                      MomentCodes(kind, rounding, [seeds], [offset],
+                                  [c["ms"]] if kind == "int8" else None,
+                                  [c["vs"]] if kind == "int8" else None))
+
+
+def _tensors(c, step, amsgrad):
+    return K.AdamTensors([c["p"]], [c["g"]], [c["m"]], [c["v"]], [step],
+                         [c["vmax"]] if amsgrad else None,
+                         [c["master"]] if c["master"] is not None else None)
 
 
 def unfused(c, kind, rounding, step=3, amsgrad=False, offset=0, seeds=(11, 12), **kw):
-    _unfused([0], [c["p"]], [c["g"]], [c["m"]], [c["v"]], [c["ms"]], [c["vs"]],
-             [c["vmax"]], [c["master"]], kind, rounding, [step], [seeds], [offset], amsgrad,
-             c["master"] is not None, {**HP, **kw, "grad_scale": 1.0, "maximize": False})
+    _unfused(_tensors(c, step, amsgrad),
+             K.AdamHyper(**{**HP, **kw, "grad_scale": 1.0, "maximize": False}, amsgrad=amsgrad),
+             MomentCodes(kind, rounding, [seeds], [offset], [c["ms"]], [c["vs"]]))
 
 
 def same(a, b):
@@ -163,7 +166,8 @@ def test_against_float64_reference(simd, kind, n, rounding):
     m64 = Q.decode(kind, 0, c["m"], c["ms"]).double()
     v64 = Q.decode(kind, 1, c["v"], c["vs"]).double()
     w64 = c["p"].double().clone()
-    adam_step_reference([w64], [c["g"].double()], [m64], [v64], steps=[5], **HP)
+    adam_step_reference(K.AdamTensors([w64], [c["g"].double()], [m64], [v64], [5]),
+                        K.AdamHyper(**HP))
     torch.testing.assert_close(got["p"].double(), w64, rtol=2e-6, atol=1e-7)
     for which, x64, codes, sc in ((0, m64, got["m"], got["ms"]), (1, v64, got["v"], got["vs"])):
         want, wsc = Q.encode(kind, which, x64.float(), seed=11 + which,
