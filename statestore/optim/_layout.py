@@ -255,3 +255,9 @@ class StateLayout:
         """Store states (CPU tensors) holding state ``name`` of ``p`` read from torch's
         format: ``{store name: tensor}``."""
         return {name: src.detach().to("cpu", self.spec(name, p)[1])}
+
+    def structure_of(self, group: Dict[str, Any]) -> Tuple:
+        """What in ``group`` decides which states its parameters keep, beyond :meth:`names`
+        (a plan of ``update_in_backward`` made for another structure is dropped before
+        backward uses it); ``()``: nothing."""
+        return ()

@@ -16,21 +16,17 @@ Each concept lives in a module of this package (``docs/architecture.md``, "Optim
 """
 from __future__ import annotations
 
-import weakref
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-from ..errors import StateStoreError
 from ..store import StateStore
 from ._adam_layout import AdamLayout
-from ._args import check_arguments, grad_scale_of, validate_hyper
-from ._in_backward import BackwardStepper
+from ._args import check_arguments, validate_hyper
 from ._metadata import OPTIMIZER_METADATA_VERSION
 from ._moments import MomentFormat
-from ._staging import StagingPath, attach_staging
-from ._plan import work_of
+from ._staging import attach_staging
 from ._table import fraction_store
 from ._units import PLAN_OK, PLAN_STALE, StepProgram, UnitTensors, step_plans_enabled
 from .base import StateStoreOptimizer, may_prefetch
@@ -116,57 +112,22 @@ class _StoreAdam(StateStoreOptimizer):
         own = state_store is None and nvme_offload_fraction > 0
         if own:
             state_store = fraction_store(float(nvme_offload_fraction), nvme_offload_dir)
-        self.skip_nonfinite = bool(skip_nonfinite)
-        #: update_in_backward: the step made during backward (_in_backward.py)
-        self._update_in_backward = update_in_backward
-        self._release_grads = release_grads
         try:
             super().__init__(params, defaults, layout, state_store=state_store,
-                             process_group=process_group, own_store=own)
+                             process_group=process_group, own_store=own,
+                             update_in_backward=update_in_backward,
+                             release_grads=release_grads, skip_nonfinite=skip_nonfinite)
         except BaseException:
             if own:
                 state_store.close()
             raise
 
     def _setup_parts(self) -> None:
-        self._stepper = BackwardStepper(self._table, self._planner(), type(self).__name__,
-                                        self._apply_unit, self._release_grads)
-        #: the step compiled into a native plan (_units.py), or None; general steps before
-        #: the next compile attempt, and how many programs went stale at their first use
-        self._program: Optional[StepProgram] = None
-        self._program_wait, self._program_misses = 0, 0
         #: CUDA parameters over host or disk stores: page-locked staging on a side stream
         #: (docs/gpu.md); None while no parameter takes that path
-        self._staging: Optional[StagingPath] = attach_staging(None, self, self._params,
-                                                                   self._stores)
-        if self._staging is None:
-            self._stepper.unplanned = weakref.WeakMethod(self._unplanned_work)
-
-    def _planner(self):
-        """The stepper's planner, holding the layout (not the optimizer)."""
-        from ._plan import PlanMemo
-        return PlanMemo(self._keys, self._layout)
-
-    # ------------------------------------------------------------------ set-up
-    def _wants_hook(self, p: Tensor) -> bool:
-        """With ``update_in_backward`` every parameter's gradient is applied from its hook;
-        otherwise disk stores read ahead from it (the base's rule)."""
-        return self.update_in_backward or super()._wants_hook(p)
-
-    def _grad_ready(self, p: Tensor) -> None:
-        if self.update_in_backward:
-            self._stepper.grad_ready(p)
-            return
-        super()._grad_ready(p)
-
-    def __del__(self) -> None:
-        off = getattr(self, "_staging", None)
-        if off is not None:
-            off.remove_hooks()
-        super().__del__()
+        self._staging = attach_staging(None, self, self._params, self._stores)
 
     def _group_added(self, params: Sequence[Tensor]) -> None:
-        self._program = None
         self._staging = attach_staging(self._staging, self, params, self._stores)
         super()._group_added(params)
 
@@ -175,98 +136,32 @@ class _StoreAdam(StateStoreOptimizer):
         """How ``exp_avg``/``exp_avg_sq`` are stored: "fp32", "bf16" or "int8"."""
         return self._moments.name
 
-    @property
-    def release_grads(self) -> bool:
-        """With ``update_in_backward``: whether ``param.grad`` is set to None once backward
-        applied it (see the class docstring)."""
-        return self._stepper.release_grads
+    # ------------------------------------------------------------------ the kernel
+    def _update_unit(self, tensors: List[Tensor], group: dict, entries, grads, grad_scale,
+                     dev: torch.device) -> None:
+        """Run the Adam kernel over one unit: its parameter slices, gradients and states."""
+        u = UnitTensors(tensors, entries, grads, dev, self._staging, self._keys, self._steps,
+                        self._moments, self._moment_dtypes)
+        self._touch()
+        u.update(group, self._keys, self._moments, grad_scale)
+        u.put_back()
 
-    @release_grads.setter
-    def release_grads(self, value: bool) -> None:
-        self._stepper.release_grads = value
+    def _remember(self, work, grads: Dict[Tensor, Tensor]) -> Optional[StepProgram]:
+        """The step just made, compiled into a native plan (``_units.py``,
+        :class:`StepProgram`): the next steps, if alike, are made by one native call."""
+        if self._staging is not None or not step_plans_enabled():
+            return None
+        return StepProgram.compile(self.param_groups, work, grads, self._keys, self._stores,
+                                   self._layout, self._moments, self._moment_dtypes,
+                                   self._plan, self.skip_nonfinite)
 
-    def _forget_pending(self) -> None:
-        """States were replaced (a load): a pass of ``update_in_backward`` under way is
-        forgotten, and the compiled step with it."""
-        self._program = None
-        self._stepper.forget()
-
-    # ------------------------------------------------------------------ step
-    @torch.no_grad()
-    def step(self, closure=None, div_scale: float = -1.0):
-        """One optimizer step over every parameter with a gradient.
-
-        On return, resident stores are updated; disk stores may still be writing the last
-        states back (any later read, ``sync()``, ``state_dict()`` or checkpoint waits).
-
-        Args:
-            closure: re-evaluates the model and returns the loss (as torch), or None.
-            div_scale: when > 0, gradients are divided by it (ColossalAI's argument, for
-                loss scaling; not with ``update_in_backward``).
-
-        Returns:
-            the closure's loss, or None.
-
-        Raises:
-            TypeError: a closure that is not callable, a ``div_scale`` that is not a number,
-                or a gradient of an unsupported dtype.
-            StateStoreValueError: a gradient on another device or of another shape than its
-                parameter; a ``div_scale`` that is nan or infinite, or given with
-                ``update_in_backward`` (checked first: nothing changes).
-            StateStoreError: an earlier step failed part-way (the optimizer must be rebuilt
-                from a checkpoint), or ``update_in_backward`` found the gradients changed
-                between backward and ``step()``.
-            StateStoreIOError: the store failed to read or write a state (a step that
-                changed nothing can be retried).
-
-        With ``skip_nonfinite=True`` a step whose gradients hold inf or nan changes nothing.
-        """
-        if closure is not None and not callable(closure):
-            raise TypeError(f"closure must be callable or None, got {type(closure).__name__}")
-        scale = grad_scale_of(div_scale, self.update_in_backward)
-        self._check_usable()
-        loss = self._run_closure(closure)
-        if self._program is not None and self._planned_step(1.0 if scale is None else scale):
-            return loss
-        released = self._stepper.released
-        work, grads = self._collect(released)
-        self._stepper.before_step(work, grads)
-        if not grads and not released:
-            return loss
-        if self.skip_nonfinite and not self._dtensors.all_finite(list(grads.values())):
-            return loss
-        grad_scale = 1.0 if scale is None else scale
-        self._ensure_states(work)
-        off = self._staging
-        if off is not None:
-            try:
-                off.before_step(grads)
-            except BaseException:
-                off.after_step()
-                raise
-        if self.update_in_backward:
-            try:
-                self._stepper.finish_step(work, grads, may_prefetch)
-            finally:
-                if off is not None:
-                    off.after_step()
-            return loss
-        self._run_step(work, grads, grad_scale, off.after_step if off is not None else None)
-        self._compile_step(work, grads, released)
-        return loss
-
-    def _planned_step(self, grad_scale: float) -> bool:
-        """The step by the compiled program (``_units.py``, :class:`StepProgram`): True when
-        made (or skipped for non-finite gradients); False when something it depends on
-        changed (nothing changed: the caller steps the general way, and compiles again)."""
-        prog, stepper = self._program, self._stepper
-        if self._update_in_backward or stepper.released or stepper.spent \
-                or stepper.backward_failed or not step_plans_enabled():
-            self._program = None
+    def _run_remembered(self, prog: StepProgram, grad_scale: float) -> bool:
+        """The step by the compiled program: True when made (or skipped for non-finite
+        gradients); False when something it depends on changed (nothing changed)."""
+        if not step_plans_enabled():
             return False
         hypers = prog.prepare(self.param_groups, grad_scale)
         if hypers is None:
-            self._program = None
             return False
         table = self._table
         if prog.units is not None:
@@ -280,10 +175,8 @@ class _StoreAdam(StateStoreOptimizer):
                 table.step_failed({}, e)
                 raise
         if status == PLAN_STALE:
-            self._program = None
             return False
         table.touched = True
-        self._program_misses = 0
         return True
 
     def _planned_units(self, prog: StepProgram, hypers: list) -> int:
@@ -309,122 +202,6 @@ class _StoreAdam(StateStoreOptimizer):
             store.prefetch(units, mode="rw")
             self._prefetching.add(store)
         return PLAN_OK
-
-    def _compile_step(self, work, grads: Dict[Tensor, Tensor], released) -> None:
-        """After a step the general way: compile it (the next steps, if alike, are made by
-        one native call). Programs that go stale at once (the gradients change from step to
-        step) are compiled ever more rarely, so a loop that never repeats pays little."""
-        if self._program_wait > 0:
-            self._program_wait -= 1
-            return
-        if released or self._update_in_backward or self._staging is not None \
-                or self._sharding is not None or not step_plans_enabled():
-            return
-        self._program = StepProgram.compile(self.param_groups, work, grads, self._keys,
-                                            self._stores, self._layout, self._moments,
-                                            self._moment_dtypes, self._plan,
-                                            self.skip_nonfinite)
-        if self._program is not None:
-            self._program_wait = min(2 ** self._program_misses, 64) - 1
-            self._program_misses += 1
-
-    def _unplanned_work(self, params: Sequence[Tensor]) -> Dict[StateStore, list]:
-        """``update_in_backward`` with ``release_grads`` before a plan exists: ``params``
-        (gradients final) as a step's work ``{store: [(group, params)]}``, their states
-        created."""
-        if self._staging is not None:       # CUDA staging needs the whole step's gradients
-            return {}
-        chosen = {p for p in params if p in self._stores and self._owns(p)}
-        work = work_of(self.param_groups, self._stores, chosen.__contains__)
-        self._ensure_states(work)
-        return work
-
-    def _update_unit(self, tensors: List[Tensor], group: dict, entries, grads, grad_scale,
-                     dev: torch.device) -> None:
-        """Run the Adam kernel over one unit: its parameter slices, gradients and states."""
-        u = UnitTensors(tensors, entries, grads, dev, self._staging, self._keys, self._steps,
-                        self._moments, self._moment_dtypes)
-        self._touch()
-        u.update(group, self._keys, self._moments, grad_scale)
-        u.put_back()
-
-    @property
-    def update_in_backward(self) -> bool:
-        """Whether parameters are updated during backward (see the class docstring). May be
-        switched between steps, e.g. off after a step() refused a loop that clips or
-        accumulates gradients (that step can then be made again).
-
-        Raises (on assignment):
-            TypeError: not a bool.
-            ValueError: True with ``skip_nonfinite`` or a ``process_group``.
-            StateStoreError: backward has updated some parameters: call ``step()`` first.
-        """
-        return self._update_in_backward
-
-    @update_in_backward.setter
-    def update_in_backward(self, value: bool) -> None:
-        if not isinstance(value, bool):
-            raise TypeError(f"update_in_backward must be a bool, got {value!r}")
-        if value == self._update_in_backward:
-            return
-        self._stepper.check_switch(value, self.skip_nonfinite, self.process_group)
-        self._program = None
-        self._stepper.reset()
-        self._table.next_plans.clear()
-        self._update_in_backward = value
-        if value:
-            self._register_pump_hooks(self._params)
-
-    # ------------------------------------------------------------------ torch's state_dict
-    def state_dict(self) -> Dict[str, Any]:
-        """The optimizer's state in torch's format, which ``torch.optim.AdamW`` loads.
-
-        Returns:
-            ``{"state": {index: {"step", "exp_avg", "exp_avg_sq", ...}}, "param_groups":
-            [...]}``: one entry per parameter with a step count, indices in torch's
-            numbering; groups carry torch's keys (``decoupled_weight_decay``, ``foreach``...).
-
-        Resident stores return views of the live states (as torch returns its own state
-        tensors). Disk stores snapshot their state files as a linked checkpoint does (frozen,
-        copy-on-write) and return tensors mapped privately from them (pages load on access
-        and the kernel may evict them): no copy, no temporary file, never every state in RAM;
-        states whose files cannot be taken whole are streamed into a temporary file of their
-        size (see :mod:`statestore._snapshot` and docs/scale.md). Compressed moments
-        (``moment_dtype`` "bf16"/"int8") are decoded into new fp32 tensors (streamed through
-        the budget for disk stores), so that ``torch.optim.AdamW`` loads them.
-
-        A bf16/fp16 parameter's state also holds ``"master"`` (its fp32 copy, which torch's
-        AdamW ignores): :meth:`master_weights` or :meth:`save_master_weights` take it out.
-
-        Raises:
-            StateStoreIOError: a disk store failed to read a state.
-            StateStoreError: a step failed part-way (:meth:`step`); sharded (docs/distributed.md).
-        """
-        return super().state_dict()
-
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Load torch's format (from ``torch.optim.AdamW``/``Adam`` or from this class).
-
-        Hyperparameters (every key of the saved groups but their parameters: ``lr``,
-        ``betas``, ``initial_lr`` of a scheduler...) are restored from the saved groups, as
-        torch does; states are written into the store one tensor at a time (compressed
-        moments encoded, rounding to nearest). State keys are torch's indices, or strings
-        naming the parameters (the fully qualified names of ``torch.distributed.checkpoint``'s
-        ``get_optimizer_state_dict``, or the names this optimizer was given): names that are
-        exactly the optimizer's are matched by name, others by position in the groups, as
-        torch does. Everything is checked first: a state dict that fails a check changes
-        nothing.
-
-        Args:
-            state_dict: ``{"state": {...}, "param_groups": [...]}``, torch's format.
-
-        Raises:
-            ValueError, TypeError: a malformed state dict, naming the group, parameter or
-                state at fault.
-            CheckpointMismatchError: groups or parameter counts that differ.
-            StateStoreError: a step failed part-way; one rank's :meth:`shard_state_dict`.
-        """
-        super().load_state_dict(state_dict)
 
     # ------------------------------------------------------------------ fp32 weights
     def master_weights(self) -> Dict[str, Tensor]:
@@ -467,16 +244,6 @@ class _StoreAdam(StateStoreOptimizer):
         self._check_usable(end_open_step=True)
         save_master_weights(self._table, path)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Reset the gradients of every parameter, as ``torch.optim.Optimizer.zero_grad``.
-
-        Args:
-            set_to_none: set ``param.grad = None`` (default) instead of zeroing it (which
-                first finishes what a failed backward updated in part: ``docs/reliability.md``).
-        """
-        self._stepper.before_zero_grad(set_to_none)
-        super().zero_grad(set_to_none)
-
     def staging_stats(self) -> Dict[str, int]:
         """The page-locked staging of CUDA parameters over host or disk stores
         (``docs/gpu.md``): ``staged_params`` (parameters staged so far),
@@ -485,16 +252,6 @@ class _StoreAdam(StateStoreOptimizer):
         if self._staging is None:
             return {"staged_params": 0, "staging_pinned_bytes": 0, "staging_pageable_bytes": 0}
         return self._staging.stats()
-
-    # ------------------------------------------------------------------ lifetime
-    def close(self) -> None:
-        """Close the stores this optimizer created itself (never a store passed in) and
-        release the page-locked staging of CUDA parameters."""
-        super().close()
-        if self._staging is not None:
-            self._staging.after_step()
-            self._staging.close()
-            self._staging = None
 
 
 class CPUAdam(_StoreAdam):

@@ -1,19 +1,23 @@
 """``StateStoreOptimizer``: the base every statestore optimizer is one class on.
 
 The base owns what every optimizer over a :class:`~statestore.StateStore` shares (as torch's
-``Optimizer`` owns groups, state and hooks): the stores (one given, or a
-:class:`~statestore.DeviceStore` per parameter device), the per-parameter bookkeeping and step
-counts (:class:`~statestore.optim._table.ParamTable`), the plan of a step's pipeline units
-and the loop over them, the metadata every checkpoint of a store carries and the resume from
-it in either order, torch's ``state_dict()`` format both ways, ``optimizer.state``, the
-``process_group`` sharding, the read-ahead of disk stores during backward, and the seam the
-integrations find (``isinstance(opt, StateStoreOptimizer)``, ``opt.state_store``).
+``Optimizer`` owns groups, state and hooks). Its bookkeeping (stores, step counts, metadata
+and resume, torch's ``state_dict()`` format, ``optimizer.state``) is the class it derives
+from, :class:`~statestore.optim._core.OptimizerCore`; this module is its step, ONE for every
+optimizer: the work collected, the plan of a step's pipeline units and the loop over them,
+the rollback or refusal after a failure, ``skip_nonfinite``, ``div_scale``,
+``update_in_backward`` and ``release_grads`` (:class:`~statestore.optim._in_backward.
+BackwardStepper`), CUDA staging's seam, the read-ahead of disk stores during backward, and
+a step remembered from the last one (:meth:`StateStoreOptimizer._remember`).
 
 An optimizer on it is one class (``docs/extending.md``, "Adding an optimizer"): it passes
 its defaults and a :class:`~statestore.optim._layout.StateLayout` (which states a parameter
 keeps, how its hyperparameters are saved) to ``__init__`` and implements
-:meth:`StateStoreOptimizer._update_unit`, the update of one pipeline unit. ``CPUAdam`` and
-``HybridAdam`` (``adam.py``) and :class:`~statestore.optim.StoreOptimizer` are such classes.
+:meth:`StateStoreOptimizer._update_unit`, the update of one pipeline unit (its kernel).
+``CPUAdam`` and ``HybridAdam`` (``adam.py``: Adam's fused kernel) and
+:class:`~statestore.optim.StoreOptimizer` (the torch class's own ``step()``) are such
+classes. The integrations find ``isinstance(opt, StateStoreOptimizer)``,
+``opt.state_store``.
 """
 from __future__ import annotations
 
@@ -25,21 +29,16 @@ import torch
 from torch import Tensor
 
 from .._hook_handles import HookHandles
-from .._malloc import fix_mmap_threshold
 from ..errors import StateStoreError
 from ..offload._seam import update_begin, update_end
 from ..store import StateStore
-from ._args import check_params
-from ._dtensor import DTensorParams
+from ._args import grad_scale_of
+from ._core import OptimizerCore
+from ._in_backward import BackwardStepper
 from ._layout import StateLayout
-from ._metadata import metadata_source, resume
-from ._plan import PlanMemo, Work, collect_work, ensure_states
-from ._resume_warnings import warn_lr_reset_after_load
-from ._shared import attach, check_keys, share_of
-from ._sharding import Sharding, check_not_partial, refuse_partial, shard_state_dict
-from ._state import OptimizerState
-from ._table import ParamTable, StepUndo, assign_stores, index_keys
-from ._torch_format import export_state_dict, read_state_dict, write_states
+from ._plan import PlanMemo, Work, collect_work, ensure_states, work_of
+from ._table import StepUndo
+from ._torch_backward import RecordingTable, plans_stale
 
 __all__ = ["StateStoreOptimizer", "may_prefetch"]
 
@@ -80,7 +79,7 @@ def _grad_hook(owner: "StateStoreOptimizer"):
     return hook
 
 
-class StateStoreOptimizer(torch.optim.Optimizer):
+class StateStoreOptimizer(OptimizerCore):
     """A ``torch.optim.Optimizer`` whose per-parameter states live in a
     :class:`~statestore.StateStore`: the base of ``CPUAdam``, ``HybridAdam`` and
     ``StoreOptimizer`` (see the module docstring; build one of those).
@@ -96,6 +95,8 @@ class StateStoreOptimizer(torch.optim.Optimizer):
             states of the parameters :func:`statestore.distributed.partition` assigns it,
             gradients are averaged with all-reduce, owners update and broadcast parameters.
         own_store: ``state_store`` was made for this optimizer: :meth:`close` closes it.
+        update_in_backward, release_grads, skip_nonfinite: as ``HybridAdam``'s (each
+            checked by the class first: ``statestore.optim._args.check_arguments``).
 
     Attributes:
         state_store: the store passed (None: one per parameter device).
@@ -109,42 +110,36 @@ class StateStoreOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, defaults: Dict[str, Any], layout: StateLayout, *,
                  state_store: Optional[StateStore] = None, process_group=None,
-                 own_store: bool = False):
-        self._layout = layout
-        _opaque_to_compiler(type(self))     # before torch wraps step() with its hooks
-        super().__init__(params, defaults)
-        # the bookkeeping shared with this package's modules; the optimizer's own names for
-        # its containers are the same objects
-        table = self._table = ParamTable()
-        self._keys, self._params, self._stores, self._steps = (
-            table.keys, table.params, table.stores, table.steps)
-        table.set_keys(*index_keys(self.param_groups))
-        check_params(self._params, self._keys)
-        layout.bind(self.param_groups, self._keys)
-        #: DTensor parameters (FSDP2): updates on local shards, DTensor states (_dtensor.py)
-        self._dtensors = DTensorParams(self._params, self._keys, process_group)
-        self.process_group = process_group
-        self._sharding: Optional[Sharding] = None
-        if process_group is not None:
-            self._sharding = Sharding(process_group, self._params)
-        self._owned_stores: List[StateStore] = [state_store] if own_store else []
-        self.state_store = state_store
-        assign_stores(table, state_store, self._owns, self._owned_stores)
-        attached = list(dict.fromkeys(self._stores.values()))
-        if state_store is not None and state_store not in attached:
-            attached.append(state_store)     # a rank owning no parameter still saves with the group
-        for store in attached:
-            self._resume(store, loaded=False)
-        if any(not s.resident for s in attached):
-            fix_mmap_threshold()        # RSS follows the working set (statestore/_malloc.py)
+                 own_store: bool = False, update_in_backward: bool = False,
+                 release_grads: bool = False, skip_nonfinite: bool = False):
+        #: skip a step whose gradients hold inf or nan (nothing changes)
+        self.skip_nonfinite = bool(skip_nonfinite)
+        self._update_in_backward = update_in_backward
+        #: update_in_backward: each parameter's step count before the stepper advanced it,
+        #: and the groups' structures the stepper's plans were made for
+        self._prior: Dict[str, Optional[int]] = {}
+        self._planned_for: Optional[tuple] = None
+        #: CUDA parameters over host stores: page-locked staging (an optimizer's part), or None
+        self._staging = None
+        #: the step remembered from the last made the general way (:meth:`_remember`), or
+        #: None; general steps before the next try, the tries' backoff, plans gone stale
+        self._remembered = None
+        self._remember_wait = self._remember_backoff = self._remember_misses = 0
         self._prefetching: "weakref.WeakSet[StateStore]" = weakref.WeakSet()
         #: during a step: each stepped key's count before it (None: its first step)
         self._step_undo: StepUndo = {}
         self._hooked: set = set()
         self._pump_hooks = HookHandles()
-        #: torch's ``optimizer.state``: a view of the store (statestore/optim/_state.py)
-        self.state = OptimizerState(self, table, layout)
+        _opaque_to_compiler(type(self))     # before torch wraps step() with its hooks
+        super().__init__(params, defaults, layout, state_store=state_store,
+                         process_group=process_group, own_store=own_store)
+        #: the step made during backward (update_in_backward, _in_backward.py)
+        self._stepper = BackwardStepper(RecordingTable(self._table, self._prior),
+                                        self._planner(), type(self).__name__,
+                                        self._apply_in_backward, release_grads)
         self._setup_parts()
+        if self._staging is None:       # CUDA staging needs the whole step's gradients
+            self._stepper.unplanned = weakref.WeakMethod(self._unplanned_work)
         self._register_pump_hooks(self._params)
 
     # ------------------------------------------------------------------ what a subclass implements
@@ -169,71 +164,32 @@ class StateStoreOptimizer(torch.optim.Optimizer):
         raise NotImplementedError(f"{type(self).__name__} must implement _update_unit")
 
     def _setup_parts(self) -> None:
-        """Build the optimizer's own parts once the base is set up (its table, stores and
-        ``optimizer.state`` exist) and before the gradient hooks are registered (optional)."""
+        """Build the optimizer's own parts once the base is set up (its table, stores,
+        ``optimizer.state`` and stepper exist) and before the gradient hooks are registered
+        (optional)."""
+
+    def _remember(self, work: Work, grads: Dict[Tensor, Tensor]):
+        """After a step made the general way over ``work`` and ``grads``: a plan that makes
+        the next steps like it faster (Adam's native step program, StoreOptimizer's resident
+        batches), or None (optional; tried again after 1, 2, 4 ... 64 general steps)."""
+        return None
+
+    def _run_remembered(self, plan, grad_scale: float) -> bool:
+        """Make this step by ``plan`` (from :meth:`_remember`): True when made (or skipped
+        for non-finite gradients); False when it no longer applies (nothing changed: the
+        general way steps, and the plan is dropped)."""
+        return False
 
     def _touch(self) -> None:
         """The unit update is about to change a parameter or a state."""
         self._table.touched = True
 
-    # ------------------------------------------------------------------ set-up
-    def _owns(self, p: Tensor) -> bool:
-        """True when this rank keeps ``p``'s states (always, without a process group)."""
-        return self._sharding is None or self._sharding.owns(p)
-
-    def _resume(self, store: StateStore, loaded: bool) -> None:
-        """Take the states already in ``store`` (or just loaded into it), then attach this
-        optimizer's metadata to it."""
-        check_keys(store, self._keys, self._kind())
-        resume(store, self._table, self.param_groups, self._layout,
-               owner=type(self).__name__, keep=tuple(self.defaults),
-               sharded=self._sharding is not None, loaded=loaded,
-               part=share_of(store).part(self._keys))
-        self._attach(store)
-
-    def _attach(self, store: StateStore) -> None:
-        """Save this optimizer's metadata with ``store``'s checkpoints; hear of its loads."""
-        attach(store, self._keys, self._metadata_source(), self._store_loaded,
-               self._dtensors.group, self._kind())
-
-    def _kind(self) -> str:
-        """What this optimizer is, in messages about several optimizers on one store."""
-        return type(self).__name__
-
-    def _store_loaded(self, store: StateStore) -> None:
-        """``store.load_checkpoint`` replaced the states under this optimizer (torch's order:
-        optimizer and scheduler built first): take the checkpoint's step counts and
-        hyperparameters, then save this optimizer's metadata with the store's checkpoints
-        again. A checkpoint that does not fit raises, stays detached, and the optimizer
-        refuses until a load into the store succeeds (``ParamTable.loaded``)."""
-        table = self._table
-        if table.failed:            # unusable (see failed_message): stays detached
-            return
-        if not table.loaded(store):     # refuses until a good load: stays to hear of it
-            self._attach(store)
-            return
-        table.next_plans.clear()
-        self._forget_pending()
-        self._prefetching.discard(store)
-        try:
-            self._resume(store, loaded=True)
-        except BaseException:
-            if store in table.lost:
-                self._attach(store)
-            raise
-
-    def _metadata(self) -> dict:
-        return self._metadata_source()()
-
-    def _metadata_source(self):
-        return metadata_source(type(self).__name__, self.param_groups, self._table,
-                               self._layout)
-
     def _wants_hook(self, p: Tensor) -> bool:
-        """Whether backward tells this optimizer when ``p``'s gradient is final: parameters
-        kept in a disk store (resident stores never prefetch, so an optimizer over RAM/GPU
-        stores adds nothing to backward)."""
-        return not self._stores[p].resident
+        """Whether backward tells this optimizer when ``p``'s gradient is final: every
+        parameter with ``update_in_backward``, else those kept in a disk store (resident
+        stores never prefetch, so an optimizer over RAM/GPU stores adds nothing to
+        backward)."""
+        return self._update_in_backward or not self._stores[p].resident
 
     def _register_pump_hooks(self, params: Sequence[Tensor]) -> None:
         """Hook :meth:`_grad_ready` on the parameters :meth:`_wants_hook` picks."""
@@ -247,8 +203,17 @@ class StateStoreOptimizer(torch.optim.Optimizer):
                 self._hooked.add(p)
 
     def _grad_ready(self, p: Tensor) -> None:
-        """Backward has finished ``p``'s gradient: let disk stores start the next step's
+        """Backward has finished ``p``'s gradient: with ``update_in_backward`` the stepper
+        applies it (a plan made for groups of another structure dropped first: the class
+        makes the new states in ``step()``); else let disk stores start the next step's
         reads (:meth:`StateStore.pump`, which never blocks)."""
+        if self._update_in_backward:
+            st = self._stepper
+            if st.passes is None and self._table.next_plans and plans_stale(
+                    self._layout, self.param_groups, self._planned_for):
+                self._table.next_plans.clear()
+            st.grad_ready(p)
+            return
         prefetching = self._prefetching
         for store in list(prefetching):
             try:
@@ -261,65 +226,27 @@ class StateStoreOptimizer(torch.optim.Optimizer):
         hooks = getattr(self, "_pump_hooks", None)
         if hooks is not None:
             hooks.remove_all()
-
-    def add_param_group(self, param_group: Dict[str, Any]) -> None:
-        """Add a param group, as ``torch.optim.Optimizer.add_param_group``.
-
-        Args:
-            param_group: a dict with ``"params"`` (and optionally ``"param_names"`` and any
-                hyperparameter; missing ones take the optimizer's defaults).
-
-        Raises:
-            ValueError, TypeError: torch's checks, the hyperparameters' checks, or parameters
-                the optimizer cannot take; the group is then not added (the optimizer stays
-                as it was).
-            StateStoreError: the optimizer has a ``process_group`` (its state partition is
-                fixed at construction).
-        """
-        n_groups = len(self.param_groups)
-        super().add_param_group(param_group)
-        table = getattr(self, "_table", None)   # None: torch's __init__ adding the first groups
-        saved = (dict(table.keys), list(table.params), dict(table.stores)) if table else None
-        try:
-            self._layout.check_group(self.param_groups[-1])
-            if table is not None:
-                if self._sharding is not None:
-                    raise StateStoreError("add_param_group is not supported with a "
-                                          "process_group (the state partition is fixed at "
-                                          "construction)")
-                table.set_keys(*index_keys(self.param_groups))
-                check_params(self._params, self._keys)
-                dtensors = DTensorParams(self._params, self._keys, group=self._dtensors.group)
-                assign_stores(table, self.state_store, self._owns, self._owned_stores)
-        except BaseException:
-            del self.param_groups[n_groups:]
-            if saved is not None:
-                table.set_keys(saved[0], saved[1])
-                table.stores.clear()
-                table.stores.update(saved[2])
-            raise
-        if table is not None:
-            self._dtensors = dtensors
-            self._group_added(self.param_groups[-1]["params"])
+        off = getattr(self, "_staging", None)
+        if off is not None:
+            off.remove_hooks()
 
     def _group_added(self, params: Sequence[Tensor]) -> None:
         """A group of ``params`` was added after construction."""
+        if self._update_in_backward:
+            self._check_backward(params)
+        self._remembered = None
+        self._remember_wait = 0
         self._register_pump_hooks(params)
 
-    # ------------------------------------------------------------------ step
-    def _check_usable(self, end_open_step: bool = False) -> None:
-        """Refuse once a step failed part-way or a load into a store failed
-        (:meth:`ParamTable.check_usable`); ``end_open_step``: a call reading states whole
-        ends a step left open first."""
-        self._table.check_usable(type(self).__name__, end_open_step=end_open_step)
-        pairs = self._table.lr_after_load
-        if pairs is not None and not end_open_step:      # the first step after a load-first
-            self._table.lr_after_load = None
-            warn_lr_reset_after_load(pairs, hasattr(self.step, "_wrapped_by_lr_sched"))
-
-    def _forget_pending(self) -> None:
-        """States were replaced (a load, ``load_state_dict``): drop what the class kept of a
-        step under way (optional)."""
+    def _forget_pending(self, store: Optional[StateStore] = None) -> None:
+        """States were replaced (a load into ``store``, or ``load_state_dict``): drop a pass
+        of ``update_in_backward`` under way, the remembered step and the store's read-ahead
+        (a class adds what else it kept of a step under way)."""
+        self._remembered = None
+        self._remember_wait = 0
+        self._stepper.forget()
+        if store is not None:
+            self._prefetching.discard(store)
 
     @staticmethod
     def _run_closure(closure):
@@ -373,39 +300,119 @@ class StateStoreOptimizer(torch.optim.Optimizer):
             self._sharding.broadcast_params([p for p in self._params if p in grads])
 
     @torch.no_grad()
-    def step(self, closure=None):
-        """One optimizer step over every parameter with a gradient.
+    def step(self, closure=None, div_scale: float = -1.0):
+        """One optimizer step over every parameter with a gradient: with
+        ``update_in_backward``, what backward could not update (:meth:`_backward_step`);
+        else by the plan remembered from the last step when it still applies
+        (:meth:`_run_remembered`), or the general way: the work collected, step counts
+        advanced, each store's pipeline units updated (:meth:`_update_unit`), and the next
+        plan remembered (:meth:`_remember`).
 
         On return, resident stores are updated; disk stores may still be writing the last
         states back (any later read, ``sync()``, ``state_dict()`` or checkpoint waits).
 
         Args:
             closure: re-evaluates the model and returns the loss (as torch), or None.
+            div_scale: when > 0, gradients are divided by it (ColossalAI's argument, for
+                loss scaling; not with ``update_in_backward``).
 
         Returns:
             the closure's loss, or None.
 
         Raises:
-            TypeError: a closure that is not callable, or a gradient of an unsupported dtype.
+            TypeError: a closure that is not callable, a ``div_scale`` that is not a number,
+                or a gradient of an unsupported dtype.
             StateStoreValueError: a gradient on another device or of another shape than its
-                parameter.
+                parameter; a ``div_scale`` that is nan or infinite, or given with
+                ``update_in_backward`` (checked first: nothing changes).
             StateStoreError: an earlier step failed part-way (the optimizer must be rebuilt
-                from a checkpoint).
+                from a checkpoint), or ``update_in_backward`` found the gradients changed
+                between backward and ``step()``.
             BudgetError: a parameter updated whole whose states exceed a disk store's budget
                 (nothing changed).
             StateStoreIOError: the store failed to read or write a state (a step that
                 changed nothing can be retried).
+
+        With ``skip_nonfinite=True`` a step whose gradients hold inf or nan changes nothing.
         """
         if closure is not None and not callable(closure):
             raise TypeError(f"closure must be callable or None, got {type(closure).__name__}")
+        scale = grad_scale_of(div_scale, self._update_in_backward)
+        grad_scale = 1.0 if scale is None else scale
         self._check_usable()
         loss = self._run_closure(closure)
-        work, grads = self._collect()
-        if not grads:
+        if self._update_in_backward:
+            self._backward_step()
+            return loss
+        st, plan = self._stepper, self._remembered
+        if plan is not None:
+            if not (st.released or st.spent or st.backward_failed) \
+                    and self._run_remembered(plan, grad_scale):
+                self._remember_misses = 0
+                return loss
+            self._remembered = None
+        released = st.released
+        work, grads = self._collect(released)
+        st.before_step(work, grads)
+        if not grads and not released:
+            return loss
+        if self.skip_nonfinite and not self._dtensors.all_finite(list(grads.values())):
             return loss
         self._ensure_states(work)
-        self._run_step(work, grads)
+        self._run_step(work, grads, grad_scale, self._staged(grads))
+        self._remember_next(work, grads, released)
         return loss
+
+    def _staged(self, grads: Dict[Tensor, Tensor]):
+        """CUDA staging's step begun (``grads`` on their way to the host); the call that
+        ends it, or None without staging."""
+        off = self._staging
+        if off is None:
+            return None
+        try:
+            off.before_step(grads)
+        except BaseException:
+            off.after_step()
+            raise
+        return off.after_step
+
+    def _remember_next(self, work: Work, grads: Dict[Tensor, Tensor], released) -> None:
+        """After a general step: :meth:`_remember` it, unless waiting. Tries that give no
+        plan back off (1, 2, 4 ... 64 steps); plans that go stale at once are built ever
+        more rarely, so a loop that never repeats pays little."""
+        if self._remember_wait > 0:
+            self._remember_wait -= 1
+            return
+        plan = None
+        if not released and self._sharding is None:
+            plan = self._remember(work, grads)
+        self._remembered = plan
+        if plan is None:
+            self._remember_backoff = min(64, 2 * self._remember_backoff or 1)
+            self._remember_wait = self._remember_backoff
+        else:
+            self._remember_backoff = 0
+            self._remember_wait = min(2 ** self._remember_misses, 64) - 1
+            self._remember_misses += 1
+
+    def _backward_step(self) -> None:
+        """``step()`` with ``update_in_backward`` (after its closure): the stepper checks
+        the gradients backward applied and updates the rest
+        (:meth:`BackwardStepper.finish_step`)."""
+        st = self._stepper
+        released = st.released
+        work, grads = self._collect(released)
+        st.before_step(work, grads)
+        if not grads and not released:
+            return
+        self._ensure_states(work)
+        after = self._staged(grads)
+        try:
+            st.finish_step(work, grads, may_prefetch)
+        finally:
+            if after is not None:
+                after()
+        self._planned_for = tuple(self._layout.structure_of(g) for g in self.param_groups)
 
     def _plan(self, store: StateStore, items, order: Optional[Dict[Tensor, int]] = None):
         memo = self.__dict__.get("_plan_memo")
@@ -434,105 +441,104 @@ class StateStoreOptimizer(torch.optim.Optimizer):
         self._update_unit(tensors, group, entries, grads, grad_scale, dev)
         update_end(offloaded)
 
-    # ------------------------------------------------------------------ torch's state_dict
-    def state_dict(self) -> Dict[str, Any]:
-        """The optimizer's state in torch's format, which the torch optimizer of the same
-        update loads (``torch.optim.AdamW`` for the Adam optimizers, ``optimizer_cls`` for
-        :class:`~statestore.optim.StoreOptimizer`).
+    # ------------------------------------------------------------------ update_in_backward
+    @property
+    def update_in_backward(self) -> bool:
+        """Whether parameters are updated during backward (see ``HybridAdam``). May be
+        switched between steps, e.g. off after a step() refused a loop that clips or
+        accumulates gradients (that step can then be made again).
 
-        Returns:
-            ``{"state": {index: {"step", <states>...}}, "param_groups": [...]}``: one entry
-            per parameter with a step count (with a ``process_group``: this rank's shard),
-            indices in torch's numbering.
-
-        Resident stores return views of the live states (as torch returns its own state
-        tensors). Disk stores snapshot their state files as a linked checkpoint does (frozen,
-        copy-on-write) and return tensors mapped privately from them (pages load on access
-        and the kernel may evict them): no copy, no temporary file, never every state in RAM;
-        states whose files cannot be taken whole are streamed into a temporary file of their
-        size (see :mod:`statestore._snapshot` and docs/scale.md).
-
-        Raises:
-            StateStoreIOError: a disk store failed to read a state.
-            StateStoreError: a step failed part-way (:meth:`step`); the optimizer is sharded
-                over a ``process_group`` (this rank holds a part: ``docs/distributed.md``,
-                :meth:`shard_state_dict`).
+        Raises (on assignment):
+            TypeError: not a bool.
+            ValueError: True with ``skip_nonfinite`` or a ``process_group``.
+            StateStoreError: backward has updated some parameters: call ``step()`` first;
+                True for a class needing the whole tensor over sharded DTensor parameters.
         """
-        self._check_usable(end_open_step=True)
-        refuse_partial(self._sharding, "state_dict()")
-        return export_state_dict(self.param_groups, self._table, self._layout)
+        return self._update_in_backward
 
-    def shard_state_dict(self) -> Dict[str, Any]:
-        """This rank's shard of :meth:`state_dict`, marked as one (``docs/distributed.md``);
-        :meth:`state_dict` without a process group."""
-        self._check_usable(end_open_step=True)
-        return shard_state_dict(self._sharding, self.param_groups, self._table, self._layout)
-
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Load torch's format (from the torch optimizer of the same update, or this class).
-
-        Hyperparameters (every key of the saved groups but their parameters: ``lr``,
-        ``initial_lr`` of a scheduler...) are restored from the saved groups, as torch does;
-        states are written into the store one parameter at a time. State keys are torch's
-        indices, or strings naming the parameters (the fully qualified names of
-        ``torch.distributed.checkpoint``'s ``get_optimizer_state_dict``, or the names this
-        optimizer was given): names that are exactly the optimizer's are matched by name,
-        others by position in the groups, as torch does. Everything is checked first: a
-        state dict that fails a check changes nothing.
-
-        Args:
-            state_dict: ``{"state": {...}, "param_groups": [...]}``, torch's format.
-
-        Raises:
-            ValueError, TypeError: a malformed state dict, naming the group, parameter or
-                state at fault.
-            CheckpointMismatchError: groups or parameter counts that differ.
-            StateStoreError: a step failed part-way; one rank's :meth:`shard_state_dict`.
-        """
-        self._check_usable(end_open_step=True)
-        check_not_partial(state_dict, self._sharding, self._table)
-        new_hyper, plan = read_state_dict(state_dict, self.param_groups, self._table,
-                                          self._owns, self._layout)
-        write_states(self.param_groups, new_hyper, plan, self._table, self._layout)
-        self._forget_pending()
-
-    def torch_state_specs(self, p: Tensor) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
-        """The states of parameter ``p``'s entry in :meth:`state_dict` once it has stepped,
-        ``{name: (shape, dtype)}`` (besides ``"step"``): what a framework allots for a
-        parameter that has not stepped yet (``statestore.integrations.dcp``).
-
-        Raises:
-            KeyError: ``p`` is not a parameter of this optimizer.
-        """
-        group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
-        layout = self._layout
-        return {n: layout.torch_spec(n, p) for n in layout.torch_names(p, group)}
-
-    def step_count(self, p: Tensor) -> int:
-        """How many steps parameter ``p`` has made (0: none, or its states live on another
-        rank)."""
-        return self._steps.get(self._keys[p], 0)
+    @update_in_backward.setter
+    def update_in_backward(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"update_in_backward must be a bool, got {value!r}")
+        if value == self._update_in_backward:
+            return
+        self._stepper.check_switch(value, self.skip_nonfinite, self.process_group)
+        if value:
+            self._check_backward(self._params)
+        self._remembered = None
+        self._stepper.reset()
+        self._table.next_plans.clear()
+        self._update_in_backward = value
+        if value:
+            self._register_pump_hooks(self._params)
 
     @property
-    def keeps_step(self) -> bool:
-        """Whether a parameter's entry in :meth:`state_dict` holds a ``"step"`` (torch's
-        Adam does; SGD and Muon do not)."""
-        return self._layout.torch_step(0) is not None
+    def release_grads(self) -> bool:
+        """With ``update_in_backward``: whether ``param.grad`` is set to None once backward
+        applied it."""
+        return self._stepper.release_grads
+
+    @release_grads.setter
+    def release_grads(self, value: bool) -> None:
+        self._stepper.release_grads = value
+
+    def _check_backward(self, params) -> None:
+        """Refuse ``update_in_backward`` for ``params`` updated gathered (a collective)."""
+        whole = [self._keys[p] for p in params if self._gathered(p)]
+        if whole:
+            raise StateStoreError(
+                f"{self._kind()}(update_in_backward=True): the class's update needs the "
+                f"whole tensor, and parameters {whole[:3]} are DTensors sharded over several "
+                f"ranks: each would be gathered (a collective) from backward's gradient "
+                f"hooks, whose order the ranks do not share; use update_in_backward=False")
+
+    def _gathered(self, p: Tensor) -> bool:
+        """Whether ``p`` is updated gathered whole over its ranks (a collective)."""
+        return False
+
+    def _planner(self):
+        """``plan(store, items, order)`` by :meth:`_plan`, holding the optimizer weakly."""
+        plan = weakref.WeakMethod(self._plan)
+
+        def planned(store, items, order=None):
+            return plan()(store, items, order)
+        return planned
+
+    def _apply_in_backward(self, tensors, group, entries, grads, grad_scale, dev) -> None:
+        """The stepper's unit update: :meth:`_apply_unit`, each parameter's first update told
+        by its step count before the stepper advanced it."""
+        self._step_undo = self._prior
+        try:
+            self._apply_unit(tensors, group, entries, grads, grad_scale, dev)
+        finally:
+            self._step_undo = {}
+
+    def _unplanned_work(self, params) -> Dict[StateStore, list]:
+        """``release_grads`` before a plan exists: ``params`` (gradients final) as a step's
+        work ``{store: [(group, params)]}``, their states created."""
+        if self._staging is not None:       # CUDA staging needs the whole step's gradients
+            return {}
+        chosen = {p for p in params if p in self._stores and self._owns(p)}
+        work = work_of(self.param_groups, self._stores, chosen.__contains__)
+        self._ensure_states(work)
+        return work
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients of every parameter, as ``torch.optim.Optimizer.zero_grad``.
 
         Args:
-            set_to_none: set ``param.grad = None`` (default) instead of zeroing it.
+            set_to_none: set ``param.grad = None`` (default) instead of zeroing it (which,
+                with ``update_in_backward``, first finishes what a failed backward updated
+                in part: ``docs/reliability.md``).
         """
+        self._stepper.before_zero_grad(set_to_none)
         super().zero_grad(set_to_none)
 
-    # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
-        """Close the stores this optimizer created itself (never a store passed in)."""
-        for s in self._owned_stores:
-            s.close()
-        self._owned_stores = []
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({len(self._params)} params, store={self.state_store!r})"
+        """Close the stores this optimizer created itself (never a store passed in) and
+        release the page-locked staging of CUDA parameters."""
+        super().close()
+        if self._staging is not None:
+            self._staging.after_step()
+            self._staging.close()
+            self._staging = None

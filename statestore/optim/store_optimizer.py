@@ -32,8 +32,8 @@ from ._args import check_arguments
 from ._dtensor import local
 from ._plan import ensure_states
 from ._resident import ResidentPlan, Scalars, joined_view, state_kinds
+from .base import StateStoreOptimizer
 from ._rounding import round_into, seed_of
-from ._torch_backward import InBackward
 from ._torch_layout import (ELEMENTWISE, WHOLE, TorchLayout, check_class, check_state_dtype,
                             class_name, ctor_kwargs, make_step)
 from ._torch_units import Noting, parts, range_proxy, replace_data
@@ -47,7 +47,7 @@ __all__ = ["StoreOptimizer"]
 _JOIN_ELEMS = 1 << 16
 
 
-class StoreOptimizer(InBackward):
+class StoreOptimizer(StateStoreOptimizer):
     """A ``torch.optim.Optimizer`` running ``optimizer_cls``'s update over states kept in a
     :class:`~statestore.StateStore`.
 
@@ -126,8 +126,6 @@ class StoreOptimizer(InBackward):
                                   f"elementwise=True would change its results")
         self.optimizer_cls = optimizer_cls
         self._kwargs = kwargs
-        #: skip a step whose gradients hold inf or nan (nothing changes)
-        self.skip_nonfinite = bool(skip_nonfinite)
         # the class's defaults, its constructor's checks of kwargs (its own messages)
         template = optimizer_cls([torch.empty(2, 2, device="meta")], **kwargs)
         #: the optimizer instance each unit's update runs on (its groups and state swapped in)
@@ -145,10 +143,6 @@ class StoreOptimizer(InBackward):
         self._created: set = set()
         #: per unit of the current plans: :meth:`_unit_plan`
         self._unit_plans: Dict[int, tuple] = {}
-        #: the step over resident stores remembered from the last (None: the general step),
-        #: and when to try building it again
-        self._resident: Optional[ResidentPlan] = None
-        self._resident_wait = self._resident_backoff = 0
         #: per store: the structure of the groups its plan was made for, and the plan's
         #: units (:meth:`_plan`)
         self._plan_sigs: Dict[int, tuple] = {}
@@ -160,10 +154,9 @@ class StoreOptimizer(InBackward):
         self._low = layout.low is not None
         #: sharded DTensor parameters a class needing the whole tensor updates gathered
         self._whole = WholeUpdates(not elementwise)
-        #: update_in_backward: the step made during backward (_torch_backward.py)
-        self._init_backward(update_in_backward, release_grads)
         super().__init__(params, dict(template.defaults), layout, state_store=state_store,
-                         process_group=process_group)
+                         process_group=process_group, update_in_backward=update_in_backward,
+                         release_grads=release_grads, skip_nonfinite=skip_nonfinite)
         if update_in_backward:
             self._check_backward(self._params)
 
@@ -171,45 +164,23 @@ class StoreOptimizer(InBackward):
         return super()._collect(released, contiguous=True, fp64=True)
 
     def step(self, closure=None):
-        """One step of ``optimizer_cls`` over every parameter with a gradient (see
-        :meth:`StateStoreOptimizer.step`). Over resident stores, a step like the last is
-        made by the plan remembered from it (:mod:`statestore.optim._resident`)."""
+        """One step of ``optimizer_cls`` over every parameter with a gradient: the base's
+        (:meth:`StateStoreOptimizer.step`), with the per-step record the unit update keeps
+        (scalar states before a parameter's first unit, the states created for the step).
+        Over resident stores, a step like the last is made by the plan remembered from it
+        (:mod:`statestore.optim._resident`)."""
         if not self._update_in_backward:     # else backward may have begun a parameter
             self._scalars = {}
         self._created = set()
         self._layout.stepping(True)
         try:
-            if closure is not None and not callable(closure):
-                raise TypeError(f"closure must be callable or None, got "
-                                f"{type(closure).__name__}")
-            self._check_usable()
-            loss = self._run_closure(closure)
-            if self._update_in_backward:
-                with torch.no_grad():
-                    self._backward_step()
-                return loss
-            with torch.no_grad():
-                plan = self._resident
-                if plan is not None:
-                    if self._run_resident(plan):
-                        return loss
-                    self._resident = None
-                self._general_step()
-            self._plan_resident()
-            return loss
+            return super().step(closure)
         finally:
             self._scalars = {}
             self._created = set()
             self._layout.stepping(False)
 
-    def _general_step(self) -> None:
-        """The base's step after its closure (:meth:`StateStoreOptimizer.step`)."""
-        work, grads = self._collect()
-        if grads and not self._skipped(list(grads.values())):
-            self._ensure_states(work)
-            self._run_step(work, grads)
-
-    def _run_resident(self, plan: ResidentPlan) -> bool:
+    def _run_remembered(self, plan: ResidentPlan, grad_scale: float) -> bool:
         """A step by ``plan``; False (nothing changed) when it does not apply now."""
         grads = plan.grads(self.param_groups, self._steps, self._layout)
         if grads is None:
@@ -237,37 +208,20 @@ class StoreOptimizer(InBackward):
         over sharded parameters) hold inf or nan."""
         return self.skip_nonfinite and not self._dtensors.all_finite(grads)
 
-    def _plan_resident(self) -> None:
-        """After a general step: the plan of the next ones, when it applies (tried again
-        after 1, 2, 4 ... 64 general steps when it does not)."""
-        if self._resident_wait > 0:
-            self._resident_wait -= 1
-            return
-        if os.environ.get("STATESTORE_RESIDENT_PLAN", "1") != "0" and not self._low:
-            self._resident = None if self._sharding is not None else ResidentPlan.build(
-                self.param_groups, self._keys, self._stores, self._steps, self._layout,
-                _JOIN_ELEMS)
-        if self._resident is None:
-            self._resident_backoff = min(64, 2 * self._resident_backoff or 1)
-            self._resident_wait = self._resident_backoff
-        else:
-            self._resident_backoff = 0
+    def _remember(self, work, grads) -> Optional[ResidentPlan]:
+        """After a general step: the plan of the next ones over resident stores, when it
+        applies (``STATESTORE_RESIDENT_PLAN=0`` turns it off)."""
+        if os.environ.get("STATESTORE_RESIDENT_PLAN", "1") == "0" or self._low:
+            return None
+        return ResidentPlan.build(self.param_groups, self._keys, self._stores, self._steps,
+                                  self._layout, _JOIN_ELEMS)
 
     def _gathered(self, p: Tensor) -> bool:
         return self._whole.covers(p)
 
-    def _forget_pending(self) -> None:
-        self._stepper.forget()
+    def _forget_pending(self, store=None) -> None:
+        super()._forget_pending(store)
         self._unit_plans.clear()
-        self._resident = None
-        self._resident_wait = 0
-
-    def _group_added(self, params) -> None:
-        if self._update_in_backward:
-            self._check_backward(params)
-        super()._group_added(params)
-        self._resident = None
-        self._resident_wait = 0
 
     def _ensure_states(self, work) -> None:
         """The base's, noting the states it creates for this step: a state the class has

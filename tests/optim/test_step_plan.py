@@ -47,7 +47,7 @@ class _Runs:
 
     def __init__(self, monkeypatch):
         self.n, self.outcomes = 0, []
-        real, real_step = _units.StepProgram.run, adam_mod._StoreAdam._planned_step
+        real, real_step = _units.StepProgram.run, adam_mod._StoreAdam._run_remembered
 
         def run(prog, *a, **kw):
             out = real(prog, *a, **kw)
@@ -59,7 +59,7 @@ class _Runs:
             self.n += out
             return out
         monkeypatch.setattr(_units.StepProgram, "run", run)
-        monkeypatch.setattr(adam_mod._StoreAdam, "_planned_step", planned_step)
+        monkeypatch.setattr(adam_mod._StoreAdam, "_run_remembered", planned_step)
 
 
 def _twins(make_store, tmp_path, monkeypatch, cls=HybridAdam, pdtype=torch.float32, **kw):
@@ -273,7 +273,7 @@ def test_a_streaming_store_is_planned_unit_by_unit(tmp_path, monkeypatch):
         _grads(b[0], step)
         a[1].step()
         _general(monkeypatch, b[1].step)
-        prog = a[1]._program
+        prog = a[1]._remembered
         calls.append(prog is not None and prog.units is not None and len(prog.units[1]))
     _assert_same(a, b)
     assert calls[-1] and calls[-1] > 1, calls
@@ -336,7 +336,7 @@ def test_a_read_failing_in_a_planned_streaming_step(after_units, tmp_path, monke
         a[1].step()
         _general(monkeypatch, b[1].step)
     ps, opt = a
-    assert opt._program is not None and opt._program.units is not None
+    assert opt._remembered is not None and opt._remembered.units is not None
     opt.state_store.cancel_prefetch()           # every read of the step comes after this
     engine, touched = opt.state_store.engine, [0]
     real = adam_mod._StoreAdam._touch

@@ -79,7 +79,7 @@ def test_the_remembered_step_is_the_class_step(cls, kw, store):
                                 else ss.PinnedCPUStore())
     for s in range(4):
         _step_both(s, want, ref, got, opt)
-        assert opt._resident is not None        # built after the first step
+        assert opt._remembered is not None        # built after the first step
         _same(want, got)
     sd, rsd = opt.state_dict(), ref.state_dict()
     for i, st in rsd["state"].items():
@@ -103,7 +103,7 @@ def test_changes_take_the_general_step_with_the_same_bits(tmp_path):
         _same(want, got)
     step()
     step()
-    assert opt._resident is not None
+    assert opt._remembered is not None
     step(skip=(2,))                     # a parameter without a gradient: not stepped
     step()
     step()
@@ -122,7 +122,7 @@ def test_changes_take_the_general_step_with_the_same_bits(tmp_path):
     saved = {k: v.clone() for k, v in ref.state_dict()["state"][0].items()}
     with pytest.warns(ss.ResumeWarning):
         opt.state_store.load_checkpoint(str(tmp_path / "c"))
-    assert opt._resident is None and torch.equal(saved["exp_avg"], opt.state[got[0]]["exp_avg"])
+    assert opt._remembered is None and torch.equal(saved["exp_avg"], opt.state[got[0]]["exp_avg"])
     step()
     step()
     # a new group
@@ -133,7 +133,7 @@ def test_changes_take_the_general_step_with_the_same_bits(tmp_path):
     got.append(extra[1])
     step()
     step()
-    assert opt._resident is not None
+    assert opt._remembered is not None
 
 
 def test_a_hyperparameter_crossing_zero_and_a_closed_store():
@@ -176,14 +176,14 @@ def test_frozen_and_unsuited_parameters():
     for s in range(4):
         _step_both(s, want, ref, got, opt, skip=(0,))
         _same(want, got)
-    assert opt._resident is not None and len(opt.state) == len(got) - 1
+    assert opt._remembered is not None and len(opt.state) == len(got) - 1
     p = torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
     q = torch.nn.Parameter(torch.ones(3))
     opt = StoreOptimizer(O.SGD, [("b", p), ("f", q)], lr=0.1, momentum=0.9)
     for _ in range(3):
         p.grad, q.grad = torch.ones_like(p), torch.ones_like(q)
         opt.step()
-    assert opt._resident is None
+    assert opt._remembered is None
 
 
 def test_scalar_states_that_differ_are_not_joined():
@@ -216,5 +216,5 @@ def test_a_closure_runs_before_the_remembered_step():
             return loss
         losses = [o.step(closure) for _ in range(4)]
         assert all(isinstance(v, torch.Tensor) for v in losses)
-    assert opt._resident is not None
+    assert opt._remembered is not None
     _same(list(models[0].parameters()), list(models[1].parameters()))
