@@ -148,13 +148,15 @@ def to_torch_state_dict(path: str, verify: bool = True,
     from .checkpoint import read_manifest
     from .checkpoint.filesystem import progress as progress_bar
     from .checkpoint.shard_check import by_file, check_shard_header
+    from .optim import StateStoreOptimizer
     from .optim._torch_format import checkpoint_groups, checkpoint_states
     m = read_manifest(path, progress=progress)
-    index, groups = checkpoint_groups(path, m.metadata)
+    index, groups, layout = checkpoint_groups(
+        path, m.metadata, lambda md: StateStoreOptimizer.checkpoint_layout(path, md))
     for name, rows in by_file(m.rows).items():
         check_shard_header(m, name, rows)
     with progress_bar(m.nbytes, "checksums", progress if verify else False) as bar:
-        state = checkpoint_states(path, m.metadata, index, m.rows,
+        state = checkpoint_states(path, m.metadata, layout, index, m.rows,
                                   lambda r: _open_tensor(m, r, verify, bar))
     return {"state": state, "param_groups": groups}
 

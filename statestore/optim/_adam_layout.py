@@ -205,3 +205,26 @@ class AdamLayout(StateLayout):
         if self.fmt.compressed and name in SCALE_OF:
             return self.fmt.from_fp32(name, src)
         return {name: src.detach().float().cpu()}
+
+    # ------------------------------------------------------------------ checkpoints
+    def scale_of(self, name: str) -> Optional[str]:
+        return SCALE_OF.get(name) if self.fmt.name == "int8" else None
+
+    def to_torch(self, name: str, t: Tensor, scales: Optional[Tensor] = None) -> Tensor:
+        if name in SCALE_OF and t.dtype != torch.float32:
+            return self.fmt.to_fp32(name, t, scales).view(t.shape)
+        return t
+
+    def torch_entry(self, entry: Dict[str, Any]) -> Dict[str, Any]:
+        """Compressed moments decoded to torch's fp32, their scales dropped."""
+        for n, sn in SCALE_OF.items():
+            if n in entry and entry[n].dtype != torch.float32:
+                entry[n] = self.to_torch(n, entry[n], entry.pop(sn, None))
+        return entry
+
+    @staticmethod
+    def of_metadata(metadata: Dict[str, Any]) -> "AdamLayout":
+        """The layout of the Adam optimizer that wrote ``metadata`` (its ``moment_dtype``
+        and encoding)."""
+        return AdamLayout(MomentFormat(metadata.get("moment_dtype", "fp32"),
+                                       encoding=metadata.get("moment_encoding")))

@@ -261,3 +261,18 @@ class StateLayout:
         (a plan of ``update_in_backward`` made for another structure is dropped before
         backward uses it); ``()``: nothing."""
         return ()
+
+    def scale_of(self, name: str) -> Optional[str]:
+        """The stored state holding state ``name``'s scales (Adam's int8 moments), or
+        None."""
+        return None
+
+    def to_torch(self, name: str, t: Tensor, scales: Optional[Tensor] = None) -> Tensor:
+        """State ``name`` of a checkpoint as torch's format holds it (``scales``: its
+        :meth:`scale_of` state)."""
+        return t
+
+    def torch_entry(self, entry: Dict[str, Any]) -> Dict[str, Any]:
+        """A parameter's entry read from a checkpoint (``"step"`` and its stored states) in
+        torch's form: the default keeps it as it is."""
+        return entry

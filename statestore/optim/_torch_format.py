@@ -8,7 +8,9 @@ groups in order. What differs between optimizers is their layout's
 ``"step"``, the form of a group (Adam's carries torch's implementation switches and
 ``decoupled_weight_decay``, our ``adamw_mode``, so that ``torch.optim.AdamW`` loads it), and
 the states' conversions (Adam's compressed moments are decoded to torch's fp32
-``exp_avg``/``exp_avg_sq`` on the way out and encoded on the way in).
+``exp_avg``/``exp_avg_sq`` on the way out and encoded on the way in). The layout always
+comes from the optimizer: its own, or for a checkpoint, that of the optimizer its metadata
+names (:meth:`~statestore.optim.StateStoreOptimizer.checkpoint_layout`).
 """
 from __future__ import annotations
 
@@ -22,7 +24,6 @@ from ..errors import CheckpointError, CheckpointMismatchError
 from ._args import is_real
 from ._dtensor import as_param_layout, local_shape, local_state
 from ._metadata import MismatchReport, short_names
-from ._moments import SCALE_OF, MomentFormat
 from ._table import ParamTable
 
 __all__ = ["export_state_dict", "read_state_dict", "write_states", "checkpoint_groups",
@@ -233,11 +234,14 @@ def write_states(param_groups: List[dict], new_hyper: List[Dict[str, Any]], plan
 
 
 # ------------------------------------------------------------------------------ checkpoints
-def checkpoint_groups(path: str, metadata: Dict[str, Any]
-                      ) -> Tuple[Dict[str, int], List[Dict[str, Any]]]:
+def checkpoint_groups(path: str, metadata: Dict[str, Any], layout_of: Callable
+                      ) -> Tuple[Dict[str, int], List[Dict[str, Any]], Any]:
     """torch's numbering of a checkpoint's parameters (in the order of its metadata's
     ``param_groups``) and its groups in torch's format (``param_names`` added where the keys
-    are names), for ``statestore convert --to torch``.
+    are names), for ``statestore convert --to torch``, and the layout of the optimizer that
+    wrote the checkpoint: ``layout_of(metadata)``
+    (:meth:`~statestore.optim.StateStoreOptimizer.checkpoint_layout`), asked once the
+    metadata is known to hold one optimizer's groups.
 
     Raises:
         CheckpointError: the metadata has no param groups.
@@ -252,7 +256,7 @@ def checkpoint_groups(path: str, metadata: Dict[str, Any]
                               f"optimizers ({metadata.get('optimizer')}), which no one torch "
                               f"state dict holds: load it into a store and take each "
                               f"optimizer's state_dict()")
-    layout = _layout_of(metadata)
+    layout = layout_of(metadata)
     index: Dict[str, int] = {}
     out_groups = []
     for g in groups:
@@ -265,15 +269,16 @@ def checkpoint_groups(path: str, metadata: Dict[str, Any]
         if any(n != str(i) for n, i in zip(names, ids)):
             ng["param_names"] = names
         out_groups.append(ng)
-    return index, out_groups
+    return index, out_groups, layout
 
 
-def checkpoint_states(path: str, metadata: Dict[str, Any], index: Dict[str, int],
+def checkpoint_states(path: str, metadata: Dict[str, Any], layout, index: Dict[str, int],
                       rows: List[Dict[str, Any]],
                       open_tensor: Callable[[Dict[str, Any]], Tensor]) -> Dict[int, Dict]:
     """torch's ``state`` of a checkpoint: one entry per parameter index (``index``: from
     :func:`checkpoint_groups`) with its step count and the tensor of each manifest row
-    (``open_tensor(row)``); compressed moments decoded to fp32 (in RAM).
+    (``open_tensor(row)``), in torch's form by ``layout`` (:meth:`StateLayout.torch_entry`:
+    Adam's compressed moments decoded to fp32, in RAM).
 
     Raises:
         CheckpointError: states of a parameter no param group lists.
@@ -283,13 +288,10 @@ def checkpoint_states(path: str, metadata: Dict[str, Any], index: Dict[str, int]
         raise CheckpointError(f"{path}: states of parameters {unknown} that no param group "
                               f"of the metadata lists")
     steps = metadata.get("steps", {})
-    layout = _layout_of(metadata)
-    moment_dtype = metadata.get("moment_dtype", "fp32")
-    fmt = MomentFormat(moment_dtype, encoding=metadata.get("moment_encoding")) \
-        if moment_dtype != "fp32" else None
     by_key: Dict[StateKey, List] = {}
     for r in rows:
         by_key.setdefault(r.state_key, []).append(r)
+    scale_states = {layout.scale_of(k.state) for k in by_key} - {None}
     state: Dict[int, Dict[str, Any]] = {}
     for k, rs in by_key.items():
         if index[k.param] not in state:
@@ -298,42 +300,25 @@ def checkpoint_states(path: str, metadata: Dict[str, Any], index: Dict[str, int]
         entry = state[index[k.param]]
         if len(rs) == 1 and rs[0].region.is_whole:
             entry[k.state] = open_tensor(rs[0])
-        elif k.state not in SCALE_OF.values():      # regions of an FSDP2 save: one tensor
-            entry[k.state] = _whole(rs, by_key.get(StateKey(k.param, SCALE_OF.get(k.state, ""))),
-                                    fmt, open_tensor)
-    if fmt is not None:         # compressed moments: torch's fp32 exp_avg / exp_avg_sq
-        for entry in state.values():
-            for n, sn in SCALE_OF.items():
-                if n in entry and entry[n].dtype != torch.float32:
-                    sc = entry.pop(sn, None)
-                    entry[n] = fmt.to_fp32(n, entry[n], sc).view(entry[n].shape)
-    return dict(sorted(state.items()))
+        elif k.state not in scale_states:       # regions of an FSDP2 save: one tensor
+            sc = layout.scale_of(k.state)
+            entry[k.state] = _whole(rs, by_key.get(StateKey(k.param, sc)) if sc else None,
+                                    layout, open_tensor)
+    return {i: layout.torch_entry(entry) for i, entry in sorted(state.items())}
 
 
-def _whole(rows: List, scale_rows: Optional[List], fmt: Optional[MomentFormat],
-           open_tensor: Callable) -> Tensor:
-    """One tensor from the regions ``rows`` of a state (in RAM); int8 moments decoded one
-    region at a time with the scales saved with it (``scale_rows``, in the regions' order)."""
+def _whole(rows: List, scale_rows: Optional[List], layout, open_tensor: Callable) -> Tensor:
+    """One tensor from the regions ``rows`` of a state (in RAM); a state stored with scales
+    (int8 moments) decoded one region at a time with the scales saved with it
+    (``scale_rows``, in the regions' order)."""
     first = rows[0]
-    blockwise = fmt is not None and scale_rows is not None
+    blockwise = scale_rows is not None
     out = torch.empty(first.global_shape, dtype=torch.float32 if blockwise else first.spec.dtype)
     ordered = sorted((r for r in rows if r.spec.numel), key=lambda r: r.offsets)
     scales = sorted(scale_rows or [], key=lambda r: r.offsets)
     for i, r in enumerate(ordered):
         t = open_tensor(r)
         if blockwise:
-            t = fmt.to_fp32(first.state, t, open_tensor(scales[i])).view(r.shape)
+            t = layout.to_torch(first.state, t, open_tensor(scales[i])).view(r.shape)
         out[tuple(slice(o, o + n) for o, n in zip(r.offsets, r.shape))] = t
     return out
-
-
-def _layout_of(metadata: Dict[str, Any]):
-    """The layout that reads a checkpoint's metadata into torch's format: Adam's (moments
-    decoded below), or, for a :class:`~statestore.optim.StoreOptimizer`'s checkpoint, its
-    groups as saved and a ``"step"`` where its class keeps one."""
-    if metadata.get("optimizer_class"):
-        from ._torch_layout import SavedLayout
-        return SavedLayout(metadata)
-    from ._adam_layout import AdamLayout
-    return AdamLayout(MomentFormat(metadata.get("moment_dtype", "fp32"),
-                                   encoding=metadata.get("moment_encoding")))

@@ -136,6 +136,11 @@ class _StoreAdam(StateStoreOptimizer):
         """How ``exp_avg``/``exp_avg_sq`` are stored: "fp32", "bf16" or "int8"."""
         return self._moments.name
 
+    @classmethod
+    def saved_layout(cls, metadata: Dict) -> AdamLayout:
+        """Adam's layout of the ``moment_dtype`` (and encoding) ``metadata`` records."""
+        return AdamLayout.of_metadata(metadata)
+
     # ------------------------------------------------------------------ the kernel
     def _update_unit(self, tensors: List[Tensor], group: dict, entries, grads, grad_scale,
                      dev: torch.device) -> None:

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from .._hook_handles import HookHandles
-from ..errors import StateStoreError
+from ..errors import CheckpointError, StateStoreError
 from ..offload._seam import update_begin, update_end
 from ..store import StateStore
 from ._args import grad_scale_of
@@ -440,6 +440,42 @@ class StateStoreOptimizer(OptimizerCore):
         offloaded = update_begin(entries)
         self._update_unit(tensors, group, entries, grads, grad_scale, dev)
         update_end(offloaded)
+
+    # ------------------------------------------------------------------ checkpoints
+    @classmethod
+    def saved_layout(cls, metadata: Dict[str, Any]) -> StateLayout:
+        """The layout this class's checkpoints are read with in torch's format
+        (``statestore convert --to torch``), from the metadata it saved with them. A class
+        implements it to make its checkpoints convertible.
+
+        Raises:
+            CheckpointError: this class does not.
+        """
+        raise CheckpointError(f"the checkpoint holds the states of {cls.__name__}, which does "
+                              f"not say how to read them in torch's format (saved_layout): "
+                              f"load the checkpoint into a store and take the optimizer's "
+                              f"state_dict()")
+
+    @staticmethod
+    def checkpoint_layout(path: str, metadata: Dict[str, Any]) -> StateLayout:
+        """The layout of the optimizer class a checkpoint's metadata names (its
+        ``"optimizer"``): that class's :meth:`saved_layout`. The classes are this base's
+        subclasses imported in the process (``CPUAdam``, ``HybridAdam``,
+        ``StoreOptimizer``, and a user's own).
+
+        Raises:
+            CheckpointError: no such class.
+        """
+        name = metadata.get("optimizer")
+        todo = [StateStoreOptimizer]
+        while todo:
+            cls = todo.pop()
+            if cls.__name__ == name:
+                return cls.saved_layout(metadata)
+            todo.extend(cls.__subclasses__())
+        raise CheckpointError(f"{path}: the checkpoint's metadata names optimizer {name!r}, "
+                              f"which is no statestore optimizer class; its states cannot be "
+                              f"read in torch's format")
 
     # ------------------------------------------------------------------ update_in_backward
     @property

@@ -34,8 +34,8 @@ from ._plan import ensure_states
 from ._resident import ResidentPlan, Scalars, joined_view, state_kinds
 from .base import StateStoreOptimizer
 from ._rounding import round_into, seed_of
-from ._torch_layout import (ELEMENTWISE, WHOLE, TorchLayout, check_class, check_state_dtype,
-                            class_name, ctor_kwargs, make_step)
+from ._torch_layout import (ELEMENTWISE, WHOLE, SavedLayout, TorchLayout, check_class,
+                            check_state_dtype, class_name, ctor_kwargs, make_step)
 from ._torch_units import Noting, parts, range_proxy, replace_data
 from ._whole import WholeUpdates
 
@@ -522,6 +522,11 @@ class StoreOptimizer(StateStoreOptimizer):
             raise StateStoreError(f"{class_name(self.optimizer_cls)} created states {unknown} "
                                   f"for parameter {key!r} that its probe did not show; "
                                   f"StoreOptimizer cannot keep them")
+
+    @classmethod
+    def saved_layout(cls, metadata: Dict[str, Any]) -> SavedLayout:
+        """The groups as saved, and a ``"step"`` where the torch class keeps one."""
+        return SavedLayout(metadata)
 
     def _kind(self) -> str:
         return f"StoreOptimizer({class_name(self.optimizer_cls)})"

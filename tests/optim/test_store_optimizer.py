@@ -355,6 +355,20 @@ def test_adding_an_optimizer_is_one_class(tmp_path):
     store.close()
 
 
+def test_convert_reads_a_checkpoint_by_the_layout_of_the_class_that_wrote_it(tmp_path):
+    """``statestore convert`` takes the layout from the optimizer the metadata names: a
+    class that does not say how (StoreLion, no ``saved_layout``) is refused by name, where
+    Adam's layout used to be assumed (Adam's groups for a Lion's states)."""
+    from statestore.__main__ import to_torch_state_dict
+    model = _model()
+    store = ss.DeviceStore("cpu")
+    _train(model, StoreLion(model.named_parameters(), state_store=store), 0, 1)
+    store.save_checkpoint(str(tmp_path / "lion"))
+    with pytest.raises(ss.CheckpointError, match="StoreLion.*saved_layout"):
+        to_torch_state_dict(str(tmp_path / "lion"))
+    store.close()
+
+
 def test_unit_counts_follow_the_budget():
     """NAdam's 24k-element matrix in units of the disk store's unit_bytes; its scalar
     mu_product rides in the first of them only."""
