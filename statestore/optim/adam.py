@@ -1,10 +1,18 @@
 """``CPUAdam`` and ``HybridAdam``: Adam/AdamW whose states live in a :class:`StateStore`.
 
-Layers (as in ``torch/optim/adam.py``): the class validates arguments and owns param groups,
-step counts and the store; each ``step()`` plans pipeline units over the parameters that have
-gradients and hands every unit to :func:`statestore.kernels.adam_step`, which only computes.
-States are reached only through :meth:`StateStore.pipeline`, so every optimizer works on every
-store.
+The optimizer base plus Adam's kernel (``docs/architecture.md``, "Optimizers"): the class
+validates Adam's arguments and gives the base (:class:`~statestore.optim.StateStoreOptimizer`,
+whose ``step()``, ``update_in_backward``, ``skip_nonfinite`` and ``div_scale`` are every
+optimizer's) its defaults and :class:`~statestore.optim._adam_layout.AdamLayout`; the base
+hands every pipeline unit to :meth:`_StoreAdam._update_unit`, which runs
+:func:`statestore.kernels.adam_step` (a step like the last: the native plan of
+:class:`~statestore.optim._units.StepProgram`, the base's remembered step). States are reached
+only through :meth:`StateStore.pipeline`, so every optimizer works on every store.
+
+``state_dict()`` gives torch's ``AdamW`` format: compressed moments (``moment_dtype``
+"bf16"/"int8") decoded to fp32, ``adamw_mode`` as ``decoupled_weight_decay``; a bf16/fp16
+parameter's entry also holds ``"master"`` (its fp32 copy, which torch's AdamW ignores:
+:meth:`_StoreAdam.master_weights` takes them out).
 
 States per parameter (the parameter's shape): ``exp_avg``, ``exp_avg_sq`` (fp32, or compressed
 with ``moment_dtype``: see :mod:`statestore.optim._moments`), ``max_exp_avg_sq`` (``amsgrad``)
