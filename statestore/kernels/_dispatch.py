@@ -286,8 +286,10 @@ def bias_terms(steps, lr, beta1, beta2):
     return step_sizes, bc2_sqrts
 
 
-def _kernel_ok(p, g, m, v, vmax, master) -> bool:
-    """True when the compiled kernel takes this tensor as it is."""
+def _kernel_ok(t: AdamTensors, i: int, amsgrad: bool) -> bool:
+    """True when the compiled kernel takes tensor ``i`` of ``t`` as it is."""
+    p, g, m, v = t.params[i], t.grads[i], t.exp_avgs[i], t.exp_avg_sqs[i]
+    vmax, master = t.vmax(i) if amsgrad else None, t.master(i)
     w = master if master is not None else p
     ts = (p, g, m, v, w) if vmax is None else (p, g, m, v, w, vmax)
     n = p.numel()
@@ -366,9 +368,7 @@ def adam_step(tensors: AdamTensors, hyper: AdamHyper) -> None:
         return
     fast, slow = [], []
     for i in range(len(t.params)):
-        ok = _kernel_ok(t.params[i], t.grads[i], t.exp_avgs[i], t.exp_avg_sqs[i],
-                        t.vmax(i) if hyper.amsgrad else None, t.master(i))
-        (fast if ok else slow).append(i)
+        (fast if _kernel_ok(t, i, hyper.amsgrad) else slow).append(i)
     with torch.no_grad():
         if fast:
             run_op(t.pick(fast) if slow else t, hyper)

@@ -25,7 +25,12 @@ __all__ = ["adam_step_moments", "MomentCodes", "MOMENT_KINDS"]
 MOMENT_KINDS = ("bf16", "int8")
 
 
-def _fused_ok(kind, p, g, m, v, ms, vs, vmax, master) -> bool:
+def _fused_ok(t: AdamTensors, i: int, amsgrad: bool, codes: "MomentCodes") -> bool:
+    """True when the compiled kernels take tensor ``i`` of ``t`` (its codes in ``codes``)
+    as it is."""
+    kind, (ms, vs) = codes.kind, codes.scales(i)
+    p, g, m, v = t.params[i], t.grads[i], t.exp_avgs[i], t.exp_avg_sqs[i]
+    vmax, master = t.vmax(i) if amsgrad else None, t.master(i)
     w = master if master is not None else p
     n = p.numel()
     ts = [p, g, m, v, w] + ([vmax] if vmax is not None else [])
@@ -127,9 +132,7 @@ def _split_fused(t: AdamTensors, hyper: AdamHyper, codes: MomentCodes
         dev = t.params[i].device.type
         can = ext is not None and (
             dev == "cpu" or (dev == "cuda" and getattr(ext, "with_cuda", False)))
-        if can and _fused_ok(codes.kind, t.params[i], t.grads[i], t.exp_avgs[i],
-                             t.exp_avg_sqs[i], *codes.scales(i),
-                             t.vmax(i) if hyper.amsgrad else None, t.master(i)):
+        if can and _fused_ok(t, i, hyper.amsgrad, codes):
             fused.append(i)
         else:
             slow.append(i)
