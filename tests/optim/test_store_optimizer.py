@@ -355,6 +355,45 @@ def test_adding_an_optimizer_is_one_class(tmp_path):
     store.close()
 
 
+class BackwardLion(StoreLion):
+    """StoreLion handing the base ``update_in_backward`` and ``release_grads``: written once
+    in the base, every class on it has them."""
+
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *,
+                 state_store=None, update_in_backward=False, release_grads=False):
+        StateStoreOptimizer.__init__(
+            self, params, dict(lr=lr, betas=betas, weight_decay=weight_decay),
+            StateLayout(["exp_avg"], dtype=torch.float32), state_store=state_store,
+            update_in_backward=update_in_backward, release_grads=release_grads)
+
+
+@pytest.mark.parametrize("store_kind", ["device", "nvme"])
+def test_a_class_on_the_base_updates_in_backward(store_kind, tmp_path):
+    """A class written on the base alone gets ``update_in_backward`` (and
+    ``release_grads``): parameters updated during backward from the second step, the same
+    bits as the Lion in RAM."""
+    kw = dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
+    want = _model()
+    _train(want, Lion(want.parameters(), **kw), 0, STEPS + 1)
+    model = _model()
+    store = ss.DeviceStore("cpu") if store_kind == "device" else \
+        ss.NVMeStore(str(tmp_path / "s"), budget_bytes=64 << 10)
+    opt = BackwardLion(model.named_parameters(), state_store=store, update_in_backward=True,
+                       release_grads=True, **kw)
+    assert opt.update_in_backward and opt.release_grads
+    _train(model, opt, 0, 1)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.zero_grad()
+    model(_batch(1)).float().square().mean().backward()
+    if store_kind == "device":          # applied and released during backward
+        assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+        assert all(p.grad is None for p in model.parameters())
+    opt.step()
+    _train(model, opt, 2, STEPS + 1)
+    _same(want, model)
+    store.close()
+
+
 def test_convert_reads_a_checkpoint_by_the_layout_of_the_class_that_wrote_it(tmp_path):
     """``statestore convert`` takes the layout from the optimizer the metadata names: a
     class that does not say how (StoreLion, no ``saved_layout``) is refused by name, where
