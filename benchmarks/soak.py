@@ -59,6 +59,7 @@ import torch  # noqa: E402
 
 import statestore as ss  # noqa: E402
 from statestore.checkpoint import read_manifest, verify_checkpoint  # noqa: E402
+from statestore.kernels import kernels_info  # noqa: E402
 from statestore.optim import CPUAdam, HybridAdam  # noqa: E402
 
 warnings.filterwarnings("ignore", category=RuntimeWarning)   # pinned memory without CUDA
@@ -290,8 +291,9 @@ def _contract(cfg: Dict[str, Any], model: Net, store: ss.StateStore, opt) -> Dic
             except ss.StateStoreError as e:
                 if RECOVER not in str(e):
                     bad.append(f"{name}: {str(e)[:200]}")
-        return {"refusing": True, "bad": bad}
-    return {"refusing": False, "digest": digest(model, store, opt._steps)}
+        return {"refusing": True, "bad": bad, "kernel": kernels_info()["cpu"]}
+    return {"refusing": False, "digest": digest(model, store, opt._steps),
+            "kernel": kernels_info()["cpu"]}
 
 
 def trainer(cfg: Dict[str, Any], launch: int, max_steps: int) -> None:
@@ -552,6 +554,8 @@ def run(args: argparse.Namespace) -> int:
     seen_resumes: set = set()
     last_ck_step = 0
 
+    kernel = kernels_info()["cpu"]
+
     def check_resumes() -> None:
         for path in sorted(glob.glob(os.path.join(work, "resumed-*.json"))):
             if path in seen_resumes:
@@ -581,6 +585,9 @@ def run(args: argparse.Namespace) -> int:
             fig["events"][key] = fig["events"].get(key, 0) + 1
             fig["handling_interrupted"] += r["retries"]
             fig["grad_mode_left_off"] += bool(r.get("grad_mode_left_off"))
+            if r.get("kernel", kernel) != kernel:   # its steps round otherwise: all diverge
+                problems.append(f"{name}: the trainer steps with the {r['kernel']} Adam "
+                                f"kernel, this process with the {kernel} one")
             if r["refusing"]:
                 fig["refusing"] += 1
                 bad = r["bad"]

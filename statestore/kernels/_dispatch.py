@@ -24,6 +24,7 @@ from typing import List, NamedTuple, Optional, Sequence
 import torch
 from torch import Tensor
 
+from .._signals import deferred_signals
 from ._reference import adam_step_reference
 
 __all__ = ["AdamHyper", "AdamTensors", "adam_step", "grads_finite", "kernels_info", "stream_copy_", "set_simd"]
@@ -204,10 +205,16 @@ def run_op(t: AdamTensors, hyper: AdamHyper, moments: str = "fp32", codes=None) 
 
 
 def load_extension():
-    """Imports the extension once; returns it or None."""
+    """Imports the extension once; returns it or None.
+
+    The import runs with Ctrl-C deferred (:mod:`statestore._signals`): pybind11 turns an
+    exception raised while the module initializes into ``ImportError("initialization
+    failed")``, and a retry then fails too (its types are registered already); a Ctrl-C
+    there would be lost and the process would step with the reference path, whose rounding
+    differs from the kernel's, for the rest of its life (docs/reliability.md)."""
     if _state["loaded"]:
         return _state["ext"]
-    with _lock:
+    with deferred_signals(), _lock:
         if _state["loaded"]:
             return _state["ext"]
         ext = None

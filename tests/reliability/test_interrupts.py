@@ -918,6 +918,46 @@ print(landed)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == "caller", r.stderr[-2000:]
 
+def test_a_ctrl_c_as_the_kernels_load_neither_is_lost_nor_changes_the_kernel():
+    """A Ctrl-C while the compiled kernels' module initializes (the first step of a process
+    imports it): pybind11 turns an exception raised in a module's init into
+    ``ImportError("initialization failed")``, so the Ctrl-C was lost and the process took the
+    kernels for missing and stepped with the vectorized torch reference for the rest of its
+    life, whose rounding is not the compiled kernel's (the 15-minute soak of 2026-11-28,
+    seed 1: a resumed trainer's every later step differed from the reference run by some
+    bits, as did every checkpoint after). A retry cannot help (pybind11 then finds its types
+    registered). The import runs with Ctrl-C deferred: the Ctrl-C reaches the caller after
+    it, and the kernels are loaded. In a process of its own (the kernels not imported yet);
+    the SIGINT is sent where the module's init runs, its KeyboardInterrupt turned into the
+    ImportError as pybind11 does."""
+    from helpers import forked
+    code = """
+import os, signal, sys, _imp
+assert "statestore._C_adam" not in sys.modules
+signal.signal(signal.SIGINT, signal.default_int_handler)
+real = _imp.create_dynamic
+def create_dynamic(spec, *args):
+    if spec.name == "statestore._C_adam":
+        try:
+            os.kill(os.getpid(), signal.SIGINT)     # Ctrl-C as the module initializes
+        except KeyboardInterrupt as e:              # what pybind11's init makes of it
+            raise ImportError("initialization failed") from e
+    return real(spec, *args)
+_imp.create_dynamic = create_dynamic
+from statestore.kernels import _dispatch, kernels_info
+landed = "lost"
+try:
+    _dispatch.load_extension()
+except KeyboardInterrupt:
+    landed = "caller"
+_imp.create_dynamic = real
+print(landed, kernels_info()["cpu"], _dispatch._state["reason"])
+"""
+    r = forked.run(code, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split()[:2] == ["caller", "simd"], r.stdout + r.stderr[-2000:]
+
+
 def test_a_ctrl_c_as_a_prefetch_starts_leaves_no_ring_buffer_held(tmp_path, monkeypatch):
     """A Ctrl-C between a prefetch's pipeline starting its reads and the store keeping it (the
     15-minute soak of 2026-11-28, in a planned NVMe step): the pipeline is kept, so the next
