@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, Iterator, List, NoReturn, Optional, Sequence, Tuple
 
 import pyarrow as pa
@@ -69,14 +69,13 @@ class ManifestRow(Mapping):
     """One tensor of a checkpoint: a manifest row, validated.
 
     The nine manifest columns (:data:`COLUMNS`) and the two of :data:`REGION_COLUMNS` are
-    fields (a version-1 row holds a whole tensor: ``global_shape`` is its shape, ``offsets``
-    zeros); ``spec`` (shape and dtype) and ``state_key`` are derived from them. A row also
+    attributes (a version-1 row holds a whole tensor: ``global_shape`` is its shape,
+    ``offsets`` zeros); ``spec`` (shape and dtype) and ``state_key`` are derived from them,
+    and ``key``, ``param`` and ``state`` are read from ``state_key`` (held once). A row also
     reads as a read-only mapping of those thirteen names (``row["file"]``, ``row.items()``),
     as the manifest rows did before they were records.
     """
-    key: str
-    param: str
-    state: str
+    state_key: StateKey
     file: str
     offset: int
     nbytes: int
@@ -84,9 +83,23 @@ class ManifestRow(Mapping):
     dtype: str
     checksum: str
     spec: StateSpec
-    state_key: StateKey
     global_shape: Tuple[int, ...] = ()
     offsets: Tuple[int, ...] = ()
+
+    # ``key``, ``param`` and ``state`` are read from ``state_key``: a row holds its name's
+    # strings once (a manifest of millions of rows: about 100 bytes a row less)
+    @property
+    def key(self) -> str:
+        """``"param/state"``, the manifest's ``key`` column."""
+        return f"{self.state_key.param}/{self.state_key.state}"
+
+    @property
+    def param(self) -> str:
+        return self.state_key.param
+
+    @property
+    def state(self) -> str:
+        return self.state_key.state
 
     def __post_init__(self) -> None:
         if len(self.global_shape) != len(self.shape):      # built without a region: whole
@@ -120,8 +133,8 @@ class ManifestRow(Mapping):
            checksum: str) -> "ManifestRow":
         """The row a save writes for state ``key`` of ``spec`` stored at ``offset`` of
         ``file`` with xxh3-64 ``checksum`` (hex)."""
-        return cls(str(key), key.param, key.state, file, offset, spec.nbytes, tuple(spec.shape),
-                   dtype_name(spec.dtype), checksum, spec, key)
+        return cls(key, file, offset, spec.nbytes, tuple(spec.shape), dtype_name(spec.dtype),
+                   checksum, spec)
 
     @classmethod
     def parse(cls, values: Sequence[Any], where: str, seen: Optional[set] = None,
@@ -163,8 +176,8 @@ class ManifestRow(Mapping):
         if len(shape) > MAX_NDIM:
             raise bad(f"{len(shape)} dimensions (at most {MAX_NDIM})")
         reg = None if region is None else _parse_region(region, shape, bad)
-        if seen is not None:
-            ident = (key, reg.offsets if reg is not None else None)
+        if seen is not None:        # a whole tensor's row by its key (no tuple a row)
+            ident = key if reg is None else (key, reg.offsets)
             if ident in seen:
                 raise bad("listed twice")
             seen.add(ident)
@@ -184,10 +197,10 @@ class ManifestRow(Mapping):
             whole = cache.get(("whole", spec.shape))
             if whole is None:
                 whole = cache["whole", spec.shape] = (0,) * len(spec.shape)
-            return cls(key, param, state, name, offset, nbytes, spec.shape, dtype, checksum,
-                       spec, StateKey(param, state), spec.shape, whole)
-        return cls(key, param, state, name, offset, nbytes, spec.shape, dtype, checksum, spec,
-                   StateKey(param, state), reg.global_shape, reg.offsets)
+            return cls(StateKey(param, state), name, offset, nbytes, spec.shape, dtype,
+                       checksum, spec, spec.shape, whole)
+        return cls(StateKey(param, state), name, offset, nbytes, spec.shape, dtype, checksum,
+                   spec, reg.global_shape, reg.offsets)
 
 
 # The checks of ManifestRow.parse that run once per region, key problem, spec or file name
@@ -234,7 +247,11 @@ def _check_file_name(name: str, bad: Callable[[str], CheckpointCorruptError]) ->
                   f"directory is expected)")
 
 
-_FIELD_NAMES: Tuple[str, ...] = tuple(f.name for f in fields(ManifestRow))
+#: the names of a row's mapping view, in the manifest's order (the nine columns, the two
+#: derived fields, the two region columns)
+_FIELD_NAMES: Tuple[str, ...] = ("key", "param", "state", "file", "offset", "nbytes", "shape",
+                                 "dtype", "checksum", "spec", "state_key", "global_shape",
+                                 "offsets")
 
 
 def columns(rows: Sequence[ManifestRow]) -> Dict[str, list]:
@@ -288,9 +305,13 @@ def tiling_problems(rows: Sequence[ManifestRow]) -> Iterator[str]:
     the tensor exactly (no gap, no overlap): each cut along the same single dimension (a 1-D
     mesh's shards), or boxes of a grid (a 2-D mesh's: :func:`_grid_problem`). Yields one
     message per key at fault (``"tensor 'k': ..."``)."""
+    # Only keys with a region row are grouped: a whole tensor's row is listed once (parse's
+    # ``seen``), so a key without regions is fine as it is (no list a row for the many).
+    cut = {r.key for r in rows if not r.region.is_whole}
     by_key: Dict[str, List[ManifestRow]] = {}
     for r in rows:
-        by_key.setdefault(r.key, []).append(r)
+        if cut and r.key in cut:
+            by_key.setdefault(r.key, []).append(r)
     for key, rs in by_key.items():
         if len(rs) == 1 and rs[0].region.is_whole:
             continue

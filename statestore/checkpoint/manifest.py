@@ -32,14 +32,26 @@ from .shard_check import MAX_MANIFEST_BYTES, check_local_file
 __all__ = ["read_manifest"]
 
 
+_SLICE = 4096
+
+
 def _column_values(col: "pa.ChunkedArray") -> list:
     """A column as a Python list, dictionary arrays expanded by reference (one str object per
-    distinct value, not per row)."""
+    distinct value, not per row), lists (shapes, offsets) as one tuple per distinct value,
+    decoded a slice at a time (not a list object a row)."""
     out: list = []
     for chunk in col.chunks:
         if pa.types.is_dictionary(chunk.type):
             values = chunk.dictionary.to_pylist()
             out.extend(None if i is None else values[i] for i in chunk.indices.to_pylist())
+        elif pa.types.is_list(chunk.type):
+            seen: dict = {}
+            for a in range(0, len(chunk), _SLICE):
+                for v in chunk.slice(a, _SLICE).to_pylist():
+                    if v is not None:
+                        v = tuple(v)
+                        v = seen.setdefault(v, v)
+                    out.append(v)
         else:
             out.extend(chunk.to_pylist())
     return out

@@ -233,7 +233,7 @@ def check_shard_header(m: Manifest, name: str, rows: Sequence[ManifestRow]) -> i
             disagrees with the manifest or with itself (the message names the problem).
     """
     fpath = join(m.root, name)
-    size = _shard_size(m, fpath, [r["key"] for r in rows])
+    size = _shard_size(m, fpath, [r["key"] for r in rows[:3]])     # named if it is missing
     header, n = _read_header(m, fpath, size, len(rows))
     data_start = 8 + n
     _check_rows(fpath, header, data_start, size, rows)
