@@ -81,7 +81,9 @@ class PipelineAccess:
             self._before_write()
         pre = self._prefetched
         if pre is not None:
-            if pre.matches(mode, unit_lists(units)):
+            # never a closed one: iterating it yields no unit, and a step would end as if
+            # made, its counts advanced and nothing updated (the 15-minute soak's fourth run)
+            if pre.matches(mode, unit_lists(units)) and not pre.pipeline.closed:
                 self._prefetched = None
                 pre.pipeline.wait = wait    # the reads started early: hand that pipeline out
                 return pre.pipeline

@@ -958,6 +958,34 @@ print(landed, kernels_info()["cpu"], _dispatch._state["reason"])
     assert r.stdout.split()[:2] == ["caller", "simd"], r.stdout + r.stderr[-2000:]
 
 
+def test_a_closed_prefetch_is_never_handed_out(tmp_path):
+    """A prefetch whose pipeline was closed while the store kept it: the next pipeline over
+    its units reads afresh. Handed out, it yielded no unit, so a planned NVMe step ended as if
+    made: every count advanced, no parameter or state updated, the optimizer not refusing
+    (the signature of the two breaks of the fourth 15-minute soak, 2026-11-28)."""
+    from statestore.optim import HybridAdam
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Linear(64, 4))
+
+    ref_m, m = model(), model()
+    ref = HybridAdam(ref_m.parameters(), lr=1e-2, state_store=ss.DeviceStore("cpu"))
+    with ss.NVMeStore(str(tmp_path / "s"), budget_bytes=1 << 20) as store:
+        opt = HybridAdam(m.parameters(), lr=1e-2, state_store=store)
+        x = torch.randn(8, 16)
+        for i in range(4):
+            if i == 3:          # the prefetch of step 4, closed behind the store's back
+                store._access._prefetched.pipeline.cancel()
+            for net, o in ((ref_m, ref), (m, opt)):
+                o.zero_grad()
+                net(x).square().mean().backward()
+                o.step()
+        for a, b in zip(ref_m.parameters(), m.parameters()):
+            assert torch.equal(a, b)
+        assert set(opt._steps.values()) == {4}
+
+
 def test_a_ctrl_c_as_a_prefetch_starts_leaves_no_ring_buffer_held(tmp_path, monkeypatch):
     """A Ctrl-C between a prefetch's pipeline starting its reads and the store keeping it (the
     15-minute soak of 2026-11-28, in a planned NVMe step): the pipeline is kept, so the next
