@@ -51,7 +51,7 @@ from ._ring import RingArena, RingRegion, round_up as _round_up
 from ._signals import deferred_signals
 from ._trace import begin as _begin_span, end as _end_span, span as _span
 from ._types import Slice, StateKey
-from .errors import BudgetError, StateStoreValueError
+from .errors import BudgetError, StateStoreClosedError, StateStoreValueError
 
 __all__ = ["StatePipeline", "Pipeline", "Prefetch", "RingArena", "Extent", "UnitPlan",
            "check_mode", "check_slice", "plan_units", "unit_lists"]
@@ -157,7 +157,9 @@ class StatePipeline(ABC):
     @abstractmethod
     def __next__(self) -> List[torch.Tensor]:
         """The next unit's tensors (waiting for its reads); StopIteration after the last.
-        The previous unit is handed back first (modes "rw" and "w": written back)."""
+        The previous unit is handed back first (modes "rw" and "w": written back).
+        ``StateStoreClosedError`` once the pipeline was closed or cancelled before its last
+        unit: a caller never mistakes a cut-short pass for a whole one."""
 
     @abstractmethod
     def ready(self) -> bool:
@@ -353,6 +355,11 @@ class Pipeline(StatePipeline):
 
     def _next(self, block: bool) -> List[torch.Tensor]:
         if self._closed:
+            left = len(self._units) - self._next_yield
+            if left > 0:    # never an early end: a step would take it for a whole one
+                raise StateStoreClosedError(
+                    f"this pipeline was closed or cancelled with {left} of its "
+                    f"{len(self._units)} units not handed out; open a new one")
             raise StopIteration
         self._writes.raise_error()
         self._finish_current()

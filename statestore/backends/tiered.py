@@ -389,6 +389,11 @@ class _TieredPipeline(StatePipeline):
 
     def _advance(self, nxt) -> List[torch.Tensor]:
         if self._closed:
+            left = len(self._layout) - self._next
+            if left > 0:    # never an early end (see Pipeline._next)
+                raise StateStoreClosedError(
+                    f"this pipeline was closed or cancelled with {left} of its "
+                    f"{len(self._layout)} units not handed out; open a new one")
             raise StopIteration
         self._unstage()
         if self._next >= len(self._layout):

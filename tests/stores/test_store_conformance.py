@@ -241,6 +241,25 @@ class TestPipeline:
         store.put("a/m", torch.ones(100))
         assert torch.equal(store.get("a/m").cpu(), torch.ones(100))
 
+    @pytest.mark.parametrize("end", ["cancel", "close"])
+    def test_a_pipeline_cut_short_never_ends_quietly(self, store, end):
+        # a pass that stops early must not look whole: a step iterating a cancelled pipeline
+        # would otherwise end as if made, its step counts advanced and nothing updated
+        n = 5000
+        _two_states(store, n)
+        step = 1000 if store.resident else _elems(store, torch.float32)
+        units = [[Slice(K("a", "m"), s, min(s + step, n))] for s in range(0, n, step)]
+        pipe = store.pipeline(units, mode="rw")
+        next(pipe)
+        getattr(pipe, end)()
+        with pytest.raises(StateStoreClosedError,
+                           match=f"{len(units) - 1} of its {len(units)} units not handed out"):
+            next(pipe)
+        whole = store.pipeline(units, mode="r")
+        assert len(list(whole)) == len(units)
+        with pytest.raises(StopIteration):      # a pass that ended at its last unit
+            next(whole)
+
     def test_resident_views_no_copy(self, store):
         if not store.resident:
             pytest.skip("views are a resident-store property")
