@@ -14,14 +14,17 @@ from __future__ import annotations
 
 import errno
 from collections import deque
+from itertools import repeat
 import weakref
-from typing import Callable, Deque, Dict, Iterable, List, NamedTuple, Optional, Tuple
+from typing import (Callable, Deque, Dict, Iterable, List, NamedTuple, Optional,
+                    Sequence, Tuple)
 
 import torch
 
 from ._ring import RingArena, RingRegion
 from ._signals import deferred_signals
 from ._types import Slice, StateKey, StateSpec
+from ._unit_cache import UnitCache
 from .errors import StateStoreError, StateStoreIOError
 
 __all__ = ["InFlightWrites", "SliceIO", "ExtentIO"]
@@ -89,6 +92,12 @@ class InFlightWrites:
         # flight: a step over 100k small states had tens of thousands in flight per unit.
         self._by_key: Dict[StateKey, Deque[SliceIO]] = {}
         self._batch_of: Dict[int, _Batch] = {}        # id(SliceIO) -> its batch
+        # The writes that move whole states (ExtentIO: small states packed in shared blocks,
+        # thousands a unit) are indexed by their batch's number only: each state -> the
+        # number of the last batch that wrote it. Batches retire in order, so a number
+        # below the oldest pending one means "no longer in flight", and recording or
+        # retiring a batch of thousands of states is one C-level dict operation.
+        self._last_batch: Dict[StateKey, int] = {}
         self._seq = 0
         self._error: Optional[BaseException] = None
         #: states whose last write failed, with its error: their stored bytes are stale, so
@@ -97,6 +106,8 @@ class InFlightWrites:
         #: bytes moved so far by completed reads and writes (``stats()``)
         self.bytes_read = 0
         self.bytes_written = 0
+        #: the store's pipeline units checked and laid out (``statestore/_unit_cache.py``)
+        self.units = UnitCache()
 
     # ------------------------------------------------------------------ the ring
     @property
@@ -164,6 +175,7 @@ class InFlightWrites:
     def close(self) -> None:
         """Let the ring's buffer go (the store is closed; every write was waited for)."""
         self._ring = None
+        self.units.clear()
 
     # ------------------------------------------------------------------ I/O outcomes
     def outcome(self, fut, key: StateKey, op: str) -> int:
@@ -206,8 +218,10 @@ class InFlightWrites:
             batch = _Batch(region, writes, self._seq)
             self._pending.append(batch)
             for w in writes:
-                for k in _keys_of(w):
-                    self._by_key.setdefault(k, deque()).append(w)
+                if isinstance(w, ExtentIO):
+                    self._last_batch.update(dict.fromkeys(w.keys, self._seq))
+                else:
+                    self._by_key.setdefault(w.slice.key, deque()).append(w)
                 self._batch_of[id(w)] = batch
             self.poll()
 
@@ -240,20 +254,24 @@ class InFlightWrites:
 
     def _complete(self, batch: _Batch) -> None:
         for w in batch.writes:
-            for k in _keys_of(w):
-                q = self._by_key.get(k)
-                if q is None:
-                    continue
-                if q and q[0] is w:         # batches retire in order: the usual case
-                    q.popleft()
-                else:
-                    try:
-                        q.remove(w)
-                    except ValueError:
-                        pass
-                if not q:
-                    del self._by_key[k]
             self._batch_of.pop(id(w), None)
+            if isinstance(w, ExtentIO):     # _last_batch: numbers below the oldest pending
+                continue
+            k = w.slice.key
+            q = self._by_key.get(k)
+            if q is None:
+                continue
+            if q and q[0] is w:         # batches retire in order: the usual case
+                q.popleft()
+            else:
+                try:
+                    q.remove(w)
+                except ValueError:
+                    pass
+            if not q:
+                del self._by_key[k]
+        if len(self._pending) == 0:
+            self._last_batch.clear()    # nothing in flight: every number is retired
         try:
             for w in batch.writes:
                 keys = _keys_of(w)
@@ -288,7 +306,42 @@ class InFlightWrites:
         """True when a write of ``key`` (of a block holding one of its elements
         ``[start, stop)``, when given) is still in flight; never blocks."""
         self.poll()
-        return any(self._overlaps(w, key, start, stop) for w in self._by_key.get(key, ()))
+        return self._last_batch.get(key, 0) >= self._oldest() or \
+            any(self._overlaps(w, key, start, stop) for w in self._by_key.get(key, ()))
+
+    def _oldest(self) -> int:
+        """The number of the oldest batch in flight (above every batch number when none)."""
+        return self._pending[0].seq if self._pending else self._seq + 1
+
+    def busy_states(self, keys: Sequence[StateKey]) -> bool:
+        """:meth:`busy` of whole states ``keys`` at once (a unit of them): True when a write
+        of any of them is still in flight; never blocks."""
+        self.poll()
+        if not self._pending:
+            return False
+        return self._last_seq(keys) >= self._oldest()
+
+    def _last_seq(self, keys: Sequence[StateKey]) -> int:
+        """The number of the last batch holding a write of any of ``keys`` (0: none)."""
+        last = max(map(self._last_batch.get, keys, repeat(0, len(keys))), default=0) \
+            if self._last_batch else 0
+        if self._by_key and not self._by_key.keys().isdisjoint(keys):
+            for k in self._by_key.keys() & set(keys):
+                last = max(last, self._batch_of[id(self._by_key[k][-1])].seq)
+        return last
+
+    def wait_for_states(self, keys: Sequence[StateKey]) -> None:
+        """:meth:`wait_for` of whole states ``keys`` at once: wait for every pending write
+        of any of them (in C-level dict operations, not a call per state).
+
+        Raises:
+            StateStoreIOError: a background write failed (the first error not yet raised).
+        """
+        if self._pending:
+            last = self._last_seq(keys)
+            while self._pending and self._pending[0].seq <= last:
+                self.wait_oldest()
+        self.raise_error()
 
     def wait_for(self, key: StateKey, start: int = 0, stop: Optional[int] = None) -> None:
         """Wait for the writes of ``key`` (only those of blocks holding its elements
@@ -298,12 +351,12 @@ class InFlightWrites:
         Raises:
             StateStoreIOError: a background write failed (the first error not yet raised).
         """
-        last = None
+        last = self._last_batch.get(key, 0)
         for w in self._by_key.get(key, ()):
             if self._overlaps(w, key, start, stop):
-                last = self._batch_of[id(w)]
-        if last is not None:
-            while self._pending and self._pending[0].seq <= last.seq:
+                last = max(last, self._batch_of[id(w)].seq)
+        if last:
+            while self._pending and self._pending[0].seq <= last:
                 self.wait_oldest()
         self.raise_error()
 
@@ -344,6 +397,7 @@ class InFlightWrites:
         self._pending.clear()
         self._by_key.clear()
         self._batch_of.clear()
+        self._last_batch.clear()
 
     # ------------------------------------------------------------------ damaged states
     def mark_damaged(self, keys: Iterable[StateKey], err: BaseException) -> None:
@@ -358,6 +412,12 @@ class InFlightWrites:
     def is_damaged(self, key: StateKey) -> bool:
         """Whether ``key``'s last write failed."""
         return key in self._damaged
+
+    def check_damaged_states(self, keys: Sequence[StateKey]) -> None:
+        """:meth:`check_damaged` of ``keys`` at once (one C-level test while none is)."""
+        if self._damaged and not self._damaged.keys().isdisjoint(keys):
+            for k in keys:
+                self.check_damaged(k)
 
     def check_damaged(self, key: StateKey) -> None:
         """Refuse a state whose last write failed: its stored value is stale, and handing it

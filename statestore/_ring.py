@@ -84,6 +84,10 @@ class RingArena:
         self.budget = budget if budget is not None else self.capacity
         self._head = 0                                  # where the next region starts
         self._regions: Deque[RingRegion] = deque()      # allocation order
+        #: tensor views of pipeline units at their offsets, kept with the buffer they view
+        #: (``statestore/_unit_cache.py``), and how many views that is
+        self.views: dict = {}
+        self.views_count = 0
 
     @property
     def used(self) -> int:

@@ -49,6 +49,7 @@ import torch
 from ._inflight import ExtentIO, InFlightWrites, SliceIO
 from ._ring import RingArena, RingRegion, round_up as _round_up
 from ._signals import deferred_signals
+from ._unit_cache import check_slice, compile_units
 from ._trace import begin as _begin_span, end as _end_span, span as _span
 from ._types import Slice, StateKey
 from .errors import BudgetError, StateStoreClosedError, StateStoreValueError
@@ -85,24 +86,6 @@ def unit_lists(units) -> List[List[Slice]]:
             raise StateStoreValueError(f"pipeline unit {i} must be a list of Slice, "
                                        f"got {u!r}") from None
     return out
-
-
-def check_slice(store, s: Slice) -> None:
-    """Raise :class:`StateStoreValueError` (or :class:`StateKeyError`) unless ``s`` is a
-    :class:`Slice` of a state of ``store``, inside it, starting at a multiple of the store's
-    ``alignment`` bytes where the store streams."""
-    if not isinstance(s, Slice):
-        raise StateStoreValueError(f"pipeline units hold Slice objects, got {s!r}")
-    if not all(isinstance(x, int) and not isinstance(x, bool) for x in (s.start, s.stop)):
-        raise StateStoreValueError(f"slice of {s.key}: start and stop must be ints, got "
-                                   f"{s.start!r}, {s.stop!r}")
-    spec = store.spec(s.key)
-    if not (0 <= s.start <= s.stop <= spec.numel):
-        raise StateStoreValueError(f"slice [{s.start}, {s.stop}) out of range for state "
-                                   f"{s.key} of {spec.numel} elements")
-    if not store.resident and (s.start * spec.itemsize) % store.alignment:
-        raise StateStoreValueError(f"slice of {s.key} starts at element {s.start}, not a "
-                                   f"multiple of {store.alignment} bytes")
 
 
 def plan_units(groups: Sequence[Sequence[StateKey]], numels: Sequence[int], itemsize: int,
@@ -211,13 +194,17 @@ class Extent:
     """A run of a file that one request moves for several slices of a unit (small states
     packed into shared 4 KiB blocks: ``statestore/backends/_nvme_packed.py``): ``nbytes``
     from ``ring_offset`` of the unit's buffer; ``members``: the indices of the unit's slices
-    inside it. ``where`` is the store's own (file and offset)."""
+    inside it. ``where`` is the store's own (file and offset); ``whole``: the store found
+    every state of its blocks among the members, each whole (a write then needs no
+    read-modify-write and rewrites only them)."""
 
-    __slots__ = ("ring_offset", "nbytes", "members", "where")
+    __slots__ = ("ring_offset", "nbytes", "members", "where", "whole")
 
-    def __init__(self, ring_offset: int, nbytes: int, members: List[int], where):
+    def __init__(self, ring_offset: int, nbytes: int, members: List[int], where,
+                 whole: bool = False):
         self.ring_offset, self.nbytes, self.members, self.where = \
             ring_offset, nbytes, members, where
+        self.whole = whole
 
 
 class UnitPlan(NamedTuple):
@@ -233,15 +220,16 @@ class UnitPlan(NamedTuple):
 
 
 class _Unit:
-    __slots__ = ("slices", "region", "tensors", "reads", "span", "plan")
+    __slots__ = ("slices", "region", "tensors", "reads", "span", "plan", "compiled")
 
-    def __init__(self, slices):
+    def __init__(self, slices, compiled=None):
         self.slices: List[Slice] = slices
         self.region: Optional[RingRegion] = None
         self.tensors: List[torch.Tensor] = []
         self.reads: List[SliceIO] = []     # its reads in flight
         self.span = None                   # its "statestore::compute" span (profiling only)
-        self.plan: Optional[UnitPlan] = None
+        self.compiled = compiled           # streaming stores: _unit_cache.CompiledUnit
+        self.plan: Optional[UnitPlan] = compiled.plan if compiled is not None else None
 
 
 class Pipeline(StatePipeline):
@@ -262,12 +250,15 @@ class Pipeline(StatePipeline):
         self._store = store
         self._mode = mode
         self.wait = wait
-        self._units: List[_Unit] = []
-        for sl in unit_lists(units):
-            for s in sl:
-                check_slice(store, s)
-            self._units.append(_Unit(sl))
         self._resident = store.resident
+        if self._resident:
+            self._units: List[_Unit] = []
+            for sl in unit_lists(units):
+                for s in sl:
+                    check_slice(store, s)
+                self._units.append(_Unit(sl))
+        else:       # checked and laid out once per store layout (_unit_cache.py)
+            self._units = [_Unit(c.slices, c) for c in compile_units(store, unit_lists(units))]
         self._next_submit = 0
         self._next_yield = 0
         self._current: Optional[_Unit] = None
@@ -275,10 +266,7 @@ class Pipeline(StatePipeline):
         self._writes: InFlightWrites = store.in_flight
         self._ref = weakref.ref(self)
         if not self._resident:
-            layout = store.extents
-            for u in self._units:
-                u.plan = layout.unit_plan(u.slices) if layout is not None else None
-            need = max((self._unit_nbytes(u) for u in self._units), default=0)
+            need = max((u.compiled.nbytes for u in self._units), default=0)
             try:
                 with deferred_signals():    # a Ctrl-C meanwhile is raised as it ends: below
                     self._arena: RingArena = self._writes.arena(need)
@@ -495,73 +483,51 @@ class Pipeline(StatePipeline):
             self._arena.release(unit.region)
             unit.region = None
 
-    def _unit_bytes(self, unit: _Unit) -> List[int]:
-        align = self._store.alignment
-        return [_round_up(s.numel * self._store.spec(s.key).itemsize, align) for s in unit.slices]
-
-    def _unit_nbytes(self, unit: _Unit) -> int:
-        return sum(self._unit_bytes(unit)) if unit.plan is None else unit.plan.nbytes
-
     def _try_submit(self, block: bool = True) -> bool:
         unit = self._units[self._next_submit]
+        c = unit.compiled
         writes = self._writes
-        if not block and any(writes.busy(s.key, s.start, s.stop) for s in unit.slices):
-            return False        # its last write is still in flight: try again later
-        plan = unit.plan
-        sizes = self._unit_bytes(unit) if plan is None else None
-        got = self._arena.try_alloc(sum(sizes) if plan is None else plan.nbytes, self._ref)
+        if not block:       # its last write still in flight: try again later
+            if c.whole and writes.busy_states(c.keys):
+                return False
+            if not c.whole and any(writes.busy(s.key, s.start, s.stop) for s in unit.slices):
+                return False
+        got = self._arena.try_alloc(c.nbytes, self._ref)
         if got is None:
             return False
-        offset, unit.region = got
+        unit.region = got.region
         unit.region.ios = unit.reads = []
-        unit.tensors = []
+        unit.tensors = c.views(self._arena, got.offset)
         span = _begin_span("statestore::read_submit") if self._mode != "w" else None
         reading = self._mode in ("r", "rw")
-        spec = self._store.spec
-        typed = {}          # dtype -> the unit's buffer as that dtype (planned units)
-        for i, s in enumerate(unit.slices):
-            sp = spec(s.key)
-            if plan is None:
-                raw = self._arena.view(offset, sizes[i])
-                offset += sizes[i]
-                t = raw[: s.numel * sp.itemsize].view(sp.dtype)
-            else:           # one view per dtype, then a slice of it (offsets are aligned)
-                whole = typed.get(sp.dtype)
-                if whole is None:
-                    whole = typed[sp.dtype] = self._arena.view(
-                        unit.region.start, plan.nbytes).view(sp.dtype)
-                first = plan.offsets[i] // sp.itemsize
-                t = whole[first:first + s.numel]
-            unit.tensors.append(t)
-            try:
-                # A read waits for the pending writes of its state; so does a write (mode "w"):
-                # two writes of one slice in flight at once may land in either order.
-                writes.wait_for(s.key, s.start, s.stop)
+        plan = unit.plan
+        try:
+            # A read waits for the pending writes of its state; so does a write (mode "w"):
+            # two writes of one slice in flight at once may land in either order.
+            if c.whole:
+                writes.wait_for_states(c.keys)
                 if reading:
-                    writes.check_damaged(s.key)
-                    if plan is None:
-                        unit.reads.append(SliceIO(s, self._store._submit_read(s, t)))
-            except BaseException:
-                _end_span(span)
-                self._release_unit(unit)
-                raise
-        if plan is not None:
-            try:
-                for i in plan.loose:
+                    writes.check_damaged_states(c.keys)
+            else:
+                for s in unit.slices:
+                    writes.wait_for(s.key, s.start, s.stop)
                     if reading:
-                        s = unit.slices[i]
-                        unit.reads.append(SliceIO(s, self._store._submit_read(
-                            s, unit.tensors[i])))
+                        writes.check_damaged(s.key)
+            if reading:
+                for i in (range(len(unit.slices)) if plan is None else plan.loose):
+                    s = unit.slices[i]
+                    unit.reads.append(SliceIO(s, self._store._submit_read(s, unit.tensors[i])))
+            if plan is not None:
                 for e in plan.extents:
                     # an extent is read whole (or, mode "w", zero-filled: it is written whole)
                     fut = self._store.extents.start_extent(
                         e, self._arena.view(unit.region.start + e.ring_offset, e.nbytes),
                         [unit.slices[i] for i in e.members], reading)
                     unit.reads.append(SliceIO(unit.slices[e.members[0]], fut))
-            except BaseException:
-                _end_span(span)
-                self._release_unit(unit)
-                raise
+        except BaseException:
+            _end_span(span)
+            self._release_unit(unit)
+            raise
         _end_span(span)
         self._next_submit += 1
         return True

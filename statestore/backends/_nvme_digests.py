@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Dict, Iterable, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple
 
 import xxhash
 
@@ -95,6 +95,15 @@ class WriteDigests:
             self._digests.pop(k, None)
             self._hashing.pop(k, None)
             self._finishing.pop(k, None)
+
+    def forget_many(self, keys: Sequence[StateKey]) -> None:
+        """:meth:`forget` of ``keys`` (an optimizer's pass over a unit: while no digest of
+        them is known, one C-level test each map, not a call a state)."""
+        with self._lock:
+            for d in (self._digests, self._hashing, self._finishing):
+                if d and not d.keys().isdisjoint(keys):
+                    for k in keys:
+                        d.pop(k, None)
 
     def known(self, keys: Iterable[StateKey]) -> Dict[StateKey, str]:
         """The digests known of ``keys`` (complete once every write was waited for)."""

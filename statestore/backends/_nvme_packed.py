@@ -23,6 +23,8 @@ Rules that keep the bytes right whatever units a pipeline is made of:
 """
 from __future__ import annotations
 
+from itertools import repeat
+from operator import itemgetter
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -40,6 +42,8 @@ __all__ = ["PackedStates", "SMALL_ALIGN", "MAX_EXTENT", "small", "ring_bytes", "
 SMALL_ALIGN = 64
 #: most bytes one extent request moves
 MAX_EXTENT = 1 << 20
+
+_first = itemgetter(0)
 
 
 def _combined(futs: List) -> object:
@@ -128,6 +132,8 @@ class PackedStates:
                 offsets[i] = pos + (b - run[1]) * ALIGN + where[slices[i].key][1] % ALIGN
                 run[3].append(i)
         pos = self._add_extent(extents, fams, run, pos)
+        for e in extents:
+            e.whole = self._whole(e, slices)
         for i in loose:
             offsets[i] = pos
             pos += round_up(slices[i].numel * specs[slices[i].key].itemsize)
@@ -140,8 +146,21 @@ class PackedStates:
         extents.append(Extent(pos, n, members, (fams[fam], b0, b1 + 1)))
         return pos + n
 
+    def _whole(self, e: Extent, slices: Sequence[Slice]) -> bool:
+        """Whether every state of ``e``'s blocks is one of its members, taken whole."""
+        fam, b0, b1 = e.where
+        mine = [slices[i] for i in e.members]
+        keys = {s.key for s in mine if s.start == 0 and s.stop == self.specs[s.key].numel}
+        return len(keys) == len(mine) and \
+            all(k in keys for b in range(b0, b1) for k in fam.blocks.get(b, ()))
+
     def _runs(self, fam: StateFile, b0: int, b1: int) -> List[Tuple[StateFile, int, int]]:
         """``[b0, b1)`` cut where its blocks' current file changes: ``(file, first, end)``."""
+        # each block's current file, in C-level maps (a unit has thousands of blocks)
+        files = list(map(_first, map(self.table.where.__getitem__,
+                                     map(_first, map(fam.blocks.__getitem__, range(b0, b1))))))
+        if files and files.count(files[0]) == len(files):
+            return [(files[0], b0, b1)]
         out: List[Tuple[StateFile, int, int]] = []
         for b in range(b0, b1):
             sf = self.table.where[fam.blocks[b][0]][0]
@@ -150,6 +169,17 @@ class PackedStates:
             else:
                 out.append((sf, b, b + 1))
         return out
+
+    def _wait_blocks(self, sf: StateFile, b0: int, b1: int) -> None:
+        """:meth:`_wait_block` of blocks ``[b0, b1)`` of ``sf`` (C-level pops)."""
+        if not self._block_writes:
+            return
+        futs = map(self._block_writes.pop, zip(repeat(sf.path), range(b0, b1)), repeat(None))
+        for fut in {id(f): f for f in futs if f is not None}.values():
+            try:
+                fut.result()
+            except BaseException:       # noqa: BLE001 - the pipeline reports it with its slices
+                pass
 
     def _wait_block(self, sf: StateFile, b: int) -> None:
         fut = self._block_writes.pop((sf.path, b), None)
@@ -170,8 +200,7 @@ class PackedStates:
         futs = []
         checks = []
         for sf, r0, r1 in self._runs(fam, b0, b1):
-            for b in range(r0, r1):
-                self._wait_block(sf, b)
+            self._wait_blocks(sf, r0, r1)
             lo = (r0 - b0) * ALIGN
             futs.append(table.reading(sf, table.engine.read(
                 sf.file, buf[lo:lo + (r1 - r0) * ALIGN], r0 * ALIGN, (r1 - r0) * ALIGN)))
@@ -201,22 +230,16 @@ class PackedStates:
         fam, b0, b1 = e.where
         table = self.table
         specs, where = self.specs, table.where
-        mine: Dict[int, List[Slice]] = {}
-        for s in slices:
-            mine.setdefault(where[s.key][1] // ALIGN, []).append(s)
         covered: List[StateKey] = [s.key for s in slices]
+        mine: Dict[int, List[Slice]] = {}
+        if not e.whole:         # else no block holds another unit's state or a part of one
+            for s in slices:
+                mine.setdefault(where[s.key][1] // ALIGN, []).append(s)
         futs = []
         for sf, r0, r1 in self._runs(fam, b0, b1):
-            for b in range(r0, r1):
-                self._wait_block(sf, b)
-                ours = mine.get(b, ())
-                keys = {s.key for s in ours}
-                whole = {s.key for s in ours if s.start == 0 and s.stop == specs[s.key].numel}
-                if any(k not in whole for k in fam.blocks[b]):
-                    # another unit's states, or a part of ours: the block as it is now,
-                    # with our slices patched in
-                    self._merge_block(sf, b, buf[(b - b0) * ALIGN:(b - b0 + 1) * ALIGN], ours)
-                    covered += [k for k in fam.blocks[b] if k not in keys]
+            self._wait_blocks(sf, r0, r1)
+            if not e.whole:
+                covered += self._merge_blocks(sf, fam, r0, r1, b0, buf, mine)
             target = table.successor(sf) if sf.frozen else sf
             check_present(target)
             target.dirty = True
@@ -224,19 +247,40 @@ class PackedStates:
             fut = table.engine.write(target.file, buf[lo:lo + (r1 - r0) * ALIGN], r0 * ALIGN,
                                      (r1 - r0) * ALIGN)
             futs.append(fut)
-            for b in range(r0, r1):
-                self._block_writes[target.path, b] = fut
-                if target is not sf:
+            self._block_writes.update(dict.fromkeys(zip(repeat(target.path), range(r0, r1)),
+                                                    fut))
+            if target is not sf:
+                for b in range(r0, r1):
                     for k in fam.blocks[b]:
                         table.move_to(k, target)
-        for s in slices:
-            if optimizer_pass or s.start or s.stop != specs[s.key].numel:
-                self.digests.forget(s.key)
-            else:
-                off = where[s.key][1] % ALIGN + (where[s.key][1] // ALIGN - b0) * ALIGN
-                self.digests.record(s.key, xxhash.xxh3_64(
-                    buf[off:off + specs[s.key].nbytes].numpy()).hexdigest())
+        if optimizer_pass:
+            self.digests.forget_many(covered[:len(slices)])
+        else:
+            for s in slices:
+                if s.start or s.stop != specs[s.key].numel:
+                    self.digests.forget(s.key)
+                else:
+                    off = where[s.key][1] % ALIGN + (where[s.key][1] // ALIGN - b0) * ALIGN
+                    self.digests.record(s.key, xxhash.xxh3_64(
+                        buf[off:off + specs[s.key].nbytes].numpy()).hexdigest())
         return _combined(futs), covered
+
+    def _merge_blocks(self, sf: StateFile, fam: StateFile, r0: int, r1: int, b0: int,
+                      buf: torch.Tensor, mine: Dict[int, List[Slice]]) -> List[StateKey]:
+        """Read-modify-write the blocks ``[r0, r1)`` of ``buf`` (extent from ``b0``) that
+        hold another unit's states or a part of one of ours; returns those other states."""
+        specs = self.specs
+        covered: List[StateKey] = []
+        for b in range(r0, r1):
+            ours = mine.get(b, ())
+            keys = {s.key for s in ours}
+            whole = {s.key for s in ours if s.start == 0 and s.stop == specs[s.key].numel}
+            if any(k not in whole for k in fam.blocks[b]):
+                # another unit's states, or a part of ours: the block as it is now,
+                # with our slices patched in
+                self._merge_block(sf, b, buf[(b - b0) * ALIGN:(b - b0 + 1) * ALIGN], ours)
+                covered += [k for k in fam.blocks[b] if k not in keys]
+        return covered
 
     def _merge_block(self, sf: StateFile, b: int, block: torch.Tensor,
                      mine: Sequence[Slice]) -> None:

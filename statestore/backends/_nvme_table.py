@@ -41,6 +41,9 @@ class FileTable:
             for the element ranges in :attr:`cow`, in the file's successor.
         cow: states of a frozen file written in part since: key -> element ranges whose
             current value is in the file's successor (the rest is still in the frozen file).
+        version: a number that changes whenever a state gets or loses its place (created,
+            removed, loaded, the table closed): the store's ``layout_version``. Moving a
+            state to its file's successor keeps its place (same offset and block).
     """
 
     def __init__(self, dir: str, store_id: str, engine, direct: Optional[bool],
@@ -52,6 +55,7 @@ class FileTable:
         self.files: Dict[str, StateFile] = {}
         self.where: Dict[StateKey, Tuple[StateFile, int]] = {}
         self.cow: Dict[StateKey, List[List[int]]] = {}
+        self.version = 0
         self._reads_lock = threading.Lock()     # StateFile.reads: counted across threads
         self._copy_buf = None                   # bounce buffer of read_sync
 
@@ -201,6 +205,7 @@ class FileTable:
             self.drop(sf, unlink=unlink)
         self.where.clear()
         self.cow.clear()
+        self.version += 1
         self._copy_buf = None
 
 

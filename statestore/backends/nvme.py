@@ -186,6 +186,7 @@ class NVMeStore(StreamingStore):
             for sf in created:          # all or nothing: no file of this batch stays
                 table.drop(sf, unlink=True)
             raise
+        table.version += 1
         for batch, lay, sf in zip(batches, lays, created):
             for k, _ in batch:
                 table.where[k] = (sf, lay.entries[str(k)].offset)
@@ -206,6 +207,7 @@ class NVMeStore(StreamingStore):
 
     def _free(self, keys: Sequence[StateKey]) -> None:
         table = self._table
+        table.version += 1
         for k in keys:
             sf, off = table.where.pop(k)
             block = sf.blocks.get(off // ALIGN)
@@ -368,6 +370,7 @@ class NVMeStore(StreamingStore):
         sf = table.link_file(path, size, header)
         if sf is None:
             return False
+        table.version += 1
         for k, _, off, checksum in rows:
             table.where[k] = (sf, off)
             sf.keys.add(k)
@@ -401,6 +404,14 @@ class NVMeStore(StreamingStore):
                 self._finalizer()
 
     # ------------------------------------------------------------------ introspection
+    @property
+    def layout_version(self) -> int:
+        """A number that changes whenever states are created, removed or loaded (``create``,
+        ``delete``, ``clear``, ``load_checkpoint``, ``close``): where states lie in the
+        store's files. Pipelines over the same units reuse their checked layout while it
+        holds (``statestore/_unit_cache.py``)."""
+        return self._table.version
+
     def files(self) -> List[str]:
         """Paths of the store's safetensors files."""
         return list(self._table.files)
