@@ -198,13 +198,19 @@ class Extent:
     every state of its blocks among the members, each whole (a write then needs no
     read-modify-write and rewrites only them)."""
 
-    __slots__ = ("ring_offset", "nbytes", "members", "where", "whole")
+    __slots__ = ("ring_offset", "nbytes", "members", "where", "whole", "slices", "runs")
 
     def __init__(self, ring_offset: int, nbytes: int, members: List[int], where,
                  whole: bool = False):
         self.ring_offset, self.nbytes, self.members, self.where = \
             ring_offset, nbytes, members, where
         self.whole = whole
+        self.slices: Optional[List[Slice]] = None      # its members' slices, when kept
+        self.runs = None            # the store's own: its blocks' current files, when kept
+
+
+def _members(e: Extent, slices: List[Slice]) -> List[Slice]:
+    return e.slices if e.slices is not None else [slices[i] for i in e.members]
 
 
 class UnitPlan(NamedTuple):
@@ -438,8 +444,8 @@ class Pipeline(StatePipeline):
                         for e in plan.extents:
                             fut, covered = self._store.extents.write_extent(
                                 e, self._arena.view(unit.region.start + e.ring_offset, e.nbytes),
-                                [unit.slices[i] for i in e.members],
-                                [unit.tensors[i] for i in e.members], optimizer_pass)
+                                _members(e, unit.slices),
+                                list(map(unit.tensors.__getitem__, e.members)), optimizer_pass)
                             futs.append(ExtentIO(tuple(covered), fut))
             except BaseException as e:
                 # The unit's new values are not (all) written: they are lost, so its states
@@ -522,7 +528,7 @@ class Pipeline(StatePipeline):
                     # an extent is read whole (or, mode "w", zero-filled: it is written whole)
                     fut = self._store.extents.start_extent(
                         e, self._arena.view(unit.region.start + e.ring_offset, e.nbytes),
-                        [unit.slices[i] for i in e.members], reading)
+                        _members(e, unit.slices), reading)
                     unit.reads.append(SliceIO(unit.slices[e.members[0]], fut))
         except BaseException:
             _end_span(span)

@@ -24,7 +24,8 @@ Rules that keep the bytes right whatever units a pipeline is made of:
 from __future__ import annotations
 
 from itertools import repeat
-from operator import itemgetter
+from functools import partial
+from operator import attrgetter, is_not, itemgetter
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -44,6 +45,8 @@ SMALL_ALIGN = 64
 MAX_EXTENT = 1 << 20
 
 _first = itemgetter(0)
+_key = attrgetter("key")
+_not_none = partial(is_not, None)
 
 
 def _combined(futs: List) -> object:
@@ -97,7 +100,7 @@ class PackedStates:
         self.table, self.specs = table, specs
         self.digests, self.frozen_reads = digests, frozen_reads
         # (file path, block) -> the future of its last write, until it completes
-        self._block_writes: Dict[Tuple[str, int], object] = {}
+        self._block_writes: Dict[str, Dict[int, object]] = {}     # file path -> block -> future
         self._rmw_buf = None
 
     # ------------------------------------------------------------------ the plan
@@ -133,7 +136,8 @@ class PackedStates:
                 run[3].append(i)
         pos = self._add_extent(extents, fams, run, pos)
         for e in extents:
-            e.whole = self._whole(e, slices)
+            e.slices = [slices[i] for i in e.members]
+            e.whole = self._whole(e)
         for i in loose:
             offsets[i] = pos
             pos += round_up(slices[i].numel * specs[slices[i].key].itemsize)
@@ -146,44 +150,41 @@ class PackedStates:
         extents.append(Extent(pos, n, members, (fams[fam], b0, b1 + 1)))
         return pos + n
 
-    def _whole(self, e: Extent, slices: Sequence[Slice]) -> bool:
+    def _whole(self, e: Extent) -> bool:
         """Whether every state of ``e``'s blocks is one of its members, taken whole."""
         fam, b0, b1 = e.where
-        mine = [slices[i] for i in e.members]
+        mine = e.slices
         keys = {s.key for s in mine if s.start == 0 and s.stop == self.specs[s.key].numel}
         return len(keys) == len(mine) and \
             all(k in keys for b in range(b0, b1) for k in fam.blocks.get(b, ()))
 
-    def _runs(self, fam: StateFile, b0: int, b1: int) -> List[Tuple[StateFile, int, int]]:
-        """``[b0, b1)`` cut where its blocks' current file changes: ``(file, first, end)``."""
+    def _runs(self, e: Extent) -> List[Tuple[StateFile, int, int]]:
+        """``e``'s blocks cut where their current file changes: ``(file, first, end)``; kept
+        on ``e`` until a state moves (to a frozen file's successor) or the layout changes."""
+        table = self.table
+        at = (table.version, table.moves)
+        if e.runs is not None and e.runs[0] == at:
+            return e.runs[1]
+        fam, b0, b1 = e.where
         # each block's current file, in C-level maps (a unit has thousands of blocks)
-        files = list(map(_first, map(self.table.where.__getitem__,
+        files = list(map(_first, map(table.where.__getitem__,
                                      map(_first, map(fam.blocks.__getitem__, range(b0, b1))))))
-        if files and files.count(files[0]) == len(files):
-            return [(files[0], b0, b1)]
         out: List[Tuple[StateFile, int, int]] = []
-        for b in range(b0, b1):
-            sf = self.table.where[fam.blocks[b][0]][0]
+        for b, sf in zip(range(b0, b1), files):
             if out and out[-1][0] is sf:
                 out[-1] = (sf, out[-1][1], b + 1)
             else:
                 out.append((sf, b, b + 1))
+        e.runs = (at, out)
         return out
 
     def _wait_blocks(self, sf: StateFile, b0: int, b1: int) -> None:
-        """:meth:`_wait_block` of blocks ``[b0, b1)`` of ``sf`` (C-level pops)."""
-        if not self._block_writes:
+        """Wait for the pending writes of blocks ``[b0, b1)`` of ``sf`` (C-level pops)."""
+        pending = self._block_writes.get(sf.path)
+        if not pending:
             return
-        futs = map(self._block_writes.pop, zip(repeat(sf.path), range(b0, b1)), repeat(None))
-        for fut in {id(f): f for f in futs if f is not None}.values():
-            try:
-                fut.result()
-            except BaseException:       # noqa: BLE001 - the pipeline reports it with its slices
-                pass
-
-    def _wait_block(self, sf: StateFile, b: int) -> None:
-        fut = self._block_writes.pop((sf.path, b), None)
-        if fut is not None:
+        futs = list(filter(_not_none, map(pending.pop, range(b0, b1), repeat(None))))
+        for fut in dict(zip(map(id, futs), futs)).values():       # each future once
             try:
                 fut.result()
             except BaseException:       # noqa: BLE001 - the pipeline reports it with its slices
@@ -199,7 +200,7 @@ class PackedStates:
             return completed(0)
         futs = []
         checks = []
-        for sf, r0, r1 in self._runs(fam, b0, b1):
+        for sf, r0, r1 in self._runs(e):
             self._wait_blocks(sf, r0, r1)
             lo = (r0 - b0) * ALIGN
             futs.append(table.reading(sf, table.engine.read(
@@ -230,13 +231,13 @@ class PackedStates:
         fam, b0, b1 = e.where
         table = self.table
         specs, where = self.specs, table.where
-        covered: List[StateKey] = [s.key for s in slices]
+        covered: List[StateKey] = list(map(_key, slices))
         mine: Dict[int, List[Slice]] = {}
         if not e.whole:         # else no block holds another unit's state or a part of one
             for s in slices:
                 mine.setdefault(where[s.key][1] // ALIGN, []).append(s)
         futs = []
-        for sf, r0, r1 in self._runs(fam, b0, b1):
+        for sf, r0, r1 in self._runs(e):
             self._wait_blocks(sf, r0, r1)
             if not e.whole:
                 covered += self._merge_blocks(sf, fam, r0, r1, b0, buf, mine)
@@ -247,8 +248,8 @@ class PackedStates:
             fut = table.engine.write(target.file, buf[lo:lo + (r1 - r0) * ALIGN], r0 * ALIGN,
                                      (r1 - r0) * ALIGN)
             futs.append(fut)
-            self._block_writes.update(dict.fromkeys(zip(repeat(target.path), range(r0, r1)),
-                                                    fut))
+            self._block_writes.setdefault(target.path, {}).update(
+                dict.fromkeys(range(r0, r1), fut))
             if target is not sf:
                 for b in range(r0, r1):
                     for k in fam.blocks[b]:
@@ -309,8 +310,8 @@ class PackedStates:
         """Copy block ``b`` of the frozen ``sf`` to its successor and move its states there."""
         table = self.table
         new = table.successor(sf)
-        self._wait_block(sf, b)
-        self._wait_block(new, b)
+        self._wait_blocks(sf, b, b + 1)
+        self._wait_blocks(new, b, b + 1)
         for k in sf.blocks.get(b, ()):
             self.frozen_reads.verify(sf, k)
         check_present(new)

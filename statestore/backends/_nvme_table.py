@@ -56,6 +56,7 @@ class FileTable:
         self.where: Dict[StateKey, Tuple[StateFile, int]] = {}
         self.cow: Dict[StateKey, List[List[int]]] = {}
         self.version = 0
+        self.moves = 0                          # states moved to a successor so far
         self._reads_lock = threading.Lock()     # StateFile.reads: counted across threads
         self._copy_buf = None                   # bounce buffer of read_sync
 
@@ -138,6 +139,7 @@ class FileTable:
         if old is new:
             return
         self.cow.pop(k, None)
+        self.moves += 1
         self.where[k] = (new, base)
         new.keys.add(k)
         self.leave(old, k)
