@@ -11,6 +11,7 @@ a mapped file, say) shows as a negative status.
 from __future__ import annotations
 
 import ctypes
+import gc
 import json
 import os
 import resource
@@ -239,9 +240,12 @@ def native_threads() -> List[str]:
 class Leaks:
     """What a fault must not leave behind: file descriptors, statestore threads (Python ones
     and the engines' native ones, by name), files in ``dirs`` (temporaries included). Record
-    with the constructor, compare with :meth:`problems`."""
+    with the constructor, compare with :meth:`problems`. Stores an earlier test dropped
+    without ``close()`` are collected first: their files and threads would otherwise go
+    whenever the garbage collector next runs, during the test, and read as a difference."""
 
     def __init__(self, *dirs: str):
+        gc.collect()
         self.dirs = [str(d) for d in dirs]
         self.fds = _fds()
         self.native = native_threads()
