@@ -8,6 +8,7 @@ interrupt outside any clean-up, an iteration dropped without ``with``) can be ta
 that I/O is done (:meth:`InFlightWrites.reclaim_abandoned`)."""
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from typing import Deque, NamedTuple, Optional
 
@@ -85,9 +86,8 @@ class RingArena:
         self._head = 0                                  # where the next region starts
         self._regions: Deque[RingRegion] = deque()      # allocation order
         #: tensor views of pipeline units at their offsets, kept with the buffer they view
-        #: (``statestore/_unit_cache.py``), and how many views that is
-        self.views: dict = {}
-        self.views_count = 0
+        #: while the unit lives (``statestore/_unit_cache.py``): unit -> [(offset, views)]
+        self.views = weakref.WeakKeyDictionary()
 
     @property
     def used(self) -> int:

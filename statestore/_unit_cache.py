@@ -27,8 +27,11 @@ from .errors import StateStoreValueError
 
 __all__ = ["CompiledUnit", "UnitCache", "check_slice", "compile_units"]
 
-#: most views a ring keeps for units (each a Python tensor object, a few hundred bytes)
-MAX_CACHED_VIEWS = 1 << 18
+#: ring bytes per view a ring may keep for its units: a view (a tensor object) takes about 300
+#: bytes, so the views kept cost at most about 15% of the store's ``budget_bytes``
+RING_BYTES_PER_VIEW = 2048
+#: offsets of the ring a unit keeps its views at (it lands at a few in turn)
+VIEW_SLOTS = 2
 #: most sets of units a store keeps (the optimizer's step, a prefetch, a checkpoint's stream)
 MAX_CACHED_SETS = 4
 
@@ -80,17 +83,21 @@ class CompiledUnit:
         self.layout = [(sp.dtype, off, s.numel) for s, sp, off in zip(slices, specs, offsets)]
 
     def views(self, arena: RingArena, start: int) -> List[torch.Tensor]:
-        """Each slice's tensor in the unit's buffer at ``start`` of ``arena`` (a new list;
-        the views are kept by the arena for the next time the unit lands there)."""
-        key = (self, start)
-        got = arena.views.get(key)
-        if got is None:
-            got = self._make_views(arena, start)
-            if arena.views_count + len(got) > MAX_CACHED_VIEWS:
-                arena.views.clear()
-                arena.views_count = 0
-            arena.views[key] = got
-            arena.views_count += len(got)
+        """Each slice's tensor in the unit's buffer at ``start`` of ``arena`` (a new list).
+        The arena keeps the views of a unit at its last :data:`VIEW_SLOTS` offsets, for the
+        next time it lands there, while the unit is alive and up to its share of the budget
+        (:data:`RING_BYTES_PER_VIEW`); past that they are made each time."""
+        slots = arena.views.get(self)
+        if slots is not None:
+            for at, got in slots:
+                if at == start:
+                    return list(got)
+        got = self._make_views(arena, start)
+        if slots is not None and len(slots) >= VIEW_SLOTS:
+            slots.pop(0)
+            slots.append((start, got))
+        elif _room(arena, len(got)):
+            arena.views.setdefault(self, []).append((start, got))
         return list(got)
 
     def _make_views(self, arena: RingArena, start: int) -> List[torch.Tensor]:
@@ -108,6 +115,13 @@ class CompiledUnit:
             first = off // dtype.itemsize
             out.append(whole[first:first + n])
         return out
+
+
+def _room(arena: RingArena, n: int) -> bool:
+    """Whether ``arena`` may keep ``n`` more views (counting only live units' views)."""
+    cap = arena.budget // RING_BYTES_PER_VIEW
+    kept = sum(len(v) for slots in arena.views.values() for _, v in slots)
+    return kept + n <= cap
 
 
 def compile_units(store, units: List[List[Slice]]) -> List[CompiledUnit]:

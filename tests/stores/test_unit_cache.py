@@ -187,3 +187,27 @@ def test_units_are_checked_again_when_they_or_the_layout_change(tmp_path):
         got = [t.clone() for ts in pipe for t in ts]
     assert [float(t[0]) for t in got] == [1.0] * 5 + [0.0] + [1.0] * 2
     store.close()
+
+
+def test_the_views_a_ring_keeps_stay_within_their_share_of_the_budget(tmp_path, monkeypatch):
+    """A unit's tensor views are kept by the ring for its next pass at the same offset, but
+    never more of them than ``budget_bytes // RING_BYTES_PER_VIEW`` (a view is a tensor
+    object of about 300 bytes: RAM beside the ring's), and never for units no longer used."""
+    from statestore import _unit_cache
+    monkeypatch.setattr(_unit_cache, "RING_BYTES_PER_VIEW", 256)
+    ps = [nn.Parameter(torch.randn(16)) for _ in range(400)]
+    store = ss.NVMeStore(str(tmp_path / "nv"), budget_bytes=BUDGET)
+    opt = HybridAdam(ps, lr=1e-2, state_store=store)
+    for step in range(4):
+        _grads(ps, step)
+        opt.step()
+    ring = store.in_flight.ring
+    kept = sum(len(v) for slots in ring.views.values() for _, v in slots)
+    assert 0 < kept <= BUDGET // 256
+    assert all(len(slots) <= _unit_cache.VIEW_SLOTS for slots in ring.views.values())
+    store.delete(list(store.keys()))        # a new layout: the old units' views go with them
+    opt.state_store.in_flight.units.clear()
+    import gc
+    gc.collect()
+    assert sum(len(s) for s in ring.views.values()) == 0
+    store.close()
