@@ -365,12 +365,14 @@ class StateStore(ABC):
         cannot (nothing changed)."""
         self._check_open()
         self.cancel_prefetch()
-        if any(k in self._specs for k, _, _, _ in rows) or not self.links.adopt(path, rows, names):
-            return False
-        for k, spec, _, _ in rows:
-            self._specs[k] = spec
-            self._aligned_bytes += self._ring_bytes(spec)
-            self._in_flight.repaired(k)
+        with deferred_signals():        # the backend's file and the catalogue agree
+            if any(k in self._specs for k, _, _, _ in rows) or \
+                    not self.links.adopt(path, rows, names):
+                return False
+            for k, spec, _, _ in rows:
+                self._specs[k] = spec
+                self._aligned_bytes += self._ring_bytes(spec)
+                self._in_flight.repaired(k)
         return True
 
     # ------------------------------------------------------------------ metadata
