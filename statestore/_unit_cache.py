@@ -10,8 +10,9 @@ the changes of that (``layout_version``: NVMeStore's, bumped by every state crea
 or loaded) keeps the result in a :class:`UnitCache` (its ``in_flight.units``), and a pipeline
 over the same units (the same :class:`~statestore.Slice` objects, or equal ones) at the same
 version skips all of it: a unit is then a few calls whatever its number of states. The views
-of a unit at a ring offset are kept by the ring itself (``RingArena.views``), so they go with
-its buffer and never hold a replaced one.
+of a unit at its last ring offsets are kept by the ring itself (``RingArena.views``), so they
+go with its buffer and never hold a replaced one, within a share of the budget
+(:data:`RING_BYTES_PER_VIEW`).
 
 Stores without ``layout_version`` check and lay out every pipeline's units, as before.
 """
