@@ -72,7 +72,7 @@ def test_many_small_states_in_many_units_keep_the_general_bits(tmp_path, monkeyp
         _grads(b[0], step)
         a[1].step()
         _general(monkeypatch, b[1].step)
-    prog = a[1]._program
+    prog = a[1]._remembered
     assert prog is not None and prog.units is not None and len(prog.units[1]) > 4
     store = a[1].state_store
     # the planned units were compiled once: a pipeline over them finds them in the cache
@@ -129,7 +129,7 @@ def test_a_failing_write_surfaces_at_the_call_that_depends_on_it(tmp_path, monke
         _grads(a[0], step)
         a[1].step()
     store = a[1].state_store
-    assert a[1]._program is not None
+    assert a[1]._remembered is not None
     store.engine._inject_fault_for_testing(op="write", count=1 << 20, err=errno.EIO)
     _grads(a[0], 3)
     with pytest.raises(ss.StateStoreIOError):
