@@ -6,6 +6,7 @@ from __future__ import annotations
 import uuid
 from typing import Any, List, Optional
 
+from .._signals import deferred_signals
 from ..distributed import Collective
 from ..errors import CheckpointError, StateStoreValueError
 from .collective import CollectiveSave
@@ -156,9 +157,10 @@ class CheckpointWriter:
             if exc is not None and self._written:
                 remove(self._fs, self._written)     # the previous checkpoint untouched
         finally:
-            lock, self._lock = self._lock, None
-            if lock is not None:
-                lock.__exit__(None, None, None)
+            with deferred_signals():    # a Ctrl-C between these left the lock held for good
+                lock, self._lock = self._lock, None
+                if lock is not None:
+                    lock.__exit__(None, None, None)
             if self._collective is not None:
                 self._collective.close()
         if exc is not None and self._collective is None:
