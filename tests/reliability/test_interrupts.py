@@ -729,6 +729,41 @@ def test_ctrl_c_while_a_load_looks_for_the_manifest(tmp_path, monkeypatch):
     assert set(opt._steps.values()) == {2}
 
 
+def test_ctrl_c_while_the_manifest_is_written_stays_a_ctrl_c(tmp_path, monkeypatch):
+    """A Ctrl-C landing in a call parquet's writer makes into the manifest's file object
+    reaches the caller as KeyboardInterrupt, the previous checkpoint intact (before: pyarrow
+    turned one in fsspec's `closed` into "ValueError: I/O operation on closed file", which
+    ended a trainer of the 15-minute soak)."""
+    from fsspec.implementations.local import LocalFileOpener
+    from statestore.checkpoint import verify_checkpoint
+    store, named, opt, ck = _stepped_store("device", tmp_path, steps=3, ck_at=2)
+    real_closed, real_write = LocalFileOpener.closed, LocalFileOpener.write
+    hits = []
+
+    def first_call_interrupted(f):      # the first call into the manifest's file object
+        if ".manifest.parquet." in str(f.path) and not hits:
+            hits.append(f.path)
+            raise KeyboardInterrupt
+
+    def closed(self):
+        first_call_interrupted(self)
+        return real_closed.fget(self)
+
+    def write(self, *a, **kw):
+        first_call_interrupted(self)
+        return real_write(self, *a, **kw)
+
+    monkeypatch.setattr(LocalFileOpener, "closed", property(closed))
+    monkeypatch.setattr(LocalFileOpener, "write", write)
+    with pytest.raises(KeyboardInterrupt):
+        store.save_checkpoint(ck, progress=False)
+    monkeypatch.undo()
+    assert hits and verify_checkpoint(ck, progress=False) == []
+    assert F.checkpoint_step(ck) == 2
+    store.save_checkpoint(ck, progress=False)
+    assert F.checkpoint_step(ck) == 3
+
+
 # ------------------------------------------ issue 47 item 7: Ctrl-C in a first step's creation
 @pytest.mark.parametrize("kind,in_backward", [("device", False), ("device", True),
                                                ("nvme", True)],
