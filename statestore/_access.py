@@ -84,8 +84,13 @@ class PipelineAccess:
             # never a closed one: iterating it yields no unit, and a step would end as if
             # made, its counts advanced and nothing updated (the 15-minute soak's fourth run)
             if pre.matches(mode, unit_lists(units)) and not pre.pipeline.closed:
-                self._prefetched = None
-                pre.pipeline.wait = wait    # the reads started early: hand that pipeline out
+                try:    # a Ctrl-C between the two must not leave it held by no one
+                    with deferred_signals():
+                        self._prefetched = None
+                        pre.pipeline.wait = wait    # the reads started early: hand it out
+                except BaseException:
+                    pre.pipeline.cancel()           # its ring buffers go back
+                    raise
                 return pre.pipeline
             self.cancel_prefetch()
         return self._make(units, mode, wait)

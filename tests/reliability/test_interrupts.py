@@ -1046,6 +1046,44 @@ def test_a_ctrl_c_as_a_prefetch_starts_leaves_no_ring_buffer_held(tmp_path, monk
         signal.signal(signal.SIGINT, old)
 
 
+def test_a_ctrl_c_as_a_prefetch_is_handed_out_leaves_no_ring_buffer_held(tmp_path):
+    """A Ctrl-C as the store hands its prefetch to the step that asked (after the store let
+    go of it, before the step has it: the fourth 15-minute soak's line-by-line sweep, 1 run in
+    3): the prefetch is cancelled; before, its ring buffers stayed held by a pipeline no one
+    could reach, and the store's next read failed with BudgetError."""
+    import signal
+
+    from statestore._types import Slice
+    from statestore.pipeline import Pipeline
+
+    class Interrupted(Pipeline):        # the Ctrl-C arrives as the hand-out sets `wait`
+        def __setattr__(self, name, value):
+            if name == "wait":
+                os.kill(os.getpid(), signal.SIGINT)
+                for _ in range(100):
+                    pass
+            super().__setattr__(name, value)
+
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with ss.NVMeStore(str(tmp_path / "s"), budget_bytes=1 << 20) as store:
+            n = 200_000                 # 800 KB: most of the 1 MiB ring
+            store.create("w/m", (n,), torch.float32, torch.arange(n, dtype=torch.float32))
+            store.sync()
+            units = [[Slice("w/m", 0, n)]]
+            store.prefetch(units, mode="rw")
+            store._access._prefetched.pipeline.__class__ = Interrupted
+            caught = False
+            try:
+                store.pipeline(units, mode="rw")
+            except KeyboardInterrupt:   # handled while the exception (and its frames) lives on
+                caught = True
+                assert torch.equal(store.get("w/m"), torch.arange(n, dtype=torch.float32))
+            assert caught
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
 def _prefetch_ctrl_c(tmp_path, monkeypatch, _access, Slice, prefetch, real):
     with ss.NVMeStore(str(tmp_path / "s"), budget_bytes=1 << 20) as store:
         n = 200_000                 # 800 KB: most of the 1 MiB ring
