@@ -256,12 +256,11 @@ def write_manifest(fs, root: str, rows: List[ManifestRow], meta_json: str, save_
     # Serialized in memory, then written: parquet's writer calls back into the Python file
     # object (fsspec's `closed`, `write`), and turns a Ctrl-C landing in those calls into
     # "ValueError: I/O operation on closed file"; from f.write it stays KeyboardInterrupt.
-    buf = pa.BufferOutputStream()
-    pq.write_table(table, buf)
-    data = buf.getvalue()
     f = fs.open(mtmp, "wb")
     try:
-        f.write(data)
+        buf = pa.BufferOutputStream()
+        pq.write_table(table, buf)
+        f.write(buf.getvalue())
         # Committed with the rename: the new manifest names the shards, so from here on a
         # failure must not remove them (that would leave neither the new nor the previous
         # checkpoint); a Ctrl-C lands before or after both (commit).
