@@ -12,9 +12,9 @@ from __future__ import annotations
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from ._signals import deferred_signals
-from ._stream import StateStream, chunk_ranges, group_units, plan_slices
+from ._stream import StateStream, chunk_ranges, plan_slices
 from ._types import Slice, StateSpec
-from .pipeline import Pipeline, Prefetch, StatePipeline, check_mode, unit_lists
+from .pipeline import Pipeline, Prefetch, StatePipeline, check_mode, pack_runs, unit_lists
 
 __all__ = ["CHUNK_BYTES", "PipelineAccess"]
 
@@ -131,8 +131,9 @@ class PipelineAccess:
         store = self.store
         slices = plan_slices(keys, chunk_bytes, lambda k, lim: self.chunks(store.spec(k), lim))
         align = max(store.alignment, 1)
-        units = group_units(slices, lambda s: -(-s.numel * store.spec(s.key).itemsize // align)
-                            * align, self.chunk_limit(chunk_bytes))
+        # small states move many to a unit (one request for a packed run of them)
+        units = pack_runs(((s, -(-s.numel * store.spec(s.key).itemsize // align) * align)
+                           for s in slices), self.chunk_limit(chunk_bytes))
         pipe = None
         try:
             pipe = self.pipeline(units, mode, wait)

@@ -11,7 +11,7 @@ from ._types import Slice, StateKey, StateSpec, as_key
 from .errors import StateStoreValueError
 from .pipeline import StatePipeline
 
-__all__ = ["Chunk", "StateStream", "chunk_ranges", "group_units", "plan_slices"]
+__all__ = ["Chunk", "StateStream", "chunk_ranges", "plan_slices"]
 
 
 def chunk_ranges(spec: StateSpec, limit: int, cut_bytes: int) -> List[Tuple[int, int]]:
@@ -47,23 +47,6 @@ def plan_slices(keys, chunk_bytes: Optional[int],
     return slices
 
 
-def group_units(slices: List[Slice], nbytes: Callable[[Slice], int], limit: int) -> List[List[Slice]]:
-    """``slices`` in order, as pipeline units of consecutive slices of at most ``limit``
-    bytes together (``nbytes(slice)``: its bytes in the ring), a larger slice alone: small
-    states then move many to a unit (one request for a packed run of them), not one
-    pipeline step each."""
-    units: List[List[Slice]] = []
-    size = 0
-    for s in slices:
-        n = nbytes(s)
-        if not units or size + n > limit:
-            units.append([])
-            size = 0
-        units[-1].append(s)
-        size += n
-    return units
-
-
 class Chunk(NamedTuple):
     """One chunk of a stream: ``slice`` (the state and element range) and ``tensor``, its
     elements as a flat 1-D tensor on the store's ``device`` (``len == slice.numel``)."""
@@ -83,7 +66,7 @@ class StateStream:
     place, written back.
 
     Chunks come a pipeline unit at a time (consecutive small chunks share one: see
-    :func:`group_units`); a unit is written back when the iteration moves past its last
+    :func:`~statestore.pipeline.pack_runs`); a unit is written back when the iteration moves past its last
     chunk. Use it as a context manager: leaving the block by an exception drops the unit in
     hand (not written back) and every buffer goes back; iterating to the end, or
     :meth:`close`, hands the last unit back and (``wait=True``) waits for the writes.

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import weakref
 from abc import ABC, abstractmethod
-from typing import Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Iterable, Iterator, List, NamedTuple, Optional, Sequence, Tuple, TypeVar
 
 import torch
 
@@ -53,6 +53,8 @@ from ._unit_cache import check_slice, compile_units
 from ._trace import begin as _begin_span, end as _end_span, span as _span
 from ._types import Slice, StateKey
 from .errors import BudgetError, StateStoreClosedError, StateStoreValueError
+
+T = TypeVar("T")
 
 __all__ = ["StatePipeline", "Pipeline", "Prefetch", "RingArena", "Extent", "UnitPlan",
            "check_mode", "check_slice", "plan_units", "unit_lists"]
@@ -88,6 +90,24 @@ def unit_lists(units) -> List[List[Slice]]:
     return out
 
 
+def pack_runs(weighted: Iterable[Tuple[T, int]], limit: Optional[int]) -> List[List[T]]:
+    """The items of ``weighted`` (``(item, weight)`` pairs) in order, cut into runs whose
+    weights add up to at most ``limit`` (None: one run); an item heavier than ``limit`` makes
+    a run of its own. How every planner packs pipeline units (states, slices, parameters)."""
+    runs: List[List[T]] = []
+    cur: List[T] = []
+    total = 0
+    for item, w in weighted:
+        if cur and limit is not None and total + w > limit:
+            runs.append(cur)
+            cur, total = [], 0
+        cur.append(item)
+        total += w
+    if cur:
+        runs.append(cur)
+    return runs
+
+
 def plan_units(groups: Sequence[Sequence[StateKey]], numels: Sequence[int], itemsize: int,
                max_unit_bytes: Optional[int], align_elems: int = 1, slice_round: int = 1
                ) -> List[List[Tuple[int, int, int]]]:
@@ -102,27 +122,20 @@ def plan_units(groups: Sequence[Sequence[StateKey]], numels: Sequence[int], item
     """
     if max_unit_bytes is None:
         return [[(i, 0, n) for i, n in enumerate(numels)]] if numels else []
-    units: List[List[Tuple[int, int, int]]] = []
-    cur: List[Tuple[int, int, int]] = []
-    cur_bytes = 0
-    for i, n in enumerate(numels):
-        per_elem = itemsize * max(len(groups[i]), 1)
-        cap = max(align_elems, (max_unit_bytes // per_elem) // align_elems * align_elems)
-        start = 0
-        while start < n or (n == 0 and start == 0):
-            stop = min(n, start + cap)
-            nbytes = len(groups[i]) * _round_up(max((stop - start) * itemsize, 1), slice_round)
-            if cur and cur_bytes + nbytes > max_unit_bytes:
-                units.append(cur)
-                cur, cur_bytes = [], 0
-            cur.append((i, start, stop))
-            cur_bytes += nbytes
-            if n == 0:
-                break
-            start = stop
-    if cur:
-        units.append(cur)
-    return units
+
+    def pieces():
+        for i, n in enumerate(numels):
+            per_elem = itemsize * max(len(groups[i]), 1)
+            cap = max(align_elems, (max_unit_bytes // per_elem) // align_elems * align_elems)
+            start = 0
+            while start < n or (n == 0 and start == 0):
+                stop = min(n, start + cap)
+                yield ((i, start, stop),
+                       len(groups[i]) * _round_up(max((stop - start) * itemsize, 1), slice_round))
+                if n == 0:
+                    break
+                start = stop
+    return pack_runs(pieces(), max_unit_bytes)
 
 
 class StatePipeline(ABC):

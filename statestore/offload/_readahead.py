@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from .._stream import chunk_ranges
+from ..pipeline import pack_runs
 from .._types import Slice, StateKey, StateSpec
 
 __all__ = ["Holds", "ReadAhead", "Run", "Window", "round_up"]
@@ -171,23 +172,10 @@ class ReadAhead:
 
     def _units_of(self, ps: Sequence[Tensor]) -> List[List[Slice]]:
         """Pipeline units over the parameters ``ps``: slices packed up to the store's unit size."""
-        limit = self.store.unit_bytes
         align = self.store.alignment
-        units: List[List[Slice]] = []
-        cur: List[Slice] = []
-        cur_b = 0
-        for p in dict.fromkeys(ps):
-            size = p.dtype.itemsize
-            for s in self.slices_of(p):
-                nb = round_up(max(s.numel * size, 1), align)
-                if cur and limit is not None and cur_b + nb > limit:
-                    units.append(cur)
-                    cur, cur_b = [], 0
-                cur.append(s)
-                cur_b += nb
-        if cur:
-            units.append(cur)
-        return units
+        return pack_runs(((s, round_up(max(s.numel * p.dtype.itemsize, 1), align))
+                          for p in dict.fromkeys(ps) for s in self.slices_of(p)),
+                         self.store.unit_bytes)
 
     def fetch(self, ps: Sequence[Tensor]) -> None:
         """Materialize ``ps`` now (synchronously); read-ahead in flight is dropped."""

@@ -24,6 +24,7 @@ from .._signals import deferred_signals
 from .._types import Slice, StateKey
 from ..errors import BudgetError, StateStoreError, StateStoreValueError
 from ..offload._seam import is_offloaded, param_value
+from ..pipeline import pack_runs
 from ._dtensor import local, local_grad
 
 __all__ = ["Entry", "Work", "collect_work", "work_of", "checked_grad", "plan_step",
@@ -254,20 +255,7 @@ def _cut(i: int, n: int, size: Tuple[int, int], max_bytes: Optional[int], align:
 def _pack(pieces: List[Tuple[int, int, int, int]], max_bytes: Optional[int]
           ) -> List[List[Tuple[int, int, int]]]:
     """Pack pieces in order into units of at most ``max_bytes`` (None: one unit)."""
-    if max_bytes is None:
-        return [[(i, a, b) for i, a, b, _ in pieces]] if pieces else []
-    units: List[List[Tuple[int, int, int]]] = []
-    cur: List[Tuple[int, int, int]] = []
-    cur_bytes = 0
-    for i, a, b, nbytes in pieces:
-        if cur and cur_bytes + nbytes > max_bytes:
-            units.append(cur)
-            cur, cur_bytes = [], 0
-        cur.append((i, a, b))
-        cur_bytes += nbytes
-    if cur:
-        units.append(cur)
-    return units
+    return pack_runs((((i, a, b), nbytes) for i, a, b, nbytes in pieces), max_bytes)
 
 
 def ensure_states(store, params: Sequence[Tensor], keys: Dict[Tensor, str],

@@ -9,6 +9,7 @@ from typing import Dict, List
 from torch import Tensor
 
 from ..errors import StateStoreError
+from ..pipeline import pack_runs
 from ..store import StateStore
 from ._dtensor import local, local_grad
 from ._torch_layout import class_name
@@ -22,17 +23,7 @@ JOIN_TOTAL = 1 << 20
 def parts(items: list) -> List[list]:
     """``items`` (``((parameter, start, stop, ...), gradient)``) in runs of at most
     :data:`JOIN_TOTAL` elements."""
-    parts, cur, size = [], [], 0
-    for it in items:
-        n = it[0][2] - it[0][1]
-        if cur and size + n > JOIN_TOTAL:
-            parts.append(cur)
-            cur, size = [], 0
-        cur.append(it)
-        size += n
-    if cur:
-        parts.append(cur)
-    return parts
+    return pack_runs(((it, it[0][2] - it[0][1]) for it in items), JOIN_TOTAL)
 
 
 class Noting:
