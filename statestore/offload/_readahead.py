@@ -17,15 +17,12 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple
 import torch
 from torch import Tensor
 
+from .._ring import round_up
 from .._stream import chunk_ranges
 from ..pipeline import pack_runs
 from .._types import Slice, StateKey, StateSpec
 
 __all__ = ["Holds", "ReadAhead", "Run", "Window", "round_up"]
-
-
-def round_up(n: int, a: int) -> int:
-    return (n + a - 1) // a * a
 
 
 class Window:
