@@ -993,6 +993,39 @@ print(landed, kernels_info()["cpu"], _dispatch._state["reason"])
     assert r.stdout.split()[:2] == ["caller", "simd"], r.stdout + r.stderr[-2000:]
 
 
+def test_a_ctrl_c_as_the_io_engine_loads_is_not_lost(tmp_path):
+    """The same for the compiled I/O engine (`statestore._C_io`, imported with the package):
+    a Ctrl-C as it initializes reaches the caller, and the process keeps the native engine
+    instead of falling back to the thread engine for its life. A cold interpreter: every
+    warm one has imported the package."""
+    import subprocess
+    code = """
+import os, signal, _imp
+signal.signal(signal.SIGINT, signal.default_int_handler)
+real = _imp.create_dynamic
+def create_dynamic(spec, *args):
+    if spec.name == "statestore._C_io":
+        try:
+            os.kill(os.getpid(), signal.SIGINT)     # Ctrl-C as the module initializes
+        except KeyboardInterrupt as e:              # what pybind11's init makes of it
+            raise ImportError("initialization failed") from e
+    return real(spec, *args)
+_imp.create_dynamic = create_dynamic
+landed = "lost"
+try:
+    import statestore
+except KeyboardInterrupt:
+    landed = "caller"
+_imp.create_dynamic = real
+from statestore.io import _native
+print(landed, _native.native is not None)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["caller", "True"], r.stdout + r.stderr[-2000:]
+
+
 def test_a_closed_prefetch_is_never_handed_out(tmp_path):
     """A prefetch whose pipeline was closed while the store kept it: the next pipeline over
     its units reads afresh. Handed out, it yielded no unit, so a planned NVMe step ended as if
