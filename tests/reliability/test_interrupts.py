@@ -953,6 +953,25 @@ print(landed)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == "caller", r.stderr[-2000:]
 
+def _ctrl_c_as_it_initializes(module: str) -> str:
+    """Code that makes the import of the extension ``module`` take a Ctrl-C as it initializes,
+    turned into ``ImportError`` as pybind11's init does (``real``: the loader to put back)."""
+    return f"""
+import os, signal, sys, _imp
+assert {module!r} not in sys.modules
+signal.signal(signal.SIGINT, signal.default_int_handler)
+real = _imp.create_dynamic
+def create_dynamic(spec, *args):
+    if spec.name == {module!r}:
+        try:
+            os.kill(os.getpid(), signal.SIGINT)     # Ctrl-C as the module initializes
+        except KeyboardInterrupt as e:              # what pybind11's init makes of it
+            raise ImportError("initialization failed") from e
+    return real(spec, *args)
+_imp.create_dynamic = create_dynamic
+"""
+
+
 def test_a_ctrl_c_as_the_kernels_load_neither_is_lost_nor_changes_the_kernel():
     """A Ctrl-C while the compiled kernels' module initializes (the first step of a process
     imports it): pybind11 turns an exception raised in a module's init into
@@ -966,19 +985,7 @@ def test_a_ctrl_c_as_the_kernels_load_neither_is_lost_nor_changes_the_kernel():
     the SIGINT is sent where the module's init runs, its KeyboardInterrupt turned into the
     ImportError as pybind11 does."""
     from helpers import forked
-    code = """
-import os, signal, sys, _imp
-assert "statestore._C_adam" not in sys.modules
-signal.signal(signal.SIGINT, signal.default_int_handler)
-real = _imp.create_dynamic
-def create_dynamic(spec, *args):
-    if spec.name == "statestore._C_adam":
-        try:
-            os.kill(os.getpid(), signal.SIGINT)     # Ctrl-C as the module initializes
-        except KeyboardInterrupt as e:              # what pybind11's init makes of it
-            raise ImportError("initialization failed") from e
-    return real(spec, *args)
-_imp.create_dynamic = create_dynamic
+    code = _ctrl_c_as_it_initializes("statestore._C_adam") + """
 from statestore.kernels import _dispatch, kernels_info
 landed = "lost"
 try:
@@ -999,18 +1006,7 @@ def test_a_ctrl_c_as_the_io_engine_loads_is_not_lost(tmp_path):
     instead of falling back to the thread engine for its life. A cold interpreter: every
     warm one has imported the package."""
     import subprocess
-    code = """
-import os, signal, _imp
-signal.signal(signal.SIGINT, signal.default_int_handler)
-real = _imp.create_dynamic
-def create_dynamic(spec, *args):
-    if spec.name == "statestore._C_io":
-        try:
-            os.kill(os.getpid(), signal.SIGINT)     # Ctrl-C as the module initializes
-        except KeyboardInterrupt as e:              # what pybind11's init makes of it
-            raise ImportError("initialization failed") from e
-    return real(spec, *args)
-_imp.create_dynamic = create_dynamic
+    code = _ctrl_c_as_it_initializes("statestore._C_io") + """
 landed = "lost"
 try:
     import statestore
