@@ -118,8 +118,11 @@ struct BenchStates {
 // The hyperparameters the drivers time the kernels with: AdamW, lr 1e-3, betas (0.9, 0.999),
 // eps 1e-8, weight decay 0.01, at step 5
 inline statestore::AdamScalars bench_scalars() {
-  const statestore::AdamHyper hyper{1e-3, 0.9, 0.999, 1e-8, 0.01, 1.0, true, false};
-  return statestore::make_adam_scalars(hyper, 1e-3 / (1 - std::pow(0.9, 5)), std::sqrt(1 - std::pow(0.999, 5)));
+  // lr, beta1, beta2, eps, weight_decay, adamw_mode, maximize, grad_scale, amsgrad
+  const statestore::AdamHyper hyper{1e-3, 0.9, 0.999, 1e-8, 0.01, 1.0, 0.0, 1.0, 0.0};
+  statestore::AdamScalars s;
+  statestore::make_adam_scalars(hyper, 5, &s);
+  return s;
 }
 
 // A team of T threads running one job together: the caller is thread 0, the others wait

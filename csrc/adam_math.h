@@ -27,9 +27,8 @@
 
 namespace statestore {
 
-// Scalars of one Adam step for one tensor; built once per tensor by the caller from the
-// hyperparameters and the tensor's step count (bias correction is computed by the caller,
-// in Python, never cached here).
+// Scalars of one Adam step for one tensor, built once per tensor and step by
+// make_adam_scalars() below from the call's AdamHyper and the tensor's step count.
 struct AdamScalars {
   float grad_mul;      // (maximize ? -1 : 1) / grad_scale
   float l2_decay;      // weight_decay in L2 mode (torch.optim.Adam), else 0
@@ -42,29 +41,39 @@ struct AdamScalars {
   float eps;
 };
 
-// The hyperparameters of one Adam op call, as the op receives them: its `float[] hyper`
-// argument in this order (adam_checks.h, adam_hyper, reads and checks it; Python builds it
-// with statestore.kernels.AdamHyper.pack()). The flags travel as 0.0 / 1.0.
+// The hyperparameters of one Adam op call. The op's `float[] hyper` argument is exactly these
+// nine doubles in this order, and Python's statestore.kernels.AdamHyper is the same tuple
+// (statestore/kernels/_dispatch.py), passed to the op as it is: one form on both sides of the
+// call. The flags are 0.0 or 1.0; amsgrad must agree with the op's max_exp_avg_sqs.
 struct AdamHyper {
-  double lr, beta1, beta2, eps, weight_decay, grad_scale;
-  bool adamw_mode, maximize;
+  double lr, beta1, beta2, eps, weight_decay, adamw_mode, maximize, grad_scale, amsgrad;
 };
-constexpr int kAdamHyperLen = 8;  // lr, beta1, beta2, eps, weight_decay, grad_scale, adamw_mode, maximize
+constexpr int kAdamHyperLen = 9;
+static_assert(sizeof(AdamHyper) == kAdamHyperLen * sizeof(double),
+              "AdamHyper is the op's float[] hyper, nine doubles");
 
-// Builds AdamScalars the way torch.optim.adam does (double math, then float), for a tensor
-// whose bias-corrected step size and sqrt(1 - beta2^step) are given.
-SS_HD AdamScalars make_adam_scalars(const AdamHyper& h, double step_size, double bc2_sqrt) {
-  AdamScalars s;
-  s.grad_mul = static_cast<float>((h.maximize ? -1.0 : 1.0) / h.grad_scale);
-  s.l2_decay = h.adamw_mode ? 0.0f : static_cast<float>(h.weight_decay);
-  s.decay_mul = h.adamw_mode ? static_cast<float>(1.0 - h.lr * h.weight_decay) : 1.0f;
-  s.beta1_c = static_cast<float>(1.0 - h.beta1);
-  s.beta2 = static_cast<float>(h.beta2);
-  s.beta2_c = static_cast<float>(1.0 - h.beta2);
-  s.neg_step_size = static_cast<float>(-step_size);
-  s.inv_bc2_sqrt = static_cast<float>(1.0 / bc2_sqrt);
-  s.eps = static_cast<float>(h.eps);
-  return s;
+// Builds AdamScalars the way torch.optim.adam does for a tensor whose step count after this
+// update is `step` (>= 1): the bias corrections in double with libm's pow, as Python's
+// `beta ** step` computes them, the step size lr / (1 - beta1^step), then each value rounded
+// to float once. Returns false where the bias correction is degenerate (1 - beta1^step == 0,
+// or 1 - beta2^step negative or NaN). Host code (libm): the kernels receive the result.
+inline bool make_adam_scalars(const AdamHyper& h, int64_t step, AdamScalars* out) {
+  const double s = static_cast<double>(step);
+  const double bc1 = 1.0 - std::pow(h.beta1, s);
+  const double bc2 = 1.0 - std::pow(h.beta2, s);
+  if (step < 1 || bc1 == 0.0 || !(bc2 >= 0.0)) return false;
+  const bool adamw = h.adamw_mode != 0.0;
+  AdamScalars& r = *out;
+  r.grad_mul = static_cast<float>((h.maximize != 0.0 ? -1.0 : 1.0) / h.grad_scale);
+  r.l2_decay = adamw ? 0.0f : static_cast<float>(h.weight_decay);
+  r.decay_mul = adamw ? static_cast<float>(1.0 - h.lr * h.weight_decay) : 1.0f;
+  r.beta1_c = static_cast<float>(1.0 - h.beta1);
+  r.beta2 = static_cast<float>(h.beta2);
+  r.beta2_c = static_cast<float>(1.0 - h.beta2);
+  r.neg_step_size = static_cast<float>(-(h.lr / bc1));
+  r.inv_bc2_sqrt = static_cast<float>(1.0 / std::sqrt(bc2));
+  r.eps = static_cast<float>(h.eps);
+  return true;
 }
 
 SS_HD float ss_fma(float a, float b, float c) {

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <string>
 #include <vector>
@@ -23,9 +24,9 @@ namespace checks {
 
 // One op for every Adam update: the moments' encoding is an argument (`moments`: "fp32",
 // "bf16-nearest", "bf16-stochastic", "int8-nearest", "int8-stochastic"), the scalar
-// hyperparameters travel in one pack (`hyper`: AdamHyper's fields, adam_math.h), and the
-// per-tensor values in lists of one entry per tensor: step_sizes = lr / (1 - beta1^step) and
-// bc2_sqrts = sqrt(1 - beta2^step) (from each tensor's step count), seeds (two per tensor,
+// hyperparameters travel as one struct (`hyper`: AdamHyper's nine doubles, adam_math.h), and
+// the per-tensor values in lists of one entry per tensor: steps (each tensor's step count
+// after this update, >= 1: the bias corrections are computed here, make_adam_scalars), seeds (two per tensor,
 // exp_avg's then exp_avg_sq's: stochastic rounding; empty otherwise) and offsets (the index
 // in its parameter of each tensor's first element; empty: all 0). exp_avg_scales /
 // exp_avg_sq_scales: int8's block scales (empty otherwise); max_exp_avg_sqs: amsgrad's
@@ -33,28 +34,27 @@ namespace checks {
 constexpr const char* kAdamSchema =
     "adam_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
     "Tensor(d!)[] exp_avg_scales, Tensor(e!)[] exp_avg_sq_scales, Tensor(f!)[] max_exp_avg_sqs, "
-    "Tensor(g!)?[] masters, float[] step_sizes, float[] bc2_sqrts, int[] seeds, int[] offsets, "
+    "Tensor(g!)?[] masters, int[] steps, int[] seeds, int[] offsets, "
     "float[] hyper, str moments) -> ()";
 
 #define STATESTORE_ADAM_OP_PARAMS                                                             \
   at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,                      \
       at::TensorList exp_avg_sqs, at::TensorList exp_avg_scales,                              \
       at::TensorList exp_avg_sq_scales, at::TensorList max_exp_avg_sqs,                       \
-      const c10::List<std::optional<at::Tensor>>&masters, at::ArrayRef<double> step_sizes,   \
-      at::ArrayRef<double> bc2_sqrts, at::ArrayRef<int64_t> seeds,                            \
-      at::ArrayRef<int64_t> offsets, at::ArrayRef<double> hyper, c10::string_view moments
+      const c10::List<std::optional<at::Tensor>>&masters, at::ArrayRef<int64_t> steps,       \
+      at::ArrayRef<int64_t> seeds, at::ArrayRef<int64_t> offsets, at::ArrayRef<double> hyper, \
+      c10::string_view moments
 #define STATESTORE_ADAM_OP_ARGS                                                               \
   ::statestore::checks::AdamOpArgs {                                                          \
     params, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_scales, max_exp_avg_sqs, \
-        masters, step_sizes, bc2_sqrts, seeds, offsets, hyper, moments                        \
+        masters, steps, seeds, offsets, hyper, moments                                        \
   }
 
 struct AdamOpArgs {
   at::TensorList params, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_scales,
       max_exp_avg_sqs;
   const c10::List<std::optional<at::Tensor>>& masters;
-  at::ArrayRef<double> step_sizes, bc2_sqrts;
-  at::ArrayRef<int64_t> seeds, offsets;
+  at::ArrayRef<int64_t> steps, seeds, offsets;
   at::ArrayRef<double> hyper;
   c10::string_view moments;
 };
@@ -77,18 +77,26 @@ inline MomentCoding moment_coding(c10::string_view moments) {
   return {MomentKind::kF32, false};
 }
 
-// The hyperparameter pack: kAdamHyperLen values, grad_scale positive and finite, the flags 0/1.
-inline AdamHyper adam_hyper(at::ArrayRef<double> h) {
-  TORCH_CHECK(h.size() == static_cast<size_t>(kAdamHyperLen), "adam_: hyper must hold ",
-              kAdamHyperLen, " values (lr, beta1, beta2, eps, weight_decay, grad_scale, "
-              "adamw_mode, maximize), got ", h.size());
-  TORCH_CHECK(std::isfinite(h[5]) && h[5] > 0, "adam_: grad_scale must be a positive finite "
-              "number, got ", h[5]);
-  for (int k : {6, 7}) {
-    TORCH_CHECK(h[k] == 0.0 || h[k] == 1.0, "adam_: hyper[", k, "] (",
-                k == 6 ? "adamw_mode" : "maximize", ") must be 0 or 1, got ", h[k]);
+// What is wrong with a `hyper` argument (nullptr: nothing): kAdamHyperLen values, grad_scale
+// positive and finite, the flags 0 or 1.
+inline const char* hyper_problem(at::ArrayRef<double> h) {
+  if (h.size() != static_cast<size_t>(kAdamHyperLen))
+    return "hyper must hold 9 values (lr, beta1, beta2, eps, weight_decay, adamw_mode, "
+           "maximize, grad_scale, amsgrad)";
+  if (!(std::isfinite(h[7]) && h[7] > 0)) return "grad_scale must be a positive finite number";
+  for (int k : {5, 6, 8}) {
+    if (h[k] != 0.0 && h[k] != 1.0) return "adamw_mode, maximize and amsgrad must be 0 or 1";
   }
-  return AdamHyper{h[0], h[1], h[2], h[3], h[4], h[5], h[6] != 0.0, h[7] != 0.0};
+  return nullptr;
+}
+
+// The `hyper` argument as the struct it is (the same nine doubles), checked.
+inline AdamHyper adam_hyper(at::ArrayRef<double> h) {
+  const char* bad = hyper_problem(h);
+  TORCH_CHECK(bad == nullptr, "adam_: ", bad, "; got ", h);
+  AdamHyper hy;
+  std::memcpy(&hy, h.data(), sizeof(hy));
+  return hy;
 }
 
 // The storage type of a param or grad dtype; DType::kNone for any other dtype.
@@ -141,9 +149,8 @@ inline void check_lists(const AdamOpArgs& a, const MomentCoding& mc) {
   TORCH_CHECK(a.masters.empty() || a.masters.size() == n,
               "adam_: masters must be empty or have one entry per param, got ", a.masters.size(),
               " for ", n, " params");
-  TORCH_CHECK(a.step_sizes.size() == n && a.bc2_sqrts.size() == n,
-              "adam_: step_sizes and bc2_sqrts need one value per param (", n, "), got ",
-              a.step_sizes.size(), " and ", a.bc2_sqrts.size());
+  TORCH_CHECK(a.steps.size() == n, "adam_: steps need one value per param (", n, "), got ",
+              a.steps.size());
   TORCH_CHECK(a.seeds.size() == 2 * n || (a.seeds.empty() && !mc.stochastic),
               "adam_: seeds need two values per param (", 2 * n, ") with stochastic rounding, "
               "got ", a.seeds.size());
@@ -160,6 +167,8 @@ inline std::vector<AdamTensorArgs> adam_jobs(const AdamOpArgs& a, const at::Devi
   check_lists(a, mc);
   const size_t n = a.params.size();
   const bool amsgrad = !a.max_exp_avg_sqs.empty();
+  TORCH_CHECK(n == 0 || amsgrad == (hy.amsgrad != 0.0), "adam_: hyper's amsgrad is ", hy.amsgrad,
+              " but max_exp_avg_sqs ", amsgrad ? "has" : "has no", " tensors");
   std::vector<AdamTensorArgs> jobs;
   jobs.reserve(n);
   for (size_t i = 0; i < n; ++i) {
@@ -235,7 +244,10 @@ inline std::vector<AdamTensorArgs> adam_jobs(const AdamOpArgs& a, const at::Devi
     t.m = a.exp_avgs[i].data_ptr();
     t.v = a.exp_avg_sqs[i].data_ptr();
     t.n = numel;
-    t.s = make_adam_scalars(hy, a.step_sizes[i], a.bc2_sqrts[i]);
+    TORCH_CHECK(make_adam_scalars(hy, a.steps[i], &t.s), "adam_: steps[", i, "] = ",
+                a.steps[i], ": step counts start at 1 (the count after this update), and "
+                "1 - beta1^step must not be 0 nor 1 - beta2^step negative (beta1 = ", hy.beta1,
+                ", beta2 = ", hy.beta2, ")");
     if (numel > 0) jobs.push_back(t);
   }
   return jobs;

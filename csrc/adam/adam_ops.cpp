@@ -275,11 +275,11 @@ void call_adam_op(STATESTORE_ADAM_OP_PARAMS) {
           .findSchemaOrThrow("statestore::adam_", "")
           .typed<void(at::TensorList, at::TensorList, at::TensorList, at::TensorList,
                       at::TensorList, at::TensorList, at::TensorList,
-                      const c10::List<std::optional<at::Tensor>>&, at::ArrayRef<double>,
-                      at::ArrayRef<double>, at::ArrayRef<int64_t>, at::ArrayRef<int64_t>,
-                      at::ArrayRef<double>, c10::string_view)>();
+                      const c10::List<std::optional<at::Tensor>>&, at::ArrayRef<int64_t>,
+                      at::ArrayRef<int64_t>, at::ArrayRef<int64_t>, at::ArrayRef<double>,
+                      c10::string_view)>();
   op.call(params, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_scales,
-          max_exp_avg_sqs, masters, step_sizes, bc2_sqrts, seeds, offsets, hyper, moments);
+          max_exp_avg_sqs, masters, steps, seeds, offsets, hyper, moments);
 }
 
 class StepPlan {
@@ -354,14 +354,16 @@ class StepPlan {
     if (max_exp_avg_sq.has_value()) vmax.push_back(*max_exp_avg_sq);
     c10::List<std::optional<at::Tensor>> masters;
     if (master.has_value()) masters.push_back(*master);
-    const std::vector<double> unit{1.0}, hyper{1e-3, 0.9, 0.999, 1e-8, 0.0, 1.0, 1.0, 0.0};
+    const std::vector<int64_t> one{1};
+    const std::vector<double> hyper{1e-3, 0.9, 0.999, 1e-8, 0.0, 1.0, 0.0, 1.0,
+                                    vmax.empty() ? 0.0 : 1.0};
     const std::vector<int64_t> seeds = coding_.stochastic ? std::vector<int64_t>{0, 0}
                                                           : std::vector<int64_t>{};
     const at::Device dev = device_;
     // the op's own checks, once: dtypes, sizes, contiguity, devices
     const std::vector<AdamTensorArgs> jobs = checks::adam_jobs(
-        checks::AdamOpArgs{one_p, one_g, one_m, one_v, ms, vs, vmax, masters, unit, unit, seeds,
-                           {}, hyper, moments_},
+        checks::AdamOpArgs{one_p, one_g, one_m, one_v, ms, vs, vmax, masters, one, seeds, {},
+                           hyper, moments_},
         dev.is_cpu() ? nullptr : &dev);
     e.exp_avg = exp_avg;
     e.exp_avg_sq = exp_avg_sq;
@@ -405,7 +407,7 @@ class StepPlan {
 
   int64_t size() const { return static_cast<int64_t>(entries_.size()); }
 
-  // Steps 1-3 above (`hypers`: per group, the op's `hyper` pack, AdamHyper.pack()).
+  // Steps 1-3 above (`hypers`: per group, the op's `hyper` argument, AdamHyper).
   int begin(const pybind11::list& param_groups, const pybind11::dict& steps,
             const pybind11::dict& undo, const std::vector<std::vector<double>>& hypers,
             bool check_finite) {
@@ -414,11 +416,10 @@ class StepPlan {
     if (static_cast<size_t>(PyList_GET_SIZE(param_groups.ptr())) != ng || hypers.size() != ng)
       return kPlanStale;
     hy_.clear();
+    hyper_args_ = hypers;
     for (const std::vector<double>& h : hypers) {
-      if (h.size() != static_cast<size_t>(kAdamHyperLen) || !(std::isfinite(h[5]) && h[5] > 0) ||
-          (h[6] != 0.0 && h[6] != 1.0) || (h[7] != 0.0 && h[7] != 1.0))
-        return kPlanStale;
-      hy_.push_back(AdamHyper{h[0], h[1], h[2], h[3], h[4], h[5], h[6] != 0.0, h[7] != 0.0});
+      if (checks::hyper_problem(h) != nullptr) return kPlanStale;
+      hy_.push_back(checks::adam_hyper(h));
     }
     grads_.assign(entries_.size(), at::Tensor());
     for (size_t gi = 0; gi < ng; ++gi) {
@@ -484,14 +485,8 @@ class StepPlan {
         }
         c = static_cast<int64_t>(v) + 1;
       }
-      if (c < 1) return kPlanStale;
-      const AdamHyper& h = hy_[e.group];
-      const double s = static_cast<double>(c);
-      const double den = 1.0 - std::pow(h.beta1, s);
-      const double bc2 = 1.0 - std::pow(h.beta2, s);
-      if (den == 0.0 || !(bc2 >= 0.0)) return kPlanStale;
+      if (!make_adam_scalars(hy_[e.group], c, &scalars_[i])) return kPlanStale;
       counts_[i] = c;
-      scalars_[i] = {h.lr / den, std::sqrt(bc2)};
     }
     // From here on the step is made: each count's previous value recorded, then the count.
     for (size_t i = 0; i < n; ++i) {
@@ -638,9 +633,6 @@ class StepPlan {
     int64_t a, b;
     int64_t m, v, vmax, master, ms, vs;  // positions in the unit's tensors, -1: none
   };
-  struct Scalars {
-    double step_size, bc2_sqrt;
-  };
 
   Entry& entry_at(int64_t entry) {
     TORCH_CHECK(entry >= 0 && entry < static_cast<int64_t>(entries_.size()),
@@ -651,7 +643,7 @@ class StepPlan {
   // The step's scalars and seeds of entry i into t.
   void finish_args(AdamTensorArgs& t, size_t i) const {
     const Entry& e = entries_[i];
-    t.s = make_adam_scalars(hy_[e.group], scalars_[i].step_size, scalars_[i].bc2_sqrt);
+    t.s = scalars_[i];
     if (coding_.stochastic) {
       t.seed_m = moment_seed(e.key_hash, 0, counts_[i]);
       t.seed_v = moment_seed(e.key_hash, 1, counts_[i]);
@@ -663,8 +655,7 @@ class StepPlan {
     for (size_t gi = 0; gi < groups_.size(); ++gi) {
       std::vector<at::Tensor> ps, gs, ms, vs, mss, vss, vmax;
       c10::List<std::optional<at::Tensor>> masters;
-      std::vector<double> sz, bc;
-      std::vector<int64_t> seeds;
+      std::vector<int64_t> steps, seeds;
       bool any_master = false;
       for (size_t i = 0; i < entries_.size(); ++i) {
         const Entry& e = entries_[i];
@@ -679,19 +670,15 @@ class StepPlan {
         if (e.max_exp_avg_sq.has_value()) vmax.push_back(*e.max_exp_avg_sq);
         masters.push_back(e.master);
         any_master = any_master || e.master.has_value();
-        sz.push_back(scalars_[i].step_size);
-        bc.push_back(scalars_[i].bc2_sqrt);
+        steps.push_back(counts_[i]);
         seeds.push_back(moment_seed(e.key_hash, 0, counts_[i]));
         seeds.push_back(moment_seed(e.key_hash, 1, counts_[i]));
       }
       if (ps.empty()) continue;
       if (!any_master) masters = c10::List<std::optional<at::Tensor>>();
-      const AdamHyper& h = hy_[gi];
-      const std::vector<double> pack{h.lr, h.beta1, h.beta2, h.eps, h.weight_decay,
-                                     h.grad_scale, h.adamw_mode ? 1.0 : 0.0,
-                                     h.maximize ? 1.0 : 0.0};
       pybind11::gil_scoped_release nogil;
-      call_adam_op(ps, gs, ms, vs, mss, vss, vmax, masters, sz, bc, seeds, {}, pack, moments_);
+      call_adam_op(ps, gs, ms, vs, mss, vss, vmax, masters, steps, seeds, {}, hyper_args_[gi],
+                   moments_);
     }
   }
 
@@ -706,8 +693,9 @@ class StepPlan {
   // scalars, each group's hyperparameters
   std::vector<at::Tensor> grads_;
   std::vector<int64_t> counts_;
-  std::vector<Scalars> scalars_;
+  std::vector<AdamScalars> scalars_;
   std::vector<AdamHyper> hy_;
+  std::vector<std::vector<double>> hyper_args_;  // the same, as the op's argument
 };
 
 }  // namespace

@@ -7,7 +7,7 @@ and :func:`grads_finite` only. Every Adam entry point (the two and the reference
 (:class:`AdamTensors`), the hyperparameters (:class:`AdamHyper`, built from a param group
 by :meth:`AdamHyper.of_group`) and, for compressed moments, their codes
 (:class:`MomentCodes`); both update functions run one compiled op,
-``torch.ops.statestore.adam_`` (:meth:`AdamHyper.pack` gives its ``hyper`` argument, the
+``torch.ops.statestore.adam_`` (an :class:`AdamHyper` is its ``hyper`` argument as it is, the
 moments' encoding is an argument); kernels never touch stores. :func:`stream_copy_` is the copy stores use to fill a ring buffer bound for disk.
 """
 from __future__ import annotations

@@ -18,7 +18,6 @@ import math
 import os
 import threading
 import warnings
-from dataclasses import dataclass
 from typing import List, NamedTuple, Optional, Sequence
 
 import torch
@@ -104,20 +103,19 @@ def _register_fake() -> None:
     try:
         @torch.library.register_fake("statestore::adam_")
         def _(params, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_scales,
-              max_exp_avg_sqs, masters, step_sizes, bc2_sqrts, seeds, offsets, hyper, moments):
+              max_exp_avg_sqs, masters, steps, seeds, offsets, hyper, moments):
             return None
     except RuntimeError:  # already registered (module reloaded)
         pass
 
 
-@dataclass(frozen=True)
-class AdamHyper:
+class AdamHyper(NamedTuple):
     """The scalar hyperparameters of one Adam update: what every kernel entry point takes
     (:func:`adam_step`, :func:`~statestore.kernels.adam_step_moments`,
-    :func:`~statestore.kernels.adam_step_reference`). :meth:`of_group` builds it from a
-    param group of torch's keys; :meth:`pack` gives the op ``statestore::adam_`` its
-    ``hyper`` argument (``csrc/adam_math.h``, ``AdamHyper``: ``amsgrad`` is not in it, the op
-    reads it from ``max_exp_avg_sqs``)."""
+    :func:`~statestore.kernels.adam_step_reference`), and, as it is, the op
+    ``statestore::adam_``'s ``hyper`` argument: its nine numbers in this order are the C++
+    struct ``AdamHyper`` (``csrc/adam_math.h``), flags as 0 or 1. :meth:`of_group` builds it
+    from a param group of torch's keys."""
     lr: float = 1e-3
     beta1: float = 0.9
     beta2: float = 0.999
@@ -139,11 +137,6 @@ class AdamHyper:
                    float(beta2), float(group["eps"]), float(group["weight_decay"]),
                    bool(group["adamw_mode"]), bool(group["maximize"]), float(grad_scale),
                    bool(group["amsgrad"]))
-
-    def pack(self) -> List[float]:
-        return [float(self.lr), float(self.beta1), float(self.beta2), float(self.eps),
-                float(self.weight_decay), float(self.grad_scale), float(bool(self.adamw_mode)),
-                float(bool(self.maximize))]
 
 
 class AdamTensors(NamedTuple):
@@ -182,6 +175,10 @@ class AdamTensors(NamedTuple):
             raise ValueError(f"{name}: amsgrad=True needs max_exp_avg_sqs, one tensor per param")
         if self.masters is not None and len(self.masters) != n:
             raise ValueError(f"{name}: masters has {len(self.masters)} entries, params has {n}")
+        if n and min(int(s) for s in self.steps) < 1:
+            i, s = next((i, int(s)) for i, s in enumerate(self.steps) if int(s) < 1)
+            raise ValueError(f"{name}: steps[{i}] = {s}: step counts start at 1 (the count "
+                             f"after this update)")
 
 
 def run_op(t: AdamTensors, hyper: AdamHyper, moments: str = "fp32", codes=None) -> None:
@@ -190,7 +187,6 @@ def run_op(t: AdamTensors, hyper: AdamHyper, moments: str = "fp32", codes=None) 
     "int8-nearest", "int8-stochastic"), ``codes`` the compressed moments' seeds, offsets and
     scales (:class:`~statestore.kernels._moments.MomentCodes`), None for fp32
     (``csrc/adam/adam_checks.h`` documents every argument)."""
-    step_sizes, bc2_sqrts = bias_terms(t.steps, hyper.lr, hyper.beta1, hyper.beta2)
     ms = vs = seeds = offsets = ()
     if codes is not None:
         seeds = [int(x) for pair in codes.seeds for x in pair]
@@ -200,8 +196,8 @@ def run_op(t: AdamTensors, hyper: AdamHyper, moments: str = "fp32", codes=None) 
     torch.ops.statestore.adam_(
         list(t.params), list(t.grads), list(t.exp_avgs), list(t.exp_avg_sqs), list(ms),
         list(vs), list(t.max_exp_avg_sqs) if hyper.amsgrad else [],
-        list(t.masters) if t.masters is not None else [], step_sizes, bc2_sqrts, seeds,
-        offsets, hyper.pack(), moments)
+        list(t.masters) if t.masters is not None else [], [int(s) for s in t.steps], seeds,
+        offsets, hyper, moments)
 
 
 def load_extension():
@@ -279,18 +275,6 @@ def kernels_info() -> dict:
     else:
         info["cuda"] = "torch-fused"
     return info
-
-
-def bias_terms(steps, lr, beta1, beta2):
-    step_sizes, bc2_sqrts = [], []
-    for i, s in enumerate(steps):
-        s = int(s)
-        if s < 1:
-            raise ValueError(f"steps[{i}] = {s}: step counts start at 1 (the count after "
-                             f"this update)")
-        step_sizes.append(lr / (1.0 - beta1 ** s))
-        bc2_sqrts.append(math.sqrt(1.0 - beta2 ** s))
-    return step_sizes, bc2_sqrts
 
 
 def _kernel_ok(t: AdamTensors, i: int, amsgrad: bool) -> bool:

@@ -245,8 +245,8 @@ class StepProgram:
     def prepare(self, param_groups: Sequence[dict], grad_scale: float) -> Optional[list]:
         """The Python half of a step's checks: each store still as planned (a resident one
         also checked by its own pipeline, raising as the general way would: nothing
-        changed), each group's hyperparameters packed as the op takes them
-        (:meth:`AdamHyper.pack`). None: stale."""
+        changed), each group's hyperparameters as the op takes them (:class:`AdamHyper`).
+        None: stale."""
         if self.units is None:          # resident: the plan holds the states' tensors
             for store, version in self.stores:
                 if store.closed or store.layout_version != version:
@@ -259,7 +259,7 @@ class StepProgram:
         for group, sig in zip(param_groups, self.sigs):
             if _group_sig(group) != sig:
                 return None
-            hypers.append(AdamHyper.of_group(group, grad_scale).pack())
+            hypers.append(AdamHyper.of_group(group, grad_scale))
         return hypers
 
     def run(self, param_groups: list, steps: Dict[str, int], hypers: list,

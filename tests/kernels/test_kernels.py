@@ -273,7 +273,7 @@ def test_python_argument_errors():
         K.adam_step(K.AdamTensors(p, z, z, z, [1]), K.AdamHyper(**HP, grad_scale=0.0))
 
 
-HYPER = [1e-3, 0.9, 0.999, 1e-8, 0.0, 1.0, 1.0, 0.0]   # K.AdamHyper(...).pack()
+HYPER = [1e-3, 0.9, 0.999, 1e-8, 0.0, 1.0, 0.0, 1.0, 0.0]   # tuple(K.AdamHyper())
 
 
 @needs_ext
@@ -281,8 +281,8 @@ def test_op_errors_name_the_argument():
     op = torch.ops.statestore.adam_
     p, z = [torch.randn(4)], [torch.zeros(4)]
 
-    def call(params=p, grads=z, m=z, v=z, hyper=HYPER, moments="fp32", sizes=([1e-3], [0.1])):
-        op(params, grads, m, v, [], [], [], [], *sizes, [], [], hyper, moments)
+    def call(params=p, grads=z, m=z, v=z, hyper=HYPER, moments="fp32", steps=(1,), vmax=()):
+        op(params, grads, m, v, [], [], list(vmax), [], list(steps), [], [], hyper, moments)
 
     with pytest.raises(RuntimeError, match=r"need one tensor per param \(1\), got 2, 1, 1"):
         call(grads=z * 2)
@@ -298,33 +298,44 @@ def test_op_errors_name_the_argument():
         call(m=[torch.zeros(4, dtype=torch.bfloat16)])
     with pytest.raises(RuntimeError, match="moments must be fp32, bf16-nearest"):
         call(moments="fp16")
-    with pytest.raises(RuntimeError, match="hyper must hold 8 values"):
-        call(hyper=HYPER[:6])
+    with pytest.raises(RuntimeError, match=r"hyper must hold 9 values \(lr, beta1"):
+        call(hyper=HYPER[:8])
     with pytest.raises(RuntimeError, match="grad_scale must be a positive finite number"):
-        call(hyper=HYPER[:5] + [0.0] + HYPER[6:])
-    with pytest.raises(RuntimeError, match=r"hyper\[7\] \(maximize\) must be 0 or 1"):
-        call(hyper=HYPER[:7] + [0.5])
-    with pytest.raises(RuntimeError, match="step_sizes and bc2_sqrts need one value per param"):
-        call(sizes=([], []))
+        call(hyper=HYPER[:7] + [0.0] + HYPER[8:])
+    with pytest.raises(RuntimeError, match="adamw_mode, maximize and amsgrad must be 0 or 1"):
+        call(hyper=HYPER[:6] + [0.5] + HYPER[7:])
+    with pytest.raises(RuntimeError, match="steps need one value per param"):
+        call(steps=())
+    with pytest.raises(RuntimeError, match=r"steps\[0\] = 0: step counts start at 1"):
+        call(steps=(0,))
+    with pytest.raises(RuntimeError, match=r"1 - beta1\^step must not be 0"):
+        call(hyper=[1e-3, 1.0] + HYPER[2:])
+    with pytest.raises(RuntimeError, match="hyper's amsgrad is 0 but max_exp_avg_sqs has"):
+        call(vmax=[torch.zeros(4)])
+    with pytest.raises(RuntimeError, match="hyper's amsgrad is 1 but max_exp_avg_sqs has no"):
+        call(hyper=HYPER[:8] + [1.0])
 
 
-def test_adam_hyper_packs_in_the_op_order():
+def test_adam_hyper_is_the_op_argument_in_its_order():
     h = K.AdamHyper(lr=1e-3, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1,
-                    adamw_mode=False, maximize=True, grad_scale=4.0)
-    assert h.pack() == [1e-3, 0.9, 0.99, 1e-8, 0.1, 4.0, 0.0, 1.0]
+                    adamw_mode=False, maximize=True, grad_scale=4.0, amsgrad=True)
+    assert list(h) == [1e-3, 0.9, 0.99, 1e-8, 0.1, 0.0, 1.0, 4.0, 1.0]
+    assert K.AdamHyper.of_group({"lr": torch.tensor(0.5), "betas": (0.8, 0.9), "eps": 1e-6,
+                                 "weight_decay": 0.0, "adamw_mode": True, "maximize": False,
+                                 "amsgrad": False}, grad_scale=2.0) == \
+        (0.5, 0.8, 0.9, 1e-6, 0.0, True, False, 2.0, False)
 
 
 @needs_ext
 def test_opcheck_schema_and_fake():
     p, g, m, v = torch.randn(40), torch.randn(40), torch.zeros(40), torch.zeros(40)
     torch.library.opcheck(torch.ops.statestore.adam_.default,
-                          ([p], [g], [m], [v], [], [], [], [None], [1e-3], [0.03], [], [],
-                           HYPER, "fp32"),
+                          ([p], [g], [m], [v], [], [], [], [None], [3], [], [], HYPER, "fp32"),
                           test_utils=("test_schema", "test_faketensor"))
     c = torch.zeros(40, dtype=torch.int8), torch.zeros(40, dtype=torch.uint8)
     torch.library.opcheck(torch.ops.statestore.adam_.default,
                           ([p], [g], [c[0]], [c[1]], [torch.zeros(1)], [torch.zeros(1)], [],
-                           [None], [1e-3], [0.03], [3, 4], [0], HYPER, "int8-stochastic"),
+                           [None], [3], [3, 4], [0], HYPER, "int8-stochastic"),
                           test_utils=("test_schema", "test_faketensor"))
 
 

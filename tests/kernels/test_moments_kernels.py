@@ -253,12 +253,12 @@ def test_op_errors_name_the_argument():
     with pytest.raises(ValueError, match="offsets"):
         fused(c, "int8", "nearest", offset=100)
     hyper = K.AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
-                        adamw_mode=True).pack()
+                        adamw_mode=True)
 
     def op(m=(c["m"],), v=(c["v"],), ms=(c["ms"],), vs=(c["vs"],), grads=(c["g"],),
            seeds=(1, 2), offsets=(0,), moments="int8-nearest"):
         torch.ops.statestore.adam_([c["p"]], list(grads), list(m), list(v), list(ms), list(vs),
-                                   [], [], [1.0], [1.0], list(seeds), list(offsets), hyper,
+                                   [], [], [1], list(seeds), list(offsets), hyper,
                                    moments)
 
     with pytest.raises(RuntimeError, match=r"exp_avg_scales\[0\] has 1 elements"):
