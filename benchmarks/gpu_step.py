@@ -175,8 +175,10 @@ def device_table(n_list, ntensors, dtypes, reps, moments=("fp32",)):
             gstore.close()
             del params, ref, ours, theirs, gparams, general
             torch.cuda.empty_cache()
+    from statestore.kernels import kernels_info
     print(f"\n### HybridAdam on CUDA vs torch.optim.AdamW(fused=True), {ntensors} tensors "
-          f"(device copy bandwidth {hbm / 1e9:.0f} GB/s)\n")
+          f"(device copy bandwidth {hbm / 1e9:.0f} GB/s; compressed-moment kernel layout: "
+          f"{kernels_info()['cuda_moments']})\n")
     print("| params | param dtype | moments | HybridAdam step (ms) | torch fused AdamW, fp32 "
           "moments (ms) | speed-up (torch / ours) | HBM floor (ms) | floor / ours | HybridAdam "
           "the general way (ms) | torch / general |")

@@ -61,9 +61,13 @@ if [[ -x "$PY" ]] && incs="$("$PY" -c 'from torch.utils.cpp_extension import inc
   stub="$out/stub"
   mkdir -p "$stub/c10/cuda/impl"
   echo '#pragma once' >"$stub/c10/cuda/impl/cuda_cmake_macros.h"
-  for src in csrc/cuda/*.cpp; do
+  # and the CPU op's CUDA route (StepPlan on CUDA, the bindings a CUDA build adds), which a
+  # CPU build never compiles
+  pyinc="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')"
+  for src in csrc/cuda/*.cpp csrc/adam/adam_ops.cpp; do
     # shellcheck disable=SC2086
-    if ! "${CXX:-c++}" -std=c++20 -fsyntax-only -DSTATESTORE_WITH_CUDA=1 -Icsrc $incs \
+    if ! "${CXX:-c++}" -std=c++20 -fsyntax-only -DSTATESTORE_WITH_CUDA=1 \
+         -DTORCH_EXTENSION_NAME=_C_adam -Icsrc $incs -I"$pyinc" \
          -I"$cuda_inc" -idirafter "$stub" -w "$src"; then
       echo "check_cuda: FAILED: $src (syntax against torch headers)" >&2
       exit 1

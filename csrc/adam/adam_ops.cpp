@@ -28,6 +28,7 @@
 #include "adam/adam_kernels.h"
 #ifdef STATESTORE_WITH_CUDA
 #include "cuda/fused_adam.h"
+#include "cuda/fused_adam_moments.h"
 #endif
 
 namespace statestore {
@@ -755,6 +756,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("end", &StepPlan::end);
 #ifdef STATESTORE_WITH_CUDA
   m.attr("with_cuda") = true;
+  m.def("cuda_moments", &statestore::cuda::moments_kernel,
+        "The compressed-moment CUDA kernel's layout in use: 'block' or 'wide'");
+  m.def("set_cuda_moments", &statestore::cuda::set_moments_kernel, pybind11::arg("name"),
+        "Select the compressed-moment CUDA kernel's layout ('block' or 'wide', the same bits); "
+        "returns the name now in use");
 #else
   m.attr("with_cuda") = false;
 #endif

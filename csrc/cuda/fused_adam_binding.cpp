@@ -7,8 +7,11 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "adam/adam_checks.h"
@@ -46,13 +49,36 @@ int sm_count(const at::Device& dev) {
   return num_sms;
 }
 
+// The compressed-moment kernel's layout: -1 until the first use reads the environment.
+std::atomic<int> g_moments_layout{-1};
+
+MomentsKernel parse_layout(const std::string& name, const char* what) {
+  if (name == "block") return MomentsKernel::kBlock;
+  if (name == "wide") return MomentsKernel::kWide;
+  TORCH_CHECK(false, what, " must be 'block' or 'wide', got '", name, "'");
+  return MomentsKernel::kBlock;
+}
+
+MomentsKernel moments_layout() {
+  int v = g_moments_layout.load();
+  if (v < 0) {
+    const char* env = std::getenv("STATESTORE_CUDA_MOMENTS");
+    v = static_cast<int>(env == nullptr || *env == '\0'
+                             ? MomentsKernel::kBlock
+                             : parse_layout(env, "STATESTORE_CUDA_MOMENTS"));
+    g_moments_layout.store(v);
+  }
+  return static_cast<MomentsKernel>(v);
+}
+
 // One launch over `meta` (every tensor of one moment encoding, all with or all without
 // amsgrad's max): its chunk prefix and the table uploaded to `dev`, the fp32 or the
 // compressed-moment kernel on the current stream.
 void launch_jobs(const std::vector<AdamTensorArgs>& meta, const at::Device& dev, bool amsgrad,
                  int num_sms) {
   const bool fp32 = meta[0].kind == MomentKind::kF32;
-  const int64_t chunk = fp32 ? kCudaChunk : kQBlock;
+  const MomentsKernel layout = fp32 ? MomentsKernel::kBlock : moments_layout();
+  const int64_t chunk = fp32 ? kCudaChunk : moments_chunk(layout);
   std::vector<int64_t> prefix(1, 0);
   for (const AdamTensorArgs& t : meta) prefix.push_back(prefix.back() + (t.n + chunk - 1) / chunk);
   size_t prefix_off = 0;
@@ -63,7 +89,7 @@ void launch_jobs(const std::vector<AdamTensorArgs>& meta, const at::Device& dev,
   const int n = static_cast<int>(meta.size());
   void* stream = c10::cuda::getCurrentCUDAStream().stream();
   const int err = fp32 ? launch_fused_adam(dm, dp, n, prefix.back(), amsgrad, num_sms, stream)
-                       : launch_fused_adam_moments(dm, dp, n, prefix.back(), amsgrad,
+                       : launch_fused_adam_moments(layout, dm, dp, n, prefix.back(), amsgrad,
                                                    meta[0].kind == MomentKind::kInt8, num_sms,
                                                    stream);
   TORCH_CHECK(err == 0, "adam_: CUDA kernel launch failed: ",
@@ -72,8 +98,8 @@ void launch_jobs(const std::vector<AdamTensorArgs>& meta, const at::Device& dev,
 
 // The `statestore::adam_` op on CUDA, every encoding of the moments: the arguments are
 // checked once (checks::adam_jobs, shared with the CPU op), then one launch updates every
-// tensor: fp32 moments in chunks of kCudaChunk elements, compressed ones in int8-sized blocks
-// of kQBlock (one thread block each).
+// tensor: fp32 moments in chunks of kCudaChunk elements, compressed ones as the process's
+// layout says (fused_adam_moments.h, MomentsKernel).
 void adam_cuda(STATESTORE_ADAM_OP_PARAMS) {
   if (params.size() == 0) return;
   const at::Device dev = params[0].device();
@@ -85,6 +111,15 @@ void adam_cuda(STATESTORE_ADAM_OP_PARAMS) {
 }
 
 }  // namespace
+
+std::string moments_kernel() {
+  return moments_layout() == MomentsKernel::kWide ? "wide" : "block";
+}
+
+std::string set_moments_kernel(const std::string& name) {
+  g_moments_layout.store(static_cast<int>(parse_layout(name, "set_cuda_moments: the layout")));
+  return moments_kernel();
+}
 
 void run_adam_jobs(const AdamTensorArgs* jobs, size_t n, int device_index) {
   if (n == 0) return;

@@ -1,14 +1,22 @@
 // Fused multi-tensor CUDA Adam over compressed moments. Element math: csrc/adam_math.h
 // (adam_element_bf16m; adam_element_int8_update, make_qscale_m/_v, int8_saturate_v and
-// encode_element_int8), the functions the CPU kernels use. An int8 block of kQBlock elements is one thread block of
-// kQBlock threads: each thread decodes and updates its element (keeping the new moments in
-// registers), the block's largest magnitudes come from a warp-shuffle and shared-memory
-// reduction (max is exact, so the order does not matter), then each thread writes its codes.
+// encode_element_int8), the functions the CPU kernels use. Two layouts of the same math
+// (fused_adam_moments.h, MomentsKernel), equal bit for bit since a block's largest magnitudes
+// are exact maxima whatever the order:
+//   * kBlock: a thread block of kQBlock threads per chunk of kQBlock elements (one int8
+//     block): each thread decodes and updates its element (keeping the new moments in
+//     registers), the block's largest magnitudes come from a warp-shuffle and shared-memory
+//     reduction, then each thread writes its codes;
+//   * kWide: a thread block per chunk of kCudaChunk elements (the fp32 kernel's chunks: one
+//     tensor lookup per 16384 elements, not per 256); bf16 moments are strided over the
+//     chunk's elements, and each int8 block is one warp's (kQBlock / 32 elements a lane,
+//     reduced by warp shuffles alone: no shared memory, no block barrier).
 // No torch header: compiles with nvcc alone (scripts/check_cuda.sh).
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
+#include "cuda/fused_adam.h"
 #include "cuda/fused_adam_moments.h"
 
 namespace statestore {
@@ -133,21 +141,146 @@ fused_moments_kernel(const AdamTensorArgs* __restrict__ meta,
   }
 }
 
+// ---- kWide ----
+
+constexpr int kPerLane = kQBlock / 32;
+static_assert(kQBlock % 32 == 0 && kCudaChunk % kQBlock == 0,
+              "a wide chunk holds whole int8 blocks, a block whole warps' lanes");
+
+// Int8 block [b, e) (b a multiple of kQBlock, e - b <= kQBlock) by one warp: lane l takes
+// elements b + l + 32k. The same steps as int8_chunk, the reductions over the warp.
+template <DType GD, DType PD, bool kAmsgrad>
+__device__ __forceinline__ void int8_block_warp(const AdamTensorArgs& t, int64_t b, int64_t e) {
+  const int lane = threadIdx.x & 31;
+  const int64_t blk = b / kQBlock;
+  const float sm = t.m_scale[blk], sv = t.v_scale[blk];
+  float mn[kPerLane], vn[kPerLane];
+  float am = 0.0f, av = 0.0f;
+  bool fm = true, fv = true;
+#pragma unroll
+  for (int k = 0; k < kPerLane; ++k) {
+    const int64_t i = b + lane + 32 * k;
+    mn[k] = 0.0f;
+    vn[k] = 0.0f;
+    if (i < e) {
+      adam_element_int8_update<GD, PD, kAmsgrad>(i, t, sm, sv, mn[k], vn[k]);
+      absmax_step(mn[k], am, fm);
+      absmax_step(vn[k], av, fv);
+    }
+  }
+  // the shuffles and votes synchronize the warp: every lane has read the old scales
+  am = warp_max(am);
+  av = warp_max(av);
+  const bool all_fm = __all_sync(0xffffffffu, fm) != 0;
+  bool all_fv = __all_sync(0xffffffffu, fv) != 0;
+  if (all_fm && !all_fv) {  // the overflow rule (rare); the condition is the warp's
+    am = 0.0f;
+    av = 0.0f;
+    fv = true;
+#pragma unroll
+    for (int k = 0; k < kPerLane; ++k) {
+      if (b + lane + 32 * k < e) {
+        int8_saturate_v(mn[k], vn[k]);
+        bool fm2 = true;
+        absmax_step(mn[k], am, fm2);
+        absmax_step(vn[k], av, fv);
+      }
+    }
+    am = warp_max(am);
+    av = warp_max(av);
+    all_fv = __all_sync(0xffffffffu, fv) != 0;
+  }
+  const QScale qm = make_qscale_m(am, all_fm), qv = make_qscale_v(av, all_fv);
+  if (lane == 0) {
+    t.m_scale[blk] = qm.scale;
+    t.v_scale[blk] = qv.scale;
+  }
+#pragma unroll
+  for (int k = 0; k < kPerLane; ++k) {
+    const int64_t i = b + lane + 32 * k;
+    if (i < e) encode_element_int8(i, t, qm, qv, mn[k], sqrtf(vn[k]));
+  }
+}
+
+// Chunk [b, e) of one tensor (b a multiple of kCudaChunk) by the whole thread block.
+template <bool kInt8, DType GD, DType PD, bool kAmsgrad>
+__device__ __forceinline__ void wide_chunk(const AdamTensorArgs& t, int64_t b, int64_t e) {
+  if (kInt8) {
+    const int64_t warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    for (int64_t q = b + warp * kQBlock; q < e; q += warps * kQBlock)  // warp-uniform
+      int8_block_warp<GD, PD, kAmsgrad>(t, q, q + kQBlock < e ? q + kQBlock : e);
+  } else {
+    for (int64_t i = b + threadIdx.x; i < e; i += blockDim.x)
+      adam_element_bf16m<GD, PD, kAmsgrad>(i, t);
+  }
+}
+
+template <bool kInt8, DType GD, bool kAmsgrad>
+__device__ __forceinline__ void wide_chunk_p(const AdamTensorArgs& t, int64_t b, int64_t e) {
+  switch (t.p_dtype) {
+    case DType::kNone: wide_chunk<kInt8, GD, DType::kNone, kAmsgrad>(t, b, e); break;
+    case DType::kF32: wide_chunk<kInt8, GD, DType::kF32, kAmsgrad>(t, b, e); break;
+    case DType::kF16: wide_chunk<kInt8, GD, DType::kF16, kAmsgrad>(t, b, e); break;
+    case DType::kBF16: wide_chunk<kInt8, GD, DType::kBF16, kAmsgrad>(t, b, e); break;
+  }
+}
+
+// Grid-stride over chunks of kCudaChunk elements of all tensors (a chunk's tensor found by
+// binary search in the prefix sums of chunk counts, as the fp32 kernel does).
+template <bool kInt8, bool kAmsgrad>
+__global__ void __launch_bounds__(kThreads)
+wide_moments_kernel(const AdamTensorArgs* __restrict__ meta,
+                    const int64_t* __restrict__ prefix, int ntensors, int64_t nchunks) {
+  for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
+    int lo = 0, hi = ntensors - 1;  // last tensor with prefix[t] <= c
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (prefix[mid] <= c) lo = mid; else hi = mid - 1;
+    }
+    const AdamTensorArgs t = meta[lo];
+    const int64_t begin = (c - prefix[lo]) * kCudaChunk;
+    const int64_t end = begin + kCudaChunk < t.n ? begin + kCudaChunk : t.n;
+    switch (t.g_dtype) {
+      case DType::kF32: wide_chunk_p<kInt8, DType::kF32, kAmsgrad>(t, begin, end); break;
+      case DType::kF16: wide_chunk_p<kInt8, DType::kF16, kAmsgrad>(t, begin, end); break;
+      case DType::kBF16: wide_chunk_p<kInt8, DType::kBF16, kAmsgrad>(t, begin, end); break;
+      case DType::kNone: break;
+    }
+  }
+}
+
+template <bool kInt8, bool kAmsgrad>
+void launch_moments(MomentsKernel layout, const AdamTensorArgs* meta, const int64_t* prefix,
+                    int ntensors, int64_t nchunks, unsigned blocks, cudaStream_t s) {
+  if (layout == MomentsKernel::kWide) {
+    wide_moments_kernel<kInt8, kAmsgrad><<<blocks, kThreads, 0, s>>>(meta, prefix, ntensors,
+                                                                     nchunks);
+  } else {
+    fused_moments_kernel<kInt8, kAmsgrad><<<blocks, kThreads, 0, s>>>(meta, prefix, ntensors,
+                                                                      nchunks);
+  }
+}
+
 }  // namespace
 
-int launch_fused_adam_moments(const AdamTensorArgs* meta, const int64_t* chunk_prefix,
-                              int ntensors, int64_t nchunks, bool amsgrad, bool int8,
-                              int num_sms, void* stream) {
+int64_t moments_chunk(MomentsKernel layout) {
+  return layout == MomentsKernel::kWide ? kCudaChunk : kQBlock;
+}
+
+int launch_fused_adam_moments(MomentsKernel layout, const AdamTensorArgs* meta,
+                              const int64_t* chunk_prefix, int ntensors, int64_t nchunks,
+                              bool amsgrad, bool int8, int num_sms, void* stream) {
   if (ntensors <= 0 || nchunks <= 0) return 0;
-  const int64_t max_blocks = static_cast<int64_t>(num_sms > 0 ? num_sms : 1) * 32;
+  const int per_sm = layout == MomentsKernel::kWide ? 16 : 32;
+  const int64_t max_blocks = static_cast<int64_t>(num_sms > 0 ? num_sms : 1) * per_sm;
   const unsigned blocks = static_cast<unsigned>(nchunks < max_blocks ? nchunks : max_blocks);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   if (int8) {
-    if (amsgrad) fused_moments_kernel<true, true><<<blocks, kThreads, 0, s>>>(meta, chunk_prefix, ntensors, nchunks);
-    else fused_moments_kernel<true, false><<<blocks, kThreads, 0, s>>>(meta, chunk_prefix, ntensors, nchunks);
+    if (amsgrad) launch_moments<true, true>(layout, meta, chunk_prefix, ntensors, nchunks, blocks, s);
+    else launch_moments<true, false>(layout, meta, chunk_prefix, ntensors, nchunks, blocks, s);
   } else {
-    if (amsgrad) fused_moments_kernel<false, true><<<blocks, kThreads, 0, s>>>(meta, chunk_prefix, ntensors, nchunks);
-    else fused_moments_kernel<false, false><<<blocks, kThreads, 0, s>>>(meta, chunk_prefix, ntensors, nchunks);
+    if (amsgrad) launch_moments<false, true>(layout, meta, chunk_prefix, ntensors, nchunks, blocks, s);
+    else launch_moments<false, false>(layout, meta, chunk_prefix, ntensors, nchunks, blocks, s);
   }
   return static_cast<int>(cudaGetLastError());
 }

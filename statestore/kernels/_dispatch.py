@@ -254,12 +254,14 @@ def set_simd(name: str) -> str:
 def kernels_info() -> dict:
     """Which implementation :func:`adam_step` uses: ``cpu`` ("simd" or "reference"), ``simd``
     (path name), ``simd_width`` (bits), ``simd_supported``, ``cuda`` ("fused-cuda",
-    "torch-fused", "reference" or "unavailable"), ``threads`` and ``reason`` (why a fallback
-    is in use, else None)."""
+    "torch-fused", "reference" or "unavailable"), ``cuda_moments`` (the compressed-moment
+    CUDA kernel's layout, "block" or "wide", with "fused-cuda"; else None), ``threads`` and
+    ``reason`` (why a fallback is in use, else None)."""
     ext = load_extension()
     forced = force_reference()
     info = {"extension": ext is not None, "threads": torch.get_num_threads(),
-            "reason": _state["reason"], "simd": None, "simd_width": None, "simd_supported": []}
+            "reason": _state["reason"], "simd": None, "simd_width": None, "simd_supported": [],
+            "cuda_moments": None}
     if ext is not None:
         name, width = ext.simd()
         info.update(simd=name, simd_width=width, simd_supported=simd_supported())
@@ -272,6 +274,7 @@ def kernels_info() -> dict:
         info["cuda"] = "reference"
     elif ext is not None and getattr(ext, "with_cuda", False):
         info["cuda"] = "fused-cuda"
+        info["cuda_moments"] = ext.cuda_moments()
     else:
         info["cuda"] = "torch-fused"
     return info

@@ -356,6 +356,30 @@ def test_kernels_info():
     assert info["simd_width"] in (512, 256, 32)
     if not torch.cuda.is_available():
         assert info["cuda"] == "unavailable"
+    assert (info["cuda_moments"] in ("block", "wide")) == (info["cuda"] == "fused-cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not getattr(_dispatch.load_extension(), "with_cuda", False),
+                    reason="needs the CUDA kernel")
+def test_cuda_moments_layout_from_the_environment_and_refused_names():
+    """STATESTORE_CUDA_MOMENTS picks the compressed-moment CUDA kernel's layout for the
+    process (checked at the first launch); an unknown layout is refused by name."""
+    code = ("import torch, statestore.kernels as K\n"
+            "from statestore.kernels._moments import MomentCodes, adam_step_moments\n"
+            "z = lambda dt=torch.float32: torch.zeros(300, device='cuda', dtype=dt)\n"
+            "t = K.AdamTensors([z()], [z()], [z(torch.bfloat16)], [z(torch.bfloat16)], [1])\n"
+            "try:\n"
+            "    adam_step_moments(t, K.AdamHyper(), MomentCodes('bf16', 'nearest', [(1, 2)], [0],"
+            " None, None))\n"
+            "    torch.cuda.synchronize(); print(K.kernels_info()['cuda_moments'])\n"
+            "except RuntimeError as e: print('refused:', e)\n")
+    assert _python(code, STATESTORE_CUDA_MOMENTS="wide").stdout.strip().endswith("wide")
+    out = _python(code, STATESTORE_CUDA_MOMENTS="tiles").stdout
+    assert "refused:" in out and "STATESTORE_CUDA_MOMENTS must be 'block' or 'wide'" in out
+    ext = K._dispatch.load_extension()
+    with pytest.raises(RuntimeError, match="must be 'block' or 'wide', got 'tiles'"):
+        ext.set_cuda_moments("tiles")
 
 
 def _python(code, **env):

@@ -277,18 +277,64 @@ def test_op_errors_name_the_argument():
         op(ms=(), vs=(), moments="bf16-nearest")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or ext is None
-                    or not getattr(ext, "with_cuda", False), reason="needs CUDA and the CUDA kernel")
+def needs_cuda_kernel(test):
+    """Marked cuda (`make gpu-test` runs those; conftest.py skips them without CUDA), and
+    skipped where the extension has no CUDA kernel."""
+    return pytest.mark.cuda(pytest.mark.skipif(
+        not torch.cuda.is_available() or ext is None or not getattr(ext, "with_cuda", False),
+        reason="needs CUDA and the CUDA kernel")(test))
+
+
+@pytest.fixture(params=["block", "wide"])
+def layout(request):
+    """Each layout of the compressed-moment CUDA kernel (the same bits by design)."""
+    before = ext.cuda_moments()
+    assert ext.set_cuda_moments(request.param) == request.param
+    yield request.param
+    ext.set_cuda_moments(before)
+
+
 @pytest.mark.parametrize("kind", ["bf16", "int8"])
 @pytest.mark.parametrize("pdtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("amsgrad", [False, True])
-def test_cuda_matches_cpu_bitwise(kind, pdtype, amsgrad):
+@needs_cuda_kernel
+def test_cuda_matches_cpu_bitwise(kind, pdtype, amsgrad, layout):
     c = make(3 * 16384 + 777, kind, pdtype=pdtype, amsgrad=amsgrad, seed=8)
     cpu = copy(c)
     fused(cpu, kind, "stochastic", amsgrad=amsgrad)
     gpu = {k: (t.cuda() if t is not None else None) for k, t in c.items()}
     fused(gpu, kind, "stochastic", amsgrad=amsgrad)
     same(cpu, {k: (t.cpu() if t is not None else None) for k, t in gpu.items()})
+
+
+@pytest.mark.parametrize("kind", ["bf16", "int8"])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@needs_cuda_kernel
+def test_cuda_many_tensors_match_cpu_bitwise(kind, rounding, layout):
+    """One launch over tensors of every size class (below a warp, one int8 block and one
+    element past it, a chunk and one past it, several chunks with a partial block), fp32
+    and bf16 parameters mixed, with their offsets in their parameters: every tensor's bits
+    are the CPU kernel's."""
+    sizes = [1, 31, 256, 257, 16384, 16385, 3 * 16384 + 777]
+    cases = [make(n, kind, pdtype=torch.bfloat16 if i % 2 else torch.float32, seed=20 + i,
+                  offset=256 * i) for i, n in enumerate(sizes)]
+
+    def run(cs):
+        t = K.AdamTensors([c["p"] for c in cs], [c["g"] for c in cs], [c["m"] for c in cs],
+                          [c["v"] for c in cs], [3 + i for i in range(len(cs))], None,
+                          [c["master"] for c in cs])
+        adam_step_moments(t, K.AdamHyper(**HP), MomentCodes(
+            kind, rounding, [(31 + i, 41 + i) for i in range(len(cs))],
+            [256 * i for i in range(len(cs))],
+            [c["ms"] for c in cs] if kind == "int8" else None,
+            [c["vs"] for c in cs] if kind == "int8" else None))
+
+    cpu = [copy(c) for c in cases]
+    gpu = [{k: (t.cuda() if t is not None else None) for k, t in c.items()} for c in cases]
+    run(cpu)
+    run(gpu)
+    for a, b in zip(cpu, gpu):
+        same(a, {k: (t.cpu() if t is not None else None) for k, t in b.items()})
 
 
 @pytest.mark.parametrize("simd", PATHS, indirect=True)
@@ -325,10 +371,9 @@ def test_finite_gradient_whose_square_overflows_keeps_int8_block_finite(simd, ro
     assert float((a["p"][300] - w300 * (1 - HP["lr"] * HP["weight_decay"])).abs()) < 1e-12
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or ext is None
-                    or not getattr(ext, "with_cuda", False), reason="needs CUDA and the CUDA kernel")
 @pytest.mark.parametrize("amsgrad", [False, True])
-def test_cuda_overflow_rule_matches_cpu_bitwise(amsgrad):
+@needs_cuda_kernel
+def test_cuda_overflow_rule_matches_cpu_bitwise(amsgrad, layout):
     c = make(3 * 16384 + 777, "int8", amsgrad=amsgrad, seed=9)
     c["g"][300] = 1e30
     c["g"][3 * 16384 + 700] = -1e21             # the partial last block
