@@ -140,14 +140,22 @@ def make_store(cfg: Dict[str, Any]) -> ss.StateStore:
 
 
 class _NoSigint:
-    """SIGINT blocked (delivered as the block ends): around the weights files' safetensors
-    calls, which turn a KeyboardInterrupt into a ValueError."""
+    """SIGINT held (delivered as the block ends): around the weights files' safetensors
+    calls, which turn a KeyboardInterrupt into a ValueError. Blocking the signal is not
+    enough: one the process received just before (the second of a pair 10 ms apart) is
+    already pending in the interpreter and would be raised inside the call; a recording
+    handler takes it instead, and it is raised as the block ends."""
 
     def __enter__(self):
         self.old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        self.got = []
+        self.prev = signal.signal(signal.SIGINT, lambda *_: self.got.append(1))
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, *exc):
+        signal.signal(signal.SIGINT, self.prev)
         signal.pthread_sigmask(signal.SIG_SETMASK, self.old)
+        if self.got and exc_type is None:
+            raise KeyboardInterrupt
 
 
 def _hash(t: torch.Tensor) -> str:
