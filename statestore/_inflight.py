@@ -6,13 +6,16 @@ One :class:`InFlightWrites` belongs to each store (``store.in_flight``); every p
 that store, and the store itself (``sync``, ``put``, ``delete``), go through it, so the order
 "a read or write of a state waits for the pending writes of its blocks" holds across
 pipelines, and an error of a write started by one call surfaces at the next call that depends
-on it. Not thread-safe, as stores are not. Its bookkeeping runs with signals deferred
+on it. A read of a unit whose states' last write moved that very unit copies the write's ring
+bytes instead of waiting for it and reading the disk (:meth:`InFlightWrites.forward`).
+Not thread-safe, as stores are not. Its bookkeeping runs with signals deferred
 (:mod:`statestore._signals`): a Ctrl-C never lands between taking a finished write off the
 list and recording its outcome and freeing its buffer.
 """
 from __future__ import annotations
 
 import errno
+import os
 from collections import deque
 from itertools import repeat
 import weakref
@@ -50,12 +53,14 @@ def _keys_of(w) -> Tuple[StateKey, ...]:
 
 
 class _Batch:
-    """The writes of one pipeline unit and the ring region holding their bytes."""
+    """The writes of one pipeline unit and the ring region holding their bytes; ``unit``: the
+    compiled unit (``_unit_cache.CompiledUnit``) laid out in that region, or None."""
 
-    __slots__ = ("region", "writes", "seq")
+    __slots__ = ("region", "writes", "seq", "unit")
 
-    def __init__(self, region: Optional[RingRegion], writes: List[SliceIO], seq: int = 0):
-        self.region, self.writes, self.seq = region, writes, seq
+    def __init__(self, region: Optional[RingRegion], writes: List[SliceIO], seq: int = 0,
+                 unit=None):
+        self.region, self.writes, self.seq, self.unit = region, writes, seq, unit
 
     def done(self) -> bool:
         return all(w.future.done() for w in self.writes)
@@ -99,6 +104,8 @@ class InFlightWrites:
         # retiring a batch of thousands of states is one C-level dict operation.
         self._last_batch: Dict[StateKey, int] = {}
         self._seq = 0
+        #: the last batch added, while no sync() came since (:meth:`forward`)
+        self._newest: Optional[_Batch] = None
         self._error: Optional[BaseException] = None
         #: states whose last write failed, with its error: their stored bytes are stale, so
         #: reading them raises until put(), delete() or load_checkpoint() replaces them.
@@ -106,6 +113,11 @@ class InFlightWrites:
         #: bytes moved so far by completed reads and writes (``stats()``)
         self.bytes_read = 0
         self.bytes_written = 0
+        #: whether a read may be served from the last write's ring bytes (:meth:`forward`;
+        #: ``STATESTORE_FORWARD=0`` in the environment turns it off, for comparisons)
+        self.forwarding = os.environ.get("STATESTORE_FORWARD", "1") != "0"
+        #: bytes of reads served so (not in ``bytes_read``: they read no disk)
+        self.bytes_forwarded = 0
         #: the store's pipeline units checked and laid out (``statestore/_unit_cache.py``)
         self.units = UnitCache()
 
@@ -208,15 +220,18 @@ class InFlightWrites:
         return n
 
     # ------------------------------------------------------------------ pending writes
-    def add(self, region: Optional[RingRegion], writes: List[SliceIO]) -> None:
+    def add(self, region: Optional[RingRegion], writes: List[SliceIO], unit=None) -> None:
         """Record the writes of one unit; ``region`` (its ring bytes) is released once every
-        one of them has completed."""
+        one of them has completed. ``unit``: the compiled unit laid out in ``region`` whose
+        every slice these writes move from it (a later read of the same unit may then be
+        served from ``region``: :meth:`forward`)."""
         with deferred_signals():
             if region is not None:
                 region.ios = writes
             self._seq += 1
-            batch = _Batch(region, writes, self._seq)
+            batch = _Batch(region, writes, self._seq, unit)
             self._pending.append(batch)
+            self._newest = batch
             for w in writes:
                 if isinstance(w, ExtentIO):
                     self._last_batch.update(dict.fromkeys(w.keys, self._seq))
@@ -247,9 +262,11 @@ class InFlightWrites:
         return True
 
     def drain(self) -> None:
-        """Wait for every write in flight, then raise the first error not yet raised."""
+        """Wait for every write in flight, then raise the first error not yet raised. Reads
+        are served from the disk again from now on (not from the last write's ring bytes)."""
         while self.wait_oldest():
             pass
+        self._newest = None
         self.raise_error()
 
     def _complete(self, batch: _Batch) -> None:
@@ -272,19 +289,24 @@ class InFlightWrites:
                 del self._by_key[k]
         if len(self._pending) == 0:
             self._last_batch.clear()    # nothing in flight: every number is retired
+        ok = None
         try:
             for w in batch.writes:
                 keys = _keys_of(w)
                 try:
                     self.outcome(w.future, keys[0], "write")
                 except StateStoreError as e:
+                    ok = False
                     for k in keys:
                         self._damaged.setdefault(k, e)
                     if self._error is None:
                         self._error = e
+            ok = ok is None
         finally:
             if batch.region is not None and self._ring is not None:
                 self._ring.release(batch.region)
+                if batch is self._newest:   # its bytes may serve the next read (forward)
+                    self._ring.keep(batch.region if ok and batch.unit is not None else None)
 
     def _overlaps(self, w, key: StateKey, start: int, stop: Optional[int]) -> bool:
         """Whether pending-write slice ``s`` touches a disk block of ``key``'s elements
@@ -343,6 +365,15 @@ class InFlightWrites:
                 self.wait_oldest()
         self.raise_error()
 
+    def _last_write(self, key: StateKey, start: int = 0, stop: Optional[int] = None) -> int:
+        """The number of the last batch writing a block of ``key``'s elements ``[start,
+        stop)`` (0: none; below the oldest pending one: no longer in flight)."""
+        last = self._last_batch.get(key, 0)
+        for w in self._by_key.get(key, ()):
+            if self._overlaps(w, key, start, stop):
+                last = max(last, self._batch_of[id(w)].seq)
+        return last
+
     def wait_for(self, key: StateKey, start: int = 0, stop: Optional[int] = None) -> None:
         """Wait for the writes of ``key`` (only those of blocks holding its elements
         ``[start, stop)``, when given): later slices of a large state are read while earlier
@@ -351,14 +382,83 @@ class InFlightWrites:
         Raises:
             StateStoreIOError: a background write failed (the first error not yet raised).
         """
-        last = self._last_batch.get(key, 0)
-        for w in self._by_key.get(key, ()):
-            if self._overlaps(w, key, start, stop):
-                last = max(last, self._batch_of[id(w)].seq)
+        last = self._last_write(key, start, stop)
         if last:
             while self._pending and self._pending[0].seq <= last:
                 self.wait_oldest()
         self.raise_error()
+
+    def _source(self, unit, arena: RingArena) -> Optional[_Batch]:
+        """The batch whose ring bytes a read of ``unit`` may copy (:meth:`forward`), or None."""
+        newest = self._newest
+        if newest is None or not self.forwarding or arena is not self._ring:
+            return None
+        pending = self._pending
+        if not pending or newest.seq < pending[0].seq:
+            # every write completed: the last one's bytes, while the ring has not reused them
+            ok = newest.unit is unit and newest.region is not None and arena.intact(newest.region)
+            return newest if ok else None
+        if unit.whole:
+            last = self._last_seq(unit.keys)
+        else:
+            last = max((self._last_write(s.key, s.start, s.stop) for s in unit.slices),
+                       default=0)
+        first = pending[0].seq
+        if last < first:
+            return None
+        batch = pending[last - first]       # batches are numbered consecutively
+        if batch.unit is not unit or batch.seq != last or batch.region is None:
+            return None
+        return batch
+
+    def forward(self, unit, arena: RingArena, offset: int, may_wait: bool) -> Optional[bool]:
+        """Serve a read of ``unit`` (a ``_unit_cache.CompiledUnit``) into its buffer at
+        ``offset`` of ``arena`` by copying the ring bytes of the last write of its states
+        instead of reading the disk (read-after-write forwarding, docs/nvme.md), when that
+        write moved this very unit (the same slices at the same offsets, each written whole
+        from the ring), so its bytes are those the disk holds or will hold:
+
+        * the newest pending write of the unit's states (of their blocks), only where the
+          caller ``may_wait``: it must wait for that write (:meth:`wait_for_unit`) before it
+          writes the unit back or returns its buffer, so a later write never overtakes it
+          and its error surfaces at the call that hands the unit back;
+        * or, every write having completed without error, the store's last write, while no
+          sync() came since and the ring has not reused its bytes (``RingArena.keep``).
+
+        Finished writes are retired first (their errors raised). Off when :attr:`forwarding`
+        is False (``STATESTORE_FORWARD=0``).
+
+        Returns:
+            None: not served (the caller waits for the writes and reads the disk); True:
+            served from a pending write (wait for it as above); False: from a completed one.
+
+        Raises:
+            StateStoreIOError: a background write failed, or a state of ``unit`` is damaged.
+        """
+        self.raise_error()
+        src = self._source(unit, arena)
+        if src is None:
+            return None
+        pending = bool(self._pending) and src.seq >= self._pending[0].seq
+        if pending and not may_wait:
+            return None
+        self.check_damaged_states(unit.keys)
+        arena.view(offset, unit.nbytes).copy_(arena.view(src.region.start, unit.nbytes))
+        self.bytes_forwarded += unit.nbytes
+        return pending
+
+    def wait_for_unit(self, unit) -> None:
+        """Wait for the pending writes of compiled unit ``unit``'s states (of the blocks its
+        slices touch: :meth:`wait_for_states` or :meth:`wait_for`).
+
+        Raises:
+            StateStoreIOError: a background write failed (the first error not yet raised).
+        """
+        if unit.whole:
+            self.wait_for_states(unit.keys)
+        else:
+            for s in unit.slices:
+                self.wait_for(s.key, s.start, s.stop)
 
     def raise_error(self) -> None:
         """Raise the first background write error not yet raised (retiring finished writes
@@ -395,6 +495,7 @@ class InFlightWrites:
         """Drop every record of writes in flight without waiting (their futures must never
         complete into the ring again: tests of ordering only)."""
         self._pending.clear()
+        self._newest = None
         self._by_key.clear()
         self._batch_of.clear()
         self._last_batch.clear()

@@ -88,15 +88,18 @@ class RingArena:
         #: tensor views of pipeline units at their offsets, kept with the buffer they view
         #: while the unit lives (``statestore/_unit_cache.py``): unit -> [(offset, views)]
         self.views = weakref.WeakKeyDictionary()
+        self._kept: Optional[RingRegion] = None         # see keep()
 
     @property
     def used(self) -> int:
         """Bytes held by live regions."""
         return sum(r.end - r.start for r in self._regions)
 
-    def try_alloc(self, nbytes: int, owner=None) -> Optional[Allocation]:
+    def try_alloc(self, nbytes: int, owner=None, at_start: bool = False) -> Optional[Allocation]:
         """``nbytes`` (rounded up to ``align``, at least one block) of the ring, for ``owner``
-        (a weak reference, recorded in the region).
+        (a weak reference, recorded in the region). ``at_start``: take the ring's start
+        rather than the bytes after the live ones wherever both are free (the caller has
+        views at the start: a unit alternating between two places keeps its views).
 
         Returns:
             An :class:`Allocation` ``(offset, region)``, or None when the ring has no room now.
@@ -115,16 +118,19 @@ class RingArena:
                               f"because another pipeline still holds buffers in it: finish or "
                               f"close that pipeline first")
         with deferred_signals():
-            return self._alloc(nbytes, owner)
+            return self._alloc(nbytes, owner, at_start)
 
-    def _alloc(self, nbytes: int, owner) -> Optional[Allocation]:
+    def _alloc(self, nbytes: int, owner, at_start: bool) -> Optional[Allocation]:
         self._reclaim()
+        kept = self._kept
         if not self._regions:
             start = 0
+            if kept is not None and kept.start < nbytes and kept.end + nbytes <= self.capacity:
+                start = kept.end            # after the watched bytes rather than over them
         else:
             tail, head = self._regions[0].start, self._head
             if head > tail:                 # live bytes in [tail, head)
-                if head + nbytes <= self.capacity:
+                if head + nbytes <= self.capacity and not (at_start and nbytes <= tail):
                     start = head
                 elif nbytes <= tail:        # wrap; [head, capacity) stays unused this lap
                     start = 0
@@ -134,6 +140,8 @@ class RingArena:
                 start = head
             else:
                 return None
+        if kept is not None and start < kept.end and kept.start < start + nbytes:
+            self._kept = None               # its bytes are about to be overwritten
         region = RingRegion(start, start + nbytes, owner)
         self._regions.append(region)
         self._head = start + nbytes
@@ -145,6 +153,17 @@ class RingArena:
             region.released = True
             region.ios = []
             self._reclaim()
+
+    def keep(self, region: Optional[RingRegion]) -> None:
+        """Watch ``region`` (one at a time; None: none): once released, :meth:`intact` says
+        whether its bytes are still as its owner left them, no later allocation having
+        reached them (a read served from a completed write's bytes, ``InFlightWrites``)."""
+        self._kept = region
+
+    def intact(self, region: RingRegion) -> bool:
+        """Whether ``region`` is the one :meth:`keep` watches, released, and no allocation
+        since has overlapped its bytes."""
+        return region is self._kept and region.released
 
     def live(self) -> list:
         """The regions not released yet, oldest first."""

@@ -101,6 +101,12 @@ class CompiledUnit:
             arena.views.setdefault(self, []).append((start, got))
         return list(got)
 
+    def viewed_at_start(self, arena: RingArena) -> bool:
+        """Whether ``arena`` keeps this unit's views at its start (offset 0): a unit that
+        alternates between the start and the place after it (a read served from its own
+        pending write, ``InFlightWrites.forward``) then keeps its views at both."""
+        return any(at == 0 for at, _ in arena.views.get(self, ()))
+
     def _make_views(self, arena: RingArena, start: int) -> List[torch.Tensor]:
         out: List[torch.Tensor] = []
         if self.plan is None:

@@ -10,7 +10,9 @@ order, as flat 1-D tensors the caller may read and modify in place.
 * **Non-resident stores** (NVMe) read units ahead into a ring of aligned host buffers of
   ``budget_bytes`` (the RAM bound), and, when the caller moves to the next unit, write the
   finished one back in the background. A read of a state waits for any pending write of that
-  same state, so nothing is lost or reordered. The writes in flight, the ring and the states
+  same state, so nothing is lost or reordered; where the last write moved that very unit, the
+  read copies its ring bytes instead (``InFlightWrites.forward``, docs/nvme.md), and the unit
+  is handed back only after that write completed. The writes in flight, the ring and the states
   whose last write failed live in the store's :class:`~statestore._inflight.InFlightWrites`
   (``store.in_flight``), shared by its pipelines: writes still pending when a pipeline ends
   are waited for by :meth:`StateStore.sync` (called by ``save_checkpoint``, ``state_dict``,
@@ -239,13 +241,14 @@ class UnitPlan(NamedTuple):
 
 
 class _Unit:
-    __slots__ = ("slices", "region", "tensors", "reads", "span", "plan", "compiled")
+    __slots__ = ("slices", "region", "tensors", "reads", "span", "plan", "compiled", "forwarded")
 
     def __init__(self, slices, compiled=None):
         self.slices: List[Slice] = slices
         self.region: Optional[RingRegion] = None
         self.tensors: List[torch.Tensor] = []
         self.reads: List[SliceIO] = []     # its reads in flight
+        self.forwarded = False             # its bytes came from a pending write (_try_submit)
         self.span = None                   # its "statestore::compute" span (profiling only)
         self.compiled = compiled           # streaming stores: _unit_cache.CompiledUnit
         self.plan: Optional[UnitPlan] = compiled.plan if compiled is not None else None
@@ -442,6 +445,8 @@ class Pipeline(StatePipeline):
         if self._mode in ("rw", "w"):
             futs: List[SliceIO] = []
             try:
+                if unit.forwarded:      # the write it was served from lands first
+                    self._writes.wait_for_unit(unit.compiled)
                 optimizer_pass = self._mode == "rw"
                 submit = self._store._submit_write
                 plan = unit.plan
@@ -467,8 +472,14 @@ class Pipeline(StatePipeline):
                 unit.reads = futs          # drained by _release_unit before the buffer is reused
                 self._release_unit(unit)
                 raise
-            self._writes.add(unit.region, futs)
+            self._writes.add(unit.region, futs, unit.compiled)
         else:
+            if unit.forwarded:          # that write's error surfaces here, its reader's call
+                try:
+                    self._writes.wait_for_unit(unit.compiled)
+                except BaseException:
+                    self._release_unit(unit)
+                    raise
             self._arena.release(unit.region)
         unit.tensors = []
 
@@ -511,7 +522,7 @@ class Pipeline(StatePipeline):
                 return False
             if not c.whole and any(writes.busy(s.key, s.start, s.stop) for s in unit.slices):
                 return False
-        got = self._arena.try_alloc(c.nbytes, self._ref)
+        got = self._arena.try_alloc(c.nbytes, self._ref, c.viewed_at_start(self._arena))
         if got is None:
             return False
         unit.region = got.region
@@ -521,18 +532,18 @@ class Pipeline(StatePipeline):
         reading = self._mode in ("r", "rw")
         plan = unit.plan
         try:
-            # A read waits for the pending writes of its state; so does a write (mode "w"):
-            # two writes of one slice in flight at once may land in either order.
-            if c.whole:
-                writes.wait_for_states(c.keys)
-                if reading:
-                    writes.check_damaged_states(c.keys)
-            else:
-                for s in unit.slices:
-                    writes.wait_for(s.key, s.start, s.stop)
-                    if reading:
-                        writes.check_damaged(s.key)
+            # A read copies the last write's ring bytes when it moved this very unit, or
+            # waits for the pending writes of its states and reads the disk; a write (mode
+            # "w") waits: two writes of one slice in flight at once may land in either order.
+            served = writes.forward(c, self._arena, got.offset, block) if reading else None
+            if served is not None:
+                unit.forwarded = served     # True: its write-back waits for the source
+                _end_span(span)
+                self._next_submit += 1
+                return True
+            writes.wait_for_unit(c)
             if reading:
+                writes.check_damaged_states(c.keys)
                 for i in (range(len(unit.slices)) if plan is None else plan.loose):
                     s = unit.slices[i]
                     unit.reads.append(SliceIO(s, self._store._submit_read(s, unit.tensors[i])))
