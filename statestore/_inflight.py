@@ -398,18 +398,17 @@ class InFlightWrites:
             # every write completed: the last one's bytes, while the ring has not reused them
             ok = newest.unit is unit and newest.region is not None and arena.intact(newest.region)
             return newest if ok else None
+        # the unit's own pending write (pointer tests: most reads have none), if it is the
+        # newest write of the unit's states
+        mine = next((b for b in reversed(pending) if b.unit is unit), None)
+        if mine is None or mine.region is None:
+            return None
         if unit.whole:
             last = self._last_seq(unit.keys)
         else:
             last = max((self._last_write(s.key, s.start, s.stop) for s in unit.slices),
                        default=0)
-        first = pending[0].seq
-        if last < first:
-            return None
-        batch = pending[last - first]       # batches are numbered consecutively
-        if batch.unit is not unit or batch.seq != last or batch.region is None:
-            return None
-        return batch
+        return mine if last == mine.seq else None
 
     def forward(self, unit, arena: RingArena, offset: int, may_wait: bool) -> Optional[bool]:
         """Serve a read of ``unit`` (a ``_unit_cache.CompiledUnit``) into its buffer at
