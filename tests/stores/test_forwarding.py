@@ -225,3 +225,23 @@ def test_the_ring_tells_whether_a_released_regions_bytes_are_intact():
     ring.release(d.region)
     ring.try_alloc(13 * 4096)                   # no room beside it: over it
     assert not ring.intact(d.region)
+
+
+def test_a_get_after_a_put_is_served_from_the_ring_and_raises_the_puts_error(tmp_path,
+                                                                           monkeypatch):
+    with ss.NVMeStore(str(tmp_path)) as store:
+        keys, _ = _units(store, 2)
+        value = torch.randn(300)
+        store.put(keys[0], value)
+        assert torch.equal(store.get(keys[0]), value)
+        assert store.in_flight.bytes_forwarded > 0
+        log = []
+        _gate_next_write(monkeypatch, store, log, err=errno.EIO)
+        store.put(keys[0], value + 1)       # held, then fails
+        forwarded = store.in_flight.bytes_forwarded
+        with pytest.raises(ss.StateStoreIOError) as ei:
+            store.get(keys[0])              # served from it: raises its error
+        assert ei.value.errno == errno.EIO
+        assert store.in_flight.bytes_forwarded > forwarded
+        with pytest.raises(ss.StateStoreIOError, match="lost an update"):
+            store.get(keys[0])
