@@ -305,7 +305,7 @@ class InFlightWrites:
         finally:
             if batch.region is not None and self._ring is not None:
                 self._ring.release(batch.region)
-                if batch is self._newest:   # its bytes may serve the next read (forward)
+                if batch is self._newest and self.forwarding:   # may serve the next read
                     self._ring.keep(batch.region if ok and batch.unit is not None else None)
 
     def _overlaps(self, w, key: StateKey, start: int, stop: Optional[int]) -> bool:
@@ -387,6 +387,13 @@ class InFlightWrites:
             while self._pending and self._pending[0].seq <= last:
                 self.wait_oldest()
         self.raise_error()
+
+    def wrote_last(self, unit) -> bool:
+        """Whether the store's last write (since the last sync) moved compiled unit ``unit``,
+        forwarding being on: a read of ``unit`` may then be served from it (:meth:`forward`),
+        and its buffer is best placed where the unit's views already are."""
+        newest = self._newest
+        return newest is not None and newest.unit is unit and self.forwarding
 
     def _source(self, unit, arena: RingArena) -> Optional[_Batch]:
         """The batch whose ring bytes a read of ``unit`` may copy (:meth:`forward`), or None."""

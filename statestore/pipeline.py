@@ -522,7 +522,10 @@ class Pipeline(StatePipeline):
                 return False
             if not c.whole and any(writes.busy(s.key, s.start, s.stop) for s in unit.slices):
                 return False
-        got = self._arena.try_alloc(c.nbytes, self._ref, c.viewed_at_start(self._arena))
+        # a unit served from its own last write alternates between the ring's start and the
+        # place after it: back to the start when its views are there
+        at_start = writes.wrote_last(c) and c.viewed_at_start(self._arena)
+        got = self._arena.try_alloc(c.nbytes, self._ref, at_start)
         if got is None:
             return False
         unit.region = got.region
