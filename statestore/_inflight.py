@@ -426,8 +426,8 @@ class InFlightWrites:
 
         * the newest pending write of the unit's states (of their blocks), only where the
           caller ``may_wait``: it must wait for that write (:meth:`wait_for_unit`) before it
-          writes the unit back or returns its buffer, so a later write never overtakes it
-          and its error surfaces at the call that hands the unit back;
+          writes the unit back or returns its buffer, so a later write never overtakes it,
+          and the write's error surfaces at the latest as the caller's pipeline ends;
         * or, every write having completed without error, the store's last write, while no
           sync() came since and the ring has not reused its bytes (``RingArena.keep``).
 
@@ -453,18 +453,34 @@ class InFlightWrites:
         self.bytes_forwarded += unit.nbytes
         return pending
 
-    def wait_for_unit(self, unit) -> None:
+    def wait_for_unit(self, unit, raise_errors: bool = True) -> None:
         """Wait for the pending writes of compiled unit ``unit``'s states (of the blocks its
-        slices touch: :meth:`wait_for_states` or :meth:`wait_for`).
+        slices touch, as :meth:`wait_for_states` and :meth:`wait_for` do).
+
+        Args:
+            raise_errors: raise the first background error not yet raised; False leaves it
+                to the next call that does (a unit served from a write it just waited for
+                is still written back, and the write's error raised as its pipeline ends).
 
         Raises:
             StateStoreIOError: a background write failed (the first error not yet raised).
         """
+        if raise_errors:
+            if unit.whole:
+                self.wait_for_states(unit.keys)
+            else:
+                for s in unit.slices:
+                    self.wait_for(s.key, s.start, s.stop)
+            return
+        if not self._pending:
+            return
         if unit.whole:
-            self.wait_for_states(unit.keys)
+            last = self._last_seq(unit.keys)
         else:
-            for s in unit.slices:
-                self.wait_for(s.key, s.start, s.stop)
+            last = max((self._last_write(s.key, s.start, s.stop) for s in unit.slices),
+                       default=0)
+        while self._pending and self._pending[0].seq <= last:
+            self.wait_oldest()
 
     def raise_error(self) -> None:
         """Raise the first background write error not yet raised (retiring finished writes

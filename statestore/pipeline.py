@@ -446,7 +446,7 @@ class Pipeline(StatePipeline):
             futs: List[SliceIO] = []
             try:
                 if unit.forwarded:      # the write it was served from lands first
-                    self._writes.wait_for_unit(unit.compiled)
+                    self._writes.wait_for_unit(unit.compiled, raise_errors=False)
                 optimizer_pass = self._mode == "rw"
                 submit = self._store._submit_write
                 plan = unit.plan
@@ -474,9 +474,9 @@ class Pipeline(StatePipeline):
                 raise
             self._writes.add(unit.region, futs, unit.compiled)
         else:
-            if unit.forwarded:          # that write's error surfaces here, its reader's call
+            if unit.forwarded:          # its error is raised as the pipeline ends, at the latest
                 try:
-                    self._writes.wait_for_unit(unit.compiled)
+                    self._writes.wait_for_unit(unit.compiled, raise_errors=False)
                 except BaseException:
                     self._release_unit(unit)
                     raise
