@@ -37,14 +37,8 @@ __global__ void fused_adam_kernel(const AdamTensorArgs* __restrict__ meta,
                                   const int64_t* __restrict__ prefix, int ntensors,
                                   int64_t nchunks) {
   for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
-    int lo = 0, hi = ntensors - 1;  // last tensor with prefix[t] <= c
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (prefix[mid] <= c) lo = mid; else hi = mid - 1;
-    }
-    const AdamTensorArgs t = meta[lo];
-    const int64_t begin = (c - prefix[lo]) * kCudaChunk;
-    const int64_t end = begin + kCudaChunk < t.n ? begin + kCudaChunk : t.n;
+    int64_t begin, end;
+    const AdamTensorArgs t = meta[chunk_range(meta, prefix, ntensors, c, kCudaChunk, &begin, &end)];
     switch (t.g_dtype) {
       case DType::kF32: adam_chunk_p<DType::kF32, kAmsgrad>(t, begin, end); break;
       case DType::kF16: adam_chunk_p<DType::kF16, kAmsgrad>(t, begin, end); break;

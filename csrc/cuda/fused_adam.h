@@ -12,6 +12,22 @@ namespace cuda {
 // Elements of one tensor handled by one block iteration.
 constexpr int64_t kCudaChunk = 16384;
 
+// Chunk `c` of a launch over `meta` in chunks of `chunk` elements, every kernel's lookup:
+// returns its tensor (the last t with prefix[t] <= c, by binary search in `prefix`, the
+// ntensors + 1 prefix sums of the tensors' chunk counts) and sets its elements [*begin, *end).
+SS_HD int chunk_range(const AdamTensorArgs* meta, const int64_t* prefix, int ntensors,
+                      int64_t c, int64_t chunk, int64_t* begin, int64_t* end) {
+  int lo = 0, hi = ntensors - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (prefix[mid] <= c) lo = mid; else hi = mid - 1;
+  }
+  const int64_t n = meta[lo].n;
+  *begin = (c - prefix[lo]) * chunk;
+  *end = *begin + chunk < n ? *begin + chunk : n;
+  return lo;
+}
+
 // Launches one kernel over every tensor of fp32 moments. `meta` (ntensors AdamTensorArgs,
 // adam_math.h, as checks::adam_jobs fills them) and `chunk_prefix`
 // (ntensors + 1 prefix sums of ceil(n / kCudaChunk)) are device pointers. `stream` is a
