@@ -42,24 +42,24 @@ whether the next unit has arrived, ``pipe.take()`` hands it out only then (else 
 """
 from __future__ import annotations
 
+import functools
 import weakref
 from abc import ABC, abstractmethod
-from typing import Iterable, Iterator, List, NamedTuple, Optional, Sequence, Tuple, TypeVar
+from typing import Iterator, List, NamedTuple, Optional, Sequence
 
 import torch
 
 from ._inflight import ExtentIO, InFlightWrites, SliceIO
-from ._ring import RingArena, RingRegion, round_up as _round_up
+from ._ring import RingArena, RingRegion
 from ._signals import deferred_signals
 from ._unit_cache import check_slice, compile_units
+from ._unit_plans import pack_runs, plan_units      # re-exported: unit planning
 from ._trace import begin as _begin_span, end as _end_span, span as _span
-from ._types import Slice, StateKey
+from ._types import Slice
 from .errors import BudgetError, StateStoreClosedError, StateStoreValueError
 
-T = TypeVar("T")
-
 __all__ = ["StatePipeline", "Pipeline", "Prefetch", "RingArena", "Extent", "UnitPlan",
-           "check_mode", "check_slice", "plan_units", "unit_lists"]
+           "check_mode", "check_slice", "pack_runs", "plan_units", "unit_lists"]
 
 _MODES = ("r", "rw", "w")
 
@@ -90,54 +90,6 @@ def unit_lists(units) -> List[List[Slice]]:
             raise StateStoreValueError(f"pipeline unit {i} must be a list of Slice, "
                                        f"got {u!r}") from None
     return out
-
-
-def pack_runs(weighted: Iterable[Tuple[T, int]], limit: Optional[int]) -> List[List[T]]:
-    """The items of ``weighted`` (``(item, weight)`` pairs) in order, cut into runs whose
-    weights add up to at most ``limit`` (None: one run); an item heavier than ``limit`` makes
-    a run of its own. How every planner packs pipeline units (states, slices, parameters)."""
-    runs: List[List[T]] = []
-    cur: List[T] = []
-    total = 0
-    for item, w in weighted:
-        if cur and limit is not None and total + w > limit:
-            runs.append(cur)
-            cur, total = [], 0
-        cur.append(item)
-        total += w
-    if cur:
-        runs.append(cur)
-    return runs
-
-
-def plan_units(groups: Sequence[Sequence[StateKey]], numels: Sequence[int], itemsize: int,
-               max_unit_bytes: Optional[int], align_elems: int = 1, slice_round: int = 1
-               ) -> List[List[Tuple[int, int, int]]]:
-    """Split and pack groups of same-sized states into pipeline units.
-
-    ``groups[i]`` lists the states visited together (all ``numels[i]`` elements of
-    ``itemsize`` bytes). Returns units, each a list of ``(group index, start, stop)``: a large
-    group is cut into ranges of at most ``max_unit_bytes`` (cut points multiples of
-    ``align_elems``), small groups are packed together up to the same size.
-    ``max_unit_bytes=None`` packs everything into one unit. Each slice's bytes count
-    rounded up to ``slice_round`` (the ring's alignment), as the pipeline allocates them.
-    """
-    if max_unit_bytes is None:
-        return [[(i, 0, n) for i, n in enumerate(numels)]] if numels else []
-
-    def pieces():
-        for i, n in enumerate(numels):
-            per_elem = itemsize * max(len(groups[i]), 1)
-            cap = max(align_elems, (max_unit_bytes // per_elem) // align_elems * align_elems)
-            start = 0
-            while start < n or (n == 0 and start == 0):
-                stop = min(n, start + cap)
-                yield ((i, start, stop),
-                       len(groups[i]) * _round_up(max((stop - start) * itemsize, 1), slice_round))
-                if n == 0:
-                    break
-                start = stop
-    return pack_runs(pieces(), max_unit_bytes)
 
 
 class StatePipeline(ABC):
@@ -287,12 +239,18 @@ class Pipeline(StatePipeline):
         self._closed = False
         self._writes: InFlightWrites = store.in_flight
         self._ref = weakref.ref(self)
+        self._claimed = False   # its owner used it (see _claim)
         if not self._resident:
             need = max((u.compiled.nbytes for u in self._units), default=0)
             try:
                 with deferred_signals():    # a Ctrl-C meanwhile is raised as it ends: below
                     self._arena: RingArena = self._writes.arena(need)
                     self._fill(block=not prefetch)
+                    # until its owner uses it, another pipeline of the store may take its
+                    # buffers back: a Ctrl-C between this constructor and the caller's
+                    # `with` (at __enter__'s first line) leaves it held by no one but the
+                    # exception's traceback, which a handler using the store still has
+                    self._writes.lend(self, functools.partial(_give_back_unclaimed, self._ref))
             except BaseException:
                 with deferred_signals():
                     self._closed = True
@@ -305,6 +263,19 @@ class Pipeline(StatePipeline):
         """Whether the pipeline was closed or cancelled (its buffers are no longer used)."""
         return self._closed
 
+    def __enter__(self) -> "Pipeline":
+        self._claim()
+        return self
+
+    def _claim(self) -> None:
+        """Its owner uses it: another pipeline no longer takes its buffers back (they stay
+        until it is closed or cancelled, or lent again by the owner)."""
+        if not self._claimed:
+            with deferred_signals():
+                self._claimed = True
+                if not self._resident and not self._closed:
+                    self._writes.returned(self)
+
     # -- iteration ---------------------------------------------------------------------------
     def __next__(self) -> List[torch.Tensor]:
         with deferred_signals():
@@ -315,6 +286,7 @@ class Pipeline(StatePipeline):
         waiting, and tells whether the next unit's reads are done, so that :meth:`take` (or
         ``next()``) hands it out without waiting for I/O. True at the end and on resident
         stores."""
+        self._claim()
         if self._closed or self._resident or self._next_yield >= len(self._units):
             return True
         with deferred_signals():
@@ -351,6 +323,7 @@ class Pipeline(StatePipeline):
                 self._finish_current()
 
     def lend(self, give_back) -> None:
+        self._claim()
         if not self._resident and not self._closed:
             self._writes.lend(self, give_back)
 
@@ -364,6 +337,7 @@ class Pipeline(StatePipeline):
             self._fill(block=False)
 
     def _next(self, block: bool) -> List[torch.Tensor]:
+        self._claim()
         if self._closed:
             left = len(self._units) - self._next_yield
             if left > 0:    # never an early end: a step would take it for a whole one
@@ -582,6 +556,18 @@ class Pipeline(StatePipeline):
                     f"no room in the RAM budget of {self._arena.budget} bytes for the next "
                     f"unit: other pipelines of this store still open hold {held} bytes of its "
                     f"ring (close or cancel them: iterate a pipeline inside 'with')")
+
+
+def _give_back_unclaimed(ref) -> bool:
+    """A pipeline's buffers asked back before its owner used it (``InFlightWrites.lend``):
+    cancelled, and True; False once claimed (its owner has it)."""
+    pipe = ref()
+    if pipe is None or pipe.closed:
+        return True
+    if pipe._claimed:
+        return False
+    pipe.cancel()
+    return True
 
 
 class Prefetch(NamedTuple):

@@ -1127,3 +1127,47 @@ def _prefetch_ctrl_c(tmp_path, monkeypatch, _access, Slice, prefetch, real):
             monkeypatch.setattr(_access, "Prefetch", real)
             assert torch.equal(store.get("w/m"), torch.arange(n, dtype=torch.float32))
         assert caught
+
+
+def test_pipeline_interrupted_before_its_with_gives_its_buffers_back(tmp_path, monkeypatch):
+    """A Ctrl-C between ``store.pipeline(...)`` returning and its ``with`` (raised at
+    ``__enter__``'s first line: the soak of 2026-11-29, seed 2, in a planned NVMe step)
+    leaves a pipeline whose reads started held by nothing but the exception's traceback,
+    which the handler still has: a handler reading the store failed with BudgetError. The
+    store's next pipeline takes an unused pipeline's buffers back, and the abandoned one
+    refuses to be used."""
+    from statestore._types import Slice, StateKey
+    from statestore.pipeline import Pipeline
+    n = 8 * 1024                                    # 32 KiB a state; the ring: 64 KiB
+    store = ss.NVMeStore(str(tmp_path), budget_bytes=64 * 1024)
+    a, b = torch.randn(n), torch.randn(n)
+    for key, value in (("a/exp_avg", a), ("b/exp_avg", b)):
+        store.create(key, (n,))
+        store.put(key, value)
+    store.sync()                                    # the puts' ring buffers are free
+    units = [[Slice(StateKey("a", "exp_avg"), 0, n)], [Slice(StateKey("b", "exp_avg"), 0, n)]]
+
+    def ctrl_c_at_first_line(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Pipeline, "__enter__", ctrl_c_at_first_line)
+    try:
+        with store.pipeline(units, mode="rw"):
+            pytest.fail("the with was entered")
+    except KeyboardInterrupt:
+        monkeypatch.undo()
+        abandoned = sys.exc_info()[2].tb_next.tb_frame.f_locals["self"]
+        assert not abandoned.closed
+        assert torch.equal(store.get("a/exp_avg"), a)      # BudgetError before
+    assert abandoned.closed
+    with pytest.raises(ss.StateStoreClosedError, match="2 of its 2 units not handed out"):
+        next(abandoned)
+    with store.pipeline(units, mode="rw") as pipe:     # one in use keeps its buffers
+        (first,) = next(pipe)
+        with pytest.raises(ss.BudgetError, match="other pipelines of this store still open"):
+            store.get("b/exp_avg")
+        first.add_(1)
+        for (t,) in pipe:
+            t.add_(1)
+    assert torch.equal(store.get("a/exp_avg"), a + 1) and torch.equal(store.get("b/exp_avg"), b + 1)
+    store.close()
