@@ -50,6 +50,7 @@ import struct
 import sys
 import tempfile
 import time
+import traceback
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -302,6 +303,23 @@ def _contract(cfg: Dict[str, Any], model: Net, store: ss.StateStore, opt) -> Dic
         return {"refusing": True, "bad": bad, "kernel": kernels_info()["cpu"]}
     return {"refusing": False, "digest": digest(model, store, opt._steps),
             "kernel": kernels_info()["cpu"]}
+
+
+def died_file(cfg: Dict[str, Any], launch: int) -> str:
+    return os.path.join(cfg["work"], f"died-{launch:05d}.txt")
+
+
+def trainer_logged(cfg: Dict[str, Any], launch: int, max_steps: int) -> None:
+    """:func:`trainer`, whose traceback, when it ends by an exception, is kept in
+    :func:`died_file` with SIGINT blocked while it is written (the second Ctrl-C of a pair
+    otherwise cuts multiprocessing's own print of it short, leaving no cause)."""
+    try:
+        trainer(cfg, launch, max_steps)
+    except BaseException:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        with open(died_file(cfg, launch), "w") as f:
+            traceback.print_exc(file=f)
+        raise
 
 
 def trainer(cfg: Dict[str, Any], launch: int, max_steps: int) -> None:
@@ -646,7 +664,7 @@ def run(args: argparse.Namespace) -> int:
     while time.monotonic() < deadline:
         launch += 1
         _write_status(cfg, 0)
-        p = ctx.Process(target=this.trainer, args=(cfg, launch, 1 << 40), daemon=True)
+        p = ctx.Process(target=this.trainer_logged, args=(cfg, launch, 1 << 40), daemon=True)
         p.start()
         fig["launches"] += 1
         kill_at = min(time.monotonic() + rng.uniform(args.kill_min, args.kill_max), deadline)
@@ -667,7 +685,11 @@ def run(args: argparse.Namespace) -> int:
         phase, step = _read_status(cfg["status"])
         if p.exitcode is not None:              # it should never end by itself
             fig["crashes"] += 1
-            problems.append(f"trainer {launch} exited by itself with status {p.exitcode}")
+            cause = ""
+            if os.path.exists(died_file(cfg, launch)):
+                with open(died_file(cfg, launch)) as f:
+                    cause = ": " + " | ".join(f.read().strip().splitlines()[-6:])
+            problems.append(f"trainer {launch} exited by itself with status {p.exitcode}{cause}")
         else:
             p.kill()
             p.join()
@@ -689,7 +711,7 @@ def run(args: argparse.Namespace) -> int:
     # A last trainer runs to a clean exit: it resumes, trains 2 more checkpoint periods.
     final_step = last_ck_step + 2 * args.ckpt_every
     launch += 1
-    p = ctx.Process(target=this.trainer, args=(cfg, launch, final_step), daemon=True)
+    p = ctx.Process(target=this.trainer_logged, args=(cfg, launch, final_step), daemon=True)
     p.start()
     fig["launches"] += 1
     p.join(timeout=600)
