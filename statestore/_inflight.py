@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import os
+import sys
 from collections import deque
 from itertools import repeat
 import weakref
@@ -512,6 +513,41 @@ class InFlightWrites:
                 ring.release(r)
                 freed = True
         return freed
+
+    def cancel_unwound(self, asking) -> bool:
+        """Cancel the pipelines holding ring buffers (other than ``asking``) that the
+        exception being handled unwound past without their ``with`` ending them: a frame of
+        its traceback (or of one it was raised during) holds them, and no frame still
+        running does (a Ctrl-C at the first line of ``__exit__``, before any of its code, so
+        the pipeline is left open, reachable from the traceback only). Returns whether any
+        was."""
+        ring, exc = self._ring, sys.exc_info()[1]
+        if ring is None or exc is None:
+            return False
+        open_ = {}
+        for r in ring.live():
+            owner = r.owner() if r.owner is not None else None
+            if owner is not None and owner is not asking and not owner.closed:
+                open_[id(owner)] = owner
+        running = set()
+        f = sys._getframe()
+        while f is not None:
+            running.add(id(f))
+            f = f.f_back
+        found, seen = {}, set()
+        while exc is not None and id(exc) not in seen and len(found) < len(open_):
+            seen.add(id(exc))
+            tb = exc.__traceback__
+            while tb is not None:
+                if id(tb.tb_frame) not in running:
+                    for v in tb.tb_frame.f_locals.values():
+                        if open_.get(id(v)) is v:
+                            found[id(v)] = v
+                tb = tb.tb_next
+            exc = exc.__context__
+        for pipe in found.values():
+            pipe.cancel()
+        return bool(found)
 
     def forget(self) -> None:
         """Drop every record of writes in flight without waiting (their futures must never

@@ -549,7 +549,8 @@ class Pipeline(StatePipeline):
         while not self._try_submit():
             with _span("statestore::write_wait"):
                 waited = self._writes.wait_oldest()
-            if not waited and not self._writes.reclaim_abandoned():
+            if not (waited or self._writes.reclaim_abandoned()
+                    or self._writes.cancel_unwound(self)):
                 held = sum(r.end - r.start for r in self._arena.live()
                            if r.owner is not self._ref)
                 raise BudgetError(

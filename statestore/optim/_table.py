@@ -55,7 +55,7 @@ class ParamTable:
         lost: see :meth:`loaded`.
     """
 
-    __slots__ = ("keys", "params", "stores", "steps", "next_plans", "touched", "failed",
+    __slots__ = ("keys", "params", "stores", "steps", "next_plans", "touched", "failed", "unfinished",
                  "closer", "lost", "lr_after_load", "__weakref__")
 
     def __init__(self) -> None:
@@ -66,6 +66,14 @@ class ParamTable:
         self.next_plans: Dict[object, Tuple[list, list]] = {}
         self.touched = False
         self.failed: List[str] = []
+        #: the undo of the step under way (:meth:`stepping`), None between steps: a step
+        #: whose failure handling never ran (a Ctrl-C at the first line of ``__exit__`` or of
+        #: :meth:`step_failed`, before any code of theirs: the interpreter checks signals at
+        #: a function's entry) is handled by the next :meth:`check_usable`. A step made sets
+        #: it to None as the last statement of its ``with`` body, an attribute store (no
+        #: call, so no signal check) before ``__exit__`` runs: a Ctrl-C at that first line
+        #: then leaves nothing to handle
+        self.unfinished: Optional[StepUndo] = None
         #: ends a step left open (update_in_backward: parameters updated during a backward,
         #: the others not yet) before its states are read whole; a weak method, or None
         self.closer: Optional[Callable[[], Optional[Callable[[], None]]]] = None
@@ -91,6 +99,9 @@ class ParamTable:
         Raises:
             StateStoreError: ``failed`` is not empty; says how to recover.
         """
+        if self.unfinished is not None:
+            self.step_failed(self.unfinished, KeyboardInterrupt(
+                "the step was interrupted as its failure was being handled"))
         if end_open_step:
             self.end_open_step()
         if self.failed:
@@ -153,6 +164,8 @@ class ParamTable:
                 self.rollback_steps(undo)
             elif record:
                 self.failed.append(f"{type(err).__name__}: {err}")
+            if undo is self.unfinished:
+                self.unfinished = None
 
     def stepping(self, keys: Sequence[str]) -> "_Stepping":
         """``with table.stepping(keys): update...``: a whole step (``touched`` reset, the
@@ -171,15 +184,18 @@ class _Stepping:
         try:
             with deferred_signals():        # a Ctrl-C meanwhile is raised as this ends:
                 self.table.touched = False
+                self.table.unfinished = self.undo
                 self.table.advance_steps(self.keys, self.undo)
             return self.undo
         except BaseException:               # here, where the undo covers it
-            self.table.rollback_steps(self.undo)
+            self.table.step_failed(self.undo, KeyboardInterrupt())    # nothing touched yet
             raise
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
             self.table.step_failed(self.undo, exc)
+        elif self.table.unfinished is self.undo:
+            self.table.unfinished = None
 
 
 def index_keys(param_groups: Sequence[dict]) -> Tuple[Dict[Tensor, str], List[Tensor]]:

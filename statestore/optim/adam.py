@@ -208,6 +208,7 @@ class _StoreAdam(StateStoreOptimizer):
                     for i, tensors in enumerate(pipe):
                         self._touch()
                         plan.run_unit(i, tensors)
+                self._table.unfinished = None    # made (no call before the with's end: no gap)
             finally:
                 plan.end()
                 self._step_undo = {}

@@ -290,6 +290,7 @@ class StateStoreOptimizer(OptimizerCore):
             try:
                 for store, items in work.items():
                     self._step_store(store, items, grads, grad_scale)
+                self._table.unfinished = None    # made (no call before the with's end: no gap)
             finally:
                 self._step_undo = {}
                 if after is not None:

@@ -199,6 +199,7 @@ class StoreOptimizer(StateStoreOptimizer):
                                         b.params, gs, b.states, lines=(b.lines, b.sizes),
                                         scalars=scalars)
                     b.count += 1
+                self._table.unfinished = None    # made (no call before the with's end: no gap)
             finally:
                 self._step_undo = {}
         return True

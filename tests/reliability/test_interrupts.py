@@ -1171,3 +1171,98 @@ def test_pipeline_interrupted_before_its_with_gives_its_buffers_back(tmp_path, m
             t.add_(1)
     assert torch.equal(store.get("a/exp_avg"), a + 1) and torch.equal(store.get("b/exp_avg"), b + 1)
     store.close()
+
+
+@pytest.mark.parametrize("where", ["step_failed", "__exit__"])
+def test_ctrl_c_at_the_first_line_of_a_failed_steps_handling(tmp_path, monkeypatch, where):
+    """A step fails before it changed anything, and a second Ctrl-C lands at the first line
+    of its failure handling (``_Stepping.__exit__`` or ``ParamTable.step_failed``: the
+    interpreter checks signals at a function's entry, before any of its code; the soak of
+    2026-11-29, seed 0): the counts had advanced and nothing put them back, so the step made
+    again used the next count. The next call finishes that handling first: the step made
+    again is the first step of an optimizer never interrupted, bit for bit."""
+    from statestore.optim import _table
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(64)) for _ in range(3)]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    store = ss.NVMeStore(str(tmp_path))
+    opt = CPUAdam(ps, lr=1e-2, weight_decay=0.01, state_store=store)
+    ref_store = ss.NVMeStore(str(tmp_path / "ref"))
+    ref_opt = CPUAdam(ref, lr=1e-2, weight_decay=0.01, state_store=ref_store)   # never cut
+    for p, r in zip(ps, ref):
+        p.grad = torch.randn(64)
+        r.grad = p.grad.clone()
+    real_pipeline = store.pipeline
+
+    def failing_pipeline(*a, **k):                  # the step fails before any update
+        monkeypatch.setattr(store, "pipeline", real_pipeline)
+        raise KeyboardInterrupt
+
+    target = _table.ParamTable if where == "step_failed" else _table._Stepping
+    real = getattr(target, where)
+
+    def ctrl_c_at_first_line(self, *a, **k):        # then its handling is cut at entry
+        monkeypatch.setattr(target, where, real)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(store, "pipeline", failing_pipeline)
+    monkeypatch.setattr(target, where, ctrl_c_at_first_line)
+    with pytest.raises(KeyboardInterrupt):
+        opt.step()
+    monkeypatch.undo()
+    opt.step()                                      # the same step, made again
+    ref_opt.step()
+    for p, r in zip(ps, ref):
+        assert torch.equal(p, r)
+    assert float(opt.state_dict()["state"][0]["step"]) == 1
+    store.close()
+    ref_store.close()
+
+
+def test_pipeline_interrupted_at_its_exit_gives_its_buffers_back(tmp_path, monkeypatch):
+    """A Ctrl-C at the first line of a pipeline's ``__exit__`` (a second Ctrl-C as the first
+    unwinds a step: the soak of 2026-11-29, seed 1) leaves it open, reachable from the
+    exception's traceback only: the handler's load then failed with BudgetError. The store
+    cancels a pipeline the exception unwound past (the unit in hand not written back, as
+    ``__exit__`` would have); one a running frame still holds keeps its buffers."""
+    from statestore._types import Slice, StateKey
+    from statestore.pipeline import StatePipeline
+    n = 8 * 1024                                    # 32 KiB a state; the ring: 64 KiB
+    store = ss.NVMeStore(str(tmp_path), budget_bytes=64 * 1024)
+    a, b = torch.randn(n), torch.randn(n)
+    for key, value in (("a/exp_avg", a), ("b/exp_avg", b)):
+        store.create(key, (n,))
+        store.put(key, value)
+    store.sync()
+    units = [[Slice(StateKey("a", "exp_avg"), 0, n)], [Slice(StateKey("b", "exp_avg"), 0, n)]]
+
+    def step():
+        with store.pipeline(units, mode="rw") as pipe:
+            (t,) = next(pipe)
+            t.add_(1)                               # not written back: the step fails
+            raise KeyboardInterrupt
+
+    def ctrl_c_at_first_line(self, *exc):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(StatePipeline, "__exit__", ctrl_c_at_first_line)
+    try:
+        step()
+    except KeyboardInterrupt:
+        monkeypatch.undo()
+        assert torch.equal(store.get("b/exp_avg"), b)      # BudgetError before
+    assert torch.equal(store.get("a/exp_avg"), a)
+
+    with store.pipeline(units, mode="rw") as pipe:     # a running frame holds this one
+        (first,) = next(pipe)
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            with pytest.raises(ss.BudgetError, match="other pipelines of this store"):
+                store.get("b/exp_avg")
+        first.add_(2)
+        for (t,) in pipe:
+            t.add_(2)
+    assert torch.equal(store.get("a/exp_avg"), a + 2)
+    assert torch.equal(store.get("b/exp_avg"), b + 2)
+    store.close()
