@@ -1129,16 +1129,11 @@ def _prefetch_ctrl_c(tmp_path, monkeypatch, _access, Slice, prefetch, real):
         assert caught
 
 
-def test_pipeline_interrupted_before_its_with_gives_its_buffers_back(tmp_path, monkeypatch):
-    """A Ctrl-C between ``store.pipeline(...)`` returning and its ``with`` (raised at
-    ``__enter__``'s first line: the soak of 2026-11-29, seed 2, in a planned NVMe step)
-    leaves a pipeline whose reads started held by nothing but the exception's traceback,
-    which the handler still has: a handler reading the store failed with BudgetError. The
-    store's next pipeline takes an unused pipeline's buffers back, and the abandoned one
-    refuses to be used."""
+def _two_states_filling_the_ring(tmp_path):
+    """An NVMe store of two 32 KiB states whose ring (64 KiB) one pipeline over both fills:
+    (store, a, b, units)."""
     from statestore._types import Slice, StateKey
-    from statestore.pipeline import Pipeline
-    n = 8 * 1024                                    # 32 KiB a state; the ring: 64 KiB
+    n = 8 * 1024
     store = ss.NVMeStore(str(tmp_path), budget_bytes=64 * 1024)
     a, b = torch.randn(n), torch.randn(n)
     for key, value in (("a/exp_avg", a), ("b/exp_avg", b)):
@@ -1146,6 +1141,18 @@ def test_pipeline_interrupted_before_its_with_gives_its_buffers_back(tmp_path, m
         store.put(key, value)
     store.sync()                                    # the puts' ring buffers are free
     units = [[Slice(StateKey("a", "exp_avg"), 0, n)], [Slice(StateKey("b", "exp_avg"), 0, n)]]
+    return store, a, b, units
+
+
+def test_pipeline_interrupted_before_its_with_gives_its_buffers_back(tmp_path, monkeypatch):
+    """A Ctrl-C between ``store.pipeline(...)`` returning and its ``with`` (raised at
+    ``__enter__``'s first line: the soak of 2026-11-29, seed 2, in a planned NVMe step)
+    leaves a pipeline whose reads started held by nothing but the exception's traceback,
+    which the handler still has: a handler reading the store failed with BudgetError. The
+    store's next pipeline takes an unused pipeline's buffers back, and the abandoned one
+    refuses to be used."""
+    from statestore.pipeline import Pipeline
+    store, a, b, units = _two_states_filling_the_ring(tmp_path)
 
     def ctrl_c_at_first_line(self):
         raise KeyboardInterrupt
@@ -1225,16 +1232,8 @@ def test_pipeline_interrupted_at_its_exit_gives_its_buffers_back(tmp_path, monke
     exception's traceback only: the handler's load then failed with BudgetError. The store
     cancels a pipeline the exception unwound past (the unit in hand not written back, as
     ``__exit__`` would have); one a running frame still holds keeps its buffers."""
-    from statestore._types import Slice, StateKey
     from statestore.pipeline import StatePipeline
-    n = 8 * 1024                                    # 32 KiB a state; the ring: 64 KiB
-    store = ss.NVMeStore(str(tmp_path), budget_bytes=64 * 1024)
-    a, b = torch.randn(n), torch.randn(n)
-    for key, value in (("a/exp_avg", a), ("b/exp_avg", b)):
-        store.create(key, (n,))
-        store.put(key, value)
-    store.sync()
-    units = [[Slice(StateKey("a", "exp_avg"), 0, n)], [Slice(StateKey("b", "exp_avg"), 0, n)]]
+    store, a, b, units = _two_states_filling_the_ring(tmp_path)
 
     def step():
         with store.pipeline(units, mode="rw") as pipe:
