@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
+from ._ring import round_up
 from ._signals import deferred_signals
 from ._stream import StateStream, chunk_ranges, plan_slices
 from ._types import Slice, StateSpec
@@ -132,7 +133,7 @@ class PipelineAccess:
         slices = plan_slices(keys, chunk_bytes, lambda k, lim: self.chunks(store.spec(k), lim))
         align = max(store.alignment, 1)
         # small states move many to a unit (one request for a packed run of them)
-        units = pack_runs(((s, -(-s.numel * store.spec(s.key).itemsize // align) * align)
+        units = pack_runs(((s, round_up(s.numel * store.spec(s.key).itemsize, align))
                            for s in slices), self.chunk_limit(chunk_bytes))
         pipe = None
         try:

@@ -396,6 +396,13 @@ class InFlightWrites:
         newest = self._newest
         return newest is not None and newest.unit is unit and self.forwarding
 
+    def _unit_last_seq(self, unit) -> int:
+        """The number of the last batch writing a block of compiled unit ``unit``'s states
+        (of the blocks its slices touch; 0: none)."""
+        if unit.whole:
+            return self._last_seq(unit.keys)
+        return max((self._last_write(s.key, s.start, s.stop) for s in unit.slices), default=0)
+
     def _source(self, unit, arena: RingArena) -> Optional[_Batch]:
         """The batch whose ring bytes a read of ``unit`` may copy (:meth:`forward`), or None."""
         newest = self._newest
@@ -411,12 +418,7 @@ class InFlightWrites:
         mine = next((b for b in reversed(pending) if b.unit is unit), None)
         if mine is None or mine.region is None:
             return None
-        if unit.whole:
-            last = self._last_seq(unit.keys)
-        else:
-            last = max((self._last_write(s.key, s.start, s.stop) for s in unit.slices),
-                       default=0)
-        return mine if last == mine.seq else None
+        return mine if self._unit_last_seq(unit) == mine.seq else None
 
     def forward(self, unit, arena: RingArena, offset: int, may_wait: bool) -> Optional[bool]:
         """Serve a read of ``unit`` (a ``_unit_cache.CompiledUnit``) into its buffer at
@@ -475,11 +477,7 @@ class InFlightWrites:
             return
         if not self._pending:
             return
-        if unit.whole:
-            last = self._last_seq(unit.keys)
-        else:
-            last = max((self._last_write(s.key, s.start, s.stop) for s in unit.slices),
-                       default=0)
+        last = self._unit_last_seq(unit)
         while self._pending and self._pending[0].seq <= last:
             self.wait_oldest()
 
