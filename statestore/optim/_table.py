@@ -187,8 +187,9 @@ class _Stepping:
                 self.table.unfinished = self.undo
                 self.table.advance_steps(self.keys, self.undo)
             return self.undo
-        except BaseException:               # here, where the undo covers it
-            self.table.step_failed(self.undo, KeyboardInterrupt())    # nothing touched yet
+        except BaseException:               # here, where the undo covers it: nothing was
+            self.table.rollback_steps(self.undo)    # touched (`touched` may not be reset yet)
+            self.table.unfinished = None
             raise
 
     def __exit__(self, exc_type, exc, tb) -> None:
